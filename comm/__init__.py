@@ -1,0 +1,1 @@
+"""lbannpy.comm: the only code that talks MPI or NCCL."""

@@ -1,0 +1,1 @@
+"""lbannpy.layers: local math of each layer family; distribution handled by the base class."""

@@ -1,0 +1,50 @@
+"""The one array-module switch: NumPy (CPU, first class) or CuPy (GPU). CuPy is imported only when asked for.
+
+Code that computes takes ``xp`` from here (or from :func:`array_module` of an array it was given) and never
+branches on the backend itself.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import numpy
+
+_BACKENDS = ("numpy", "cupy")
+
+
+class BackendError(RuntimeError):
+    """The requested array backend cannot be used here (e.g. CuPy without a GPU)."""
+
+
+def get_xp(name: str = "numpy") -> types.ModuleType:
+    """The array module called ``name`` ('numpy' or 'cupy'); CuPy is imported on first use."""
+    if name == "numpy":
+        return numpy
+    if name == "cupy":
+        try:
+            return importlib.import_module("cupy")
+        except Exception as exc:  # ImportError, or a CUDA runtime error raised while importing
+            raise BackendError(
+                f"the 'cupy' backend needs CuPy and a CUDA GPU ({exc}); install lbannpy[gpu] on a GPU node, "
+                f"or use backend 'numpy'") from exc
+    raise BackendError(f"unknown array backend {name!r}; use one of {', '.join(_BACKENDS)}")
+
+
+def array_module(arr) -> types.ModuleType:
+    """NumPy or CuPy, whichever ``arr`` belongs to (without importing CuPy when it is not loaded)."""
+    if type(arr).__module__.startswith("cupy"):
+        return sys.modules["cupy"]
+    return numpy
+
+
+def to_numpy(arr) -> numpy.ndarray:
+    """A host copy (or the array itself when it is already NumPy)."""
+    if isinstance(arr, numpy.ndarray):
+        return arr
+    return arr.get()
+
+
+def is_gpu_array(arr) -> bool:
+    return type(arr).__module__.startswith("cupy")

@@ -1,0 +1,400 @@
+"""Blocked distributions of tensors over a grid of ranks: pure index math.
+
+Nothing here talks to a communicator. Every function answers for *any* rank, so plans (halo exchange,
+redistribution) are computed identically on every rank, errors are raised identically on every rank, and
+the geometry is testable without ``mpiexec``.
+
+Conventions
+-----------
+* Tensor dimensions are named by rank of the tensor: ``(n, c)`` for fully-connected activations,
+  ``(n, c, h, w)`` for 2-D images and ``(n, c, d, h, w)`` for 3-D volumes.
+* A :class:`Distribution` gives a split degree per tensor dimension and the number of ranks it is laid on.
+  ``prod(split)`` ranks hold distinct blocks; the remaining factor ``replicas = ranks // prod(split)``
+  holds identical copies (a layer may use fewer ranks than exist, as in Jia et al.).
+* Rank layout: ``rank = replica * nblocks + block``, with ``block`` the C-order linear index of the block
+  coordinates. The spatial (last) dimensions vary fastest, so the ranks that share a sample are
+  neighbours in rank order (usually on one node), and replica groups are contiguous.
+* Blocks are as even as possible: ``extent = q * parts + r`` gives the first ``r`` blocks ``q + 1``
+  elements. A block is a half-open box ``((start, stop), ...)`` in global coordinates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+DIM_NAMES = {
+    2: ("n", "c"),
+    3: ("n", "c", "w"),
+    4: ("n", "c", "h", "w"),
+    5: ("n", "c", "d", "h", "w"),
+}
+
+Box = tuple  # tuple[tuple[int, int], ...]: half-open (start, stop) per dimension
+
+
+class DistributionError(ValueError):
+    """A distribution, shape or plan that cannot work. The message names rank, shapes and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# one-dimensional block partition
+
+
+def block_range(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """Half-open range of block ``index`` when ``extent`` elements are split into ``parts`` blocks."""
+    q, r = divmod(extent, parts)
+    start = index * q + min(index, r)
+    return start, start + q + (1 if index < r else 0)
+
+
+def block_starts(extent: int, parts: int) -> list[int]:
+    """Starts of all blocks plus the final stop (``parts + 1`` numbers)."""
+    return [block_range(extent, parts, i)[0] for i in range(parts)] + [extent]
+
+
+def block_owner(extent: int, parts: int, i: int) -> int:
+    """Index of the block that holds global element ``i`` (``0 <= i < extent``)."""
+    if not 0 <= i < extent:
+        raise IndexError(f"element {i} outside [0, {extent})")
+    q, r = divmod(extent, parts)
+    big = r * (q + 1)  # elements held by the first r (larger) blocks
+    if i < big:
+        return i // (q + 1)
+    return r + (i - big) // q
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Intersection of two boxes, or ``None`` when it is empty."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def box_size(box: Box) -> int:
+    return math.prod(box_shape(box))
+
+
+def relative_slices(inner: Box, outer_origin: Sequence[int]) -> tuple[slice, ...]:
+    """Slices selecting ``inner`` (global coordinates) from an array whose element 0 is at ``outer_origin``."""
+    return tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inner, outer_origin))
+
+
+# --------------------------------------------------------------------------------------------------------
+# convolution geometry (per spatial dimension)
+
+
+@dataclass(frozen=True)
+class Window1D:
+    """Stencil geometry of one dimension: output ``o`` reads inputs ``o*stride - pad_lo + dilation*j``.
+
+    The identity (kernel 1, stride 1, no padding) describes dimensions a layer does not convolve.
+    """
+
+    kernel: int = 1
+    stride: int = 1
+    pad_lo: int = 0
+    pad_hi: int = 0
+    dilation: int = 1
+
+    def __post_init__(self):
+        for name in ("kernel", "stride", "dilation"):
+            if getattr(self, name) < 1:
+                raise DistributionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pad_lo < 0 or self.pad_hi < 0:
+            raise DistributionError(f"padding must be >= 0, got ({self.pad_lo}, {self.pad_hi})")
+
+    @property
+    def reach(self) -> int:
+        """Span of one output's receptive field, in input elements."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    def output_size(self, n: int) -> int:
+        return (n + self.pad_lo + self.pad_hi - self.reach) // self.stride + 1
+
+    def input_window(self, out_start: int, out_stop: int) -> tuple[int, int]:
+        """Input range (global coordinates, may extend past [0, n) into padding) that outputs
+        ``[out_start, out_stop)`` read. An empty output range reads nothing: ``(s, s)``."""
+        if out_stop <= out_start:
+            s = out_start * self.stride - self.pad_lo
+            return s, s
+        lo = out_start * self.stride - self.pad_lo
+        hi = (out_stop - 1) * self.stride - self.pad_lo + self.reach
+        return lo, hi
+
+
+def parse_padding(padding, kernel: int, dilation: int = 1) -> tuple[int, int]:
+    """``0``/int, ``"same"``/``"valid"``, or an explicit ``(lo, hi)`` pair -> ``(lo, hi)``.
+
+    ``"same"`` pads ``dilation*(kernel-1)`` in all, the smaller half first: with stride 1 the output has the
+    input's size; with stride s it has ``ceil(n / s)`` elements (for odd kernels this is PyTorch's
+    ``padding=kernel//2``).
+    """
+    if isinstance(padding, str):
+        if padding == "same":
+            total = dilation * (kernel - 1)
+            return total // 2, total - total // 2
+        if padding == "valid":
+            return 0, 0
+        raise DistributionError(f"padding must be an int, a (lo, hi) pair, 'same' or 'valid'; got {padding!r}")
+    if isinstance(padding, int):
+        return padding, padding
+    lo, hi = padding
+    return int(lo), int(hi)
+
+
+@dataclass(frozen=True)
+class Stencil:
+    """Per-dimension windows of a layer over a whole tensor (identity on sample and channel dims)."""
+
+    dims: tuple[Window1D, ...]
+
+    @classmethod
+    def conv(cls, ndim: int, kernel, stride=1, padding=0, dilation=1) -> "Stencil":
+        """Stencil of an N-d convolution or pooling on an ``ndim``-dimensional (n, c, spatial...) tensor."""
+        nsp = ndim - 2
+        k = _per_dim(kernel, nsp, "kernel")
+        s = _per_dim(stride, nsp, "stride")
+        d = _per_dim(dilation, nsp, "dilation")
+        if isinstance(padding, (str, int)):
+            pads = [parse_padding(padding, k[i], d[i]) for i in range(nsp)]
+        elif nsp == 1 and len(padding) == 2 and all(isinstance(p, int) for p in padding):
+            pads = [parse_padding(tuple(padding), k[0], d[0])]  # one spatial dim: (lo, hi)
+        else:
+            if len(padding) != nsp:
+                raise DistributionError(f"padding {padding!r}: need one entry per spatial dimension ({nsp})")
+            pads = [parse_padding(p, k[i], d[i]) for i, p in enumerate(padding)]
+        windows = [Window1D(), Window1D()] + [
+            Window1D(k[i], s[i], pads[i][0], pads[i][1], d[i]) for i in range(nsp)
+        ]
+        return cls(tuple(windows))
+
+    @classmethod
+    def identity(cls, ndim: int) -> "Stencil":
+        return cls(tuple(Window1D() for _ in range(ndim)))
+
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
+        return tuple(w.output_size(n) for w, n in zip(self.dims, input_shape))
+
+    def input_window(self, out_box: Box) -> Box:
+        return tuple(w.input_window(lo, hi) for w, (lo, hi) in zip(self.dims, out_box))
+
+
+def _per_dim(value, n: int, name: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise DistributionError(f"{name} {value}: need one entry per spatial dimension ({n})")
+    return [int(v) for v in value]
+
+
+# --------------------------------------------------------------------------------------------------------
+# process grid and distribution
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    """Ranks arranged in a C-order grid of the given shape (``ranks == prod(shape)``)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise DistributionError(f"rank {rank} outside a grid of {self.size} ranks {self.shape}")
+        out = []
+        for extent in reversed(self.shape):
+            rank, c = divmod(rank, extent)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank(self, coords: Sequence[int]) -> int:
+        r = 0
+        for c, extent in zip(coords, self.shape):
+            if not 0 <= c < extent:
+                raise DistributionError(f"coordinates {tuple(coords)} outside grid {self.shape}")
+            r = r * extent + c
+        return r
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Split degree per tensor dimension, laid on ``ranks`` ranks (the leftover factor replicates).
+
+    >>> d = Distribution.make(4, ranks=4, n=2, h=2); str(d)
+    'n2·h2'
+    >>> d.local_shape((5, 3, 17, 23), rank=3)
+    (2, 3, 8, 23)
+    """
+
+    split: tuple[int, ...]
+    ranks: int
+
+    def __post_init__(self):
+        split = tuple(int(s) for s in self.split)
+        object.__setattr__(self, "split", split)
+        if len(split) not in DIM_NAMES:
+            raise DistributionError(f"tensors of rank {len(split)} are not supported (2 to 5 dimensions)")
+        if any(s < 1 for s in split):
+            raise DistributionError(f"split degrees must be >= 1, got {self._fmt()}")
+        if self.ranks < 1:
+            raise DistributionError(f"a distribution needs at least one rank, got {self.ranks}")
+        nb = math.prod(split)
+        if nb > self.ranks:
+            raise DistributionError(
+                f"distribution {self._fmt()} needs {nb} ranks but only {self.ranks} exist; "
+                f"lower the split degrees or run on more ranks")
+        if self.ranks % nb:
+            raise DistributionError(
+                f"distribution {self._fmt()} uses {nb} ranks, which does not divide the {self.ranks} ranks "
+                f"that exist; choose degrees whose product divides {self.ranks}")
+
+    # -- construction and naming
+    @classmethod
+    def make(cls, ndim: int, ranks: int, **degrees: int) -> "Distribution":
+        """``Distribution.make(4, ranks=8, n=2, h=2)``; unnamed dimensions are not split."""
+        names = DIM_NAMES.get(ndim)
+        if names is None:
+            raise DistributionError(f"tensors of rank {ndim} are not supported (2 to 5 dimensions)")
+        unknown = set(degrees) - set(names)
+        if unknown:
+            raise DistributionError(
+                f"unknown dimension(s) {sorted(unknown)} for a rank-{ndim} tensor; use {list(names)}")
+        return cls(tuple(int(degrees.get(n, 1)) for n in names), ranks)
+
+    @classmethod
+    def replicated(cls, ndim: int, ranks: int) -> "Distribution":
+        return cls((1,) * ndim, ranks)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.split)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return DIM_NAMES[self.ndim]
+
+    @property
+    def nblocks(self) -> int:
+        return math.prod(self.split)
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // self.nblocks
+
+    @property
+    def grid(self) -> ProcessGrid:
+        """Grid of shape ``(replicas, *split)``."""
+        return ProcessGrid((self.replicas,) + self.split)
+
+    def degrees(self) -> dict[str, int]:
+        return {n: s for n, s in zip(self.dim_names, self.split) if s > 1}
+
+    def degree(self, name: str) -> int:
+        return self.split[self.dim_names.index(name)]
+
+    def with_ranks(self, ranks: int) -> "Distribution":
+        return Distribution(self.split, ranks)
+
+    def _fmt(self) -> str:
+        names = DIM_NAMES.get(len(self.split), tuple(f"x{i}" for i in range(len(self.split))))
+        parts = [f"{n}{s}" for n, s in zip(names, self.split) if s != 1]
+        return "·".join(parts) if parts else "1"
+
+    def __str__(self) -> str:
+        s = self._fmt()
+        rep = self.replicas
+        return s if rep == 1 else (f"r{rep}" if s == "1" else f"{s}×r{rep}")
+
+    # -- rank <-> block
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Block coordinates (one per tensor dimension) of ``rank``."""
+        return self.grid.coords(rank)[1:]
+
+    def replica(self, rank: int) -> int:
+        return self.grid.coords(rank)[0]
+
+    def rank_of(self, coords: Sequence[int], replica: int = 0) -> int:
+        return self.grid.rank((replica,) + tuple(coords))
+
+    def block_ranks(self, coords: Sequence[int]) -> list[int]:
+        """All ranks that hold the block at ``coords`` (one per replica)."""
+        return [self.rank_of(coords, r) for r in range(self.replicas)]
+
+    def group(self, rank: int, dims: Iterable[str]) -> list[int]:
+        """Ranks of ``rank``'s replica whose block coordinates differ from ``rank``'s only in ``dims``.
+
+        ``group(r, ["h", "w"])`` is the spatial group of a sample block (batch-norm statistics);
+        ``group(r, ["n"])`` the ranks that hold the other samples of the same spatial block.
+        """
+        dims = set(dims)
+        idx = [self.dim_names.index(d) for d in dims]
+        mine = self.coords(rank)
+        rep = self.replica(rank)
+        out = []
+        for b in range(self.nblocks):
+            c = self.coords(b)
+            if all(c[i] == mine[i] for i in range(self.ndim) if i not in idx):
+                out.append(self.rank_of(c, rep))
+        return out
+
+    def replica_group(self, rank: int) -> list[int]:
+        """Ranks holding the same block as ``rank`` (its replicas), ``rank``'s own first in rank order."""
+        return self.block_ranks(self.coords(rank))
+
+    # -- shapes and boxes
+    def check_shape(self, global_shape: Sequence[int], what: str = "tensor") -> None:
+        """Refuse shapes that leave a block empty (a split degree larger than the extent)."""
+        if len(global_shape) != self.ndim:
+            raise DistributionError(
+                f"{what} of shape {tuple(global_shape)} has {len(global_shape)} dimensions but distribution "
+                f"{self} has {self.ndim}")
+        for name, n, s in zip(self.dim_names, global_shape, self.split):
+            if n < s:
+                raise DistributionError(
+                    f"{what} of shape {tuple(global_shape)} cannot be split {s} ways along '{name}' "
+                    f"(extent {n}): ranks would hold empty blocks under distribution {self}; lower the "
+                    f"'{name}' degree to at most {n}")
+
+    def box(self, global_shape: Sequence[int], rank: int) -> Box:
+        """Half-open box of global indices owned by ``rank``."""
+        return tuple(block_range(n, s, c) for n, s, c in zip(global_shape, self.split, self.coords(rank)))
+
+    def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        return box_shape(self.box(global_shape, rank))
+
+    def offsets(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        return tuple(lo for lo, _ in self.box(global_shape, rank))
+
+    def owner_coords(self, global_shape: Sequence[int], index: Sequence[int]) -> tuple[int, ...]:
+        """Block coordinates of the block holding global element ``index``."""
+        return tuple(block_owner(n, s, i) for n, s, i in zip(global_shape, self.split, index))
+
+    def blocks_meeting(self, global_shape: Sequence[int], box: Box) -> list[tuple[int, ...]]:
+        """Block coordinates of every block that intersects ``box`` (clipped to the tensor), C order."""
+        ranges = []
+        for n, s, (lo, hi) in zip(global_shape, self.split, box):
+            lo, hi = max(lo, 0), min(hi, n)
+            if lo >= hi:
+                return []
+            ranges.append(range(block_owner(n, s, lo), block_owner(n, s, hi - 1) + 1))
+        out = [()]
+        for r in ranges:
+            out = [c + (i,) for c in out for i in r]
+        return out
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "×".join(str(int(s)) for s in shape)
