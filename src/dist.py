@@ -233,6 +233,17 @@ class ProcessGrid:
 class Distribution:
     """Split degree per tensor dimension, laid on ``ranks`` ranks (the leftover factor replicates).
 
+    ``split[i]`` is the extent of the process grid along tensor dimension ``i``. A grid axis listed in
+    ``replicate`` does not partition its dimension: every rank along that axis holds the whole extent
+    (DESIGN: "which grid axes replicate"). This keeps the rank layout of two related distributions
+    aligned: the input of a 1.5D fully-connected layer is ``n=Pc`` split with the ``c`` axis (``Pr`` ranks)
+    replicated, laid out exactly like its output ``n=Pc, c=Pr``.
+
+    Rank layout: ``rank = outer * prod(split) + C-order index of the grid coordinates``, with
+    ``outer < ranks // prod(split)`` the leftover replicas. A *block* is a distinct piece of the tensor
+    (partitioned coordinates only); a *replica* index enumerates the ranks holding the same block
+    (outer replica, then the coordinates on replicated axes).
+
     >>> d = Distribution.make(4, ranks=4, n=2, h=2); str(d)
     'n2·h2'
     >>> d.local_shape((5, 3, 17, 23), rank=3)
@@ -241,38 +252,44 @@ class Distribution:
 
     split: tuple[int, ...]
     ranks: int
+    replicate: tuple[int, ...] = ()
 
     def __post_init__(self):
         split = tuple(int(s) for s in self.split)
         object.__setattr__(self, "split", split)
+        object.__setattr__(self, "replicate", tuple(sorted(set(int(i) for i in self.replicate))))
         if len(split) not in DIM_NAMES:
             raise DistributionError(f"tensors of rank {len(split)} are not supported (2 to 5 dimensions)")
         if any(s < 1 for s in split):
             raise DistributionError(f"split degrees must be >= 1, got {self._fmt()}")
+        if any(not 0 <= i < len(split) for i in self.replicate):
+            raise DistributionError(f"replicated axes {self.replicate} outside a rank-{len(split)} tensor")
         if self.ranks < 1:
             raise DistributionError(f"a distribution needs at least one rank, got {self.ranks}")
-        nb = math.prod(split)
-        if nb > self.ranks:
+        ng = math.prod(split)
+        if ng > self.ranks:
             raise DistributionError(
-                f"distribution {self._fmt()} needs {nb} ranks but only {self.ranks} exist; "
+                f"distribution {self._fmt()} needs {ng} ranks but only {self.ranks} exist; "
                 f"lower the split degrees or run on more ranks")
-        if self.ranks % nb:
+        if self.ranks % ng:
             raise DistributionError(
-                f"distribution {self._fmt()} uses {nb} ranks, which does not divide the {self.ranks} ranks "
+                f"distribution {self._fmt()} uses {ng} ranks, which does not divide the {self.ranks} ranks "
                 f"that exist; choose degrees whose product divides {self.ranks}")
 
     # -- construction and naming
     @classmethod
-    def make(cls, ndim: int, ranks: int, **degrees: int) -> "Distribution":
-        """``Distribution.make(4, ranks=8, n=2, h=2)``; unnamed dimensions are not split."""
+    def make(cls, ndim: int, ranks: int, replicate: Iterable[str] = (), **degrees: int) -> "Distribution":
+        """``Distribution.make(4, ranks=8, n=2, h=2)``; unnamed dimensions are not split.
+        ``replicate=["c"]`` makes the ``c`` grid axis hold copies instead of pieces."""
         names = DIM_NAMES.get(ndim)
         if names is None:
             raise DistributionError(f"tensors of rank {ndim} are not supported (2 to 5 dimensions)")
-        unknown = set(degrees) - set(names)
+        unknown = (set(degrees) | set(replicate)) - set(names)
         if unknown:
             raise DistributionError(
                 f"unknown dimension(s) {sorted(unknown)} for a rank-{ndim} tensor; use {list(names)}")
-        return cls(tuple(int(degrees.get(n, 1)) for n in names), ranks)
+        return cls(tuple(int(degrees.get(n, 1)) for n in names), ranks,
+                   tuple(names.index(n) for n in replicate))
 
     @classmethod
     def replicated(cls, ndim: int, ranks: int) -> "Distribution":
@@ -287,71 +304,103 @@ class Distribution:
         return DIM_NAMES[self.ndim]
 
     @property
+    def parts(self) -> tuple[int, ...]:
+        """How many pieces each tensor dimension is cut into (1 on replicated axes)."""
+        return tuple(1 if i in self.replicate else s for i, s in enumerate(self.split))
+
+    @property
     def nblocks(self) -> int:
-        return math.prod(self.split)
+        """Number of distinct blocks."""
+        return math.prod(self.parts)
 
     @property
     def replicas(self) -> int:
+        """Number of ranks holding each block."""
         return self.ranks // self.nblocks
 
     @property
+    def outer_replicas(self) -> int:
+        return self.ranks // math.prod(self.split)
+
+    @property
     def grid(self) -> ProcessGrid:
-        """Grid of shape ``(replicas, *split)``."""
-        return ProcessGrid((self.replicas,) + self.split)
+        """Grid of shape ``(outer_replicas, *split)``."""
+        return ProcessGrid((self.outer_replicas,) + self.split)
 
     def degrees(self) -> dict[str, int]:
-        return {n: s for n, s in zip(self.dim_names, self.split) if s > 1}
+        return {n: s for i, (n, s) in enumerate(zip(self.dim_names, self.split)) if s > 1
+                and i not in self.replicate}
 
     def degree(self, name: str) -> int:
-        return self.split[self.dim_names.index(name)]
+        """Number of pieces along dimension ``name``."""
+        return self.parts[self.dim_names.index(name)]
 
     def with_ranks(self, ranks: int) -> "Distribution":
-        return Distribution(self.split, ranks)
+        return Distribution(self.split, ranks, self.replicate)
 
     def _fmt(self) -> str:
         names = DIM_NAMES.get(len(self.split), tuple(f"x{i}" for i in range(len(self.split))))
-        parts = [f"{n}{s}" for n, s in zip(names, self.split) if s != 1]
+        parts = []
+        for i, (n, s) in enumerate(zip(names, self.split)):
+            if s != 1:
+                parts.append(f"{n}(r{s})" if i in self.replicate else f"{n}{s}")
         return "·".join(parts) if parts else "1"
 
     def __str__(self) -> str:
         s = self._fmt()
-        rep = self.replicas
+        rep = self.outer_replicas
         return s if rep == 1 else (f"r{rep}" if s == "1" else f"{s}×r{rep}")
 
-    # -- rank <-> block
-    def coords(self, rank: int) -> tuple[int, ...]:
-        """Block coordinates (one per tensor dimension) of ``rank``."""
+    # -- rank <-> grid, block and replica
+    def grid_coords(self, rank: int) -> tuple[int, ...]:
+        """Grid coordinates (one per tensor dimension, replicated axes included) of ``rank``."""
         return self.grid.coords(rank)[1:]
 
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Block coordinates (one per tensor dimension; 0 on replicated axes) of ``rank``."""
+        g = self.grid_coords(rank)
+        return tuple(0 if i in self.replicate else c for i, c in enumerate(g))
+
     def replica(self, rank: int) -> int:
-        return self.grid.coords(rank)[0]
+        """Index of ``rank`` among the ranks holding its block (0 .. replicas-1)."""
+        full = self.grid.coords(rank)
+        r = full[0]
+        for i in self.replicate:
+            r = r * self.split[i] + full[1 + i]
+        return r
 
     def rank_of(self, coords: Sequence[int], replica: int = 0) -> int:
-        return self.grid.rank((replica,) + tuple(coords))
+        """Rank holding block ``coords`` as replica number ``replica``."""
+        if not 0 <= replica < self.replicas:
+            raise DistributionError(f"replica {replica} outside 0..{self.replicas - 1} of {self}")
+        g = list(coords)
+        for i in reversed(self.replicate):
+            replica, g[i] = divmod(replica, self.split[i])
+        return self.grid.rank((replica,) + tuple(g))
 
     def block_ranks(self, coords: Sequence[int]) -> list[int]:
         """All ranks that hold the block at ``coords`` (one per replica)."""
         return [self.rank_of(coords, r) for r in range(self.replicas)]
 
     def group(self, rank: int, dims: Iterable[str]) -> list[int]:
-        """Ranks of ``rank``'s replica whose block coordinates differ from ``rank``'s only in ``dims``.
+        """Ranks whose grid coordinates differ from ``rank``'s only along ``dims`` (same outer replica),
+        in rank order.
 
         ``group(r, ["h", "w"])`` is the spatial group of a sample block (batch-norm statistics);
-        ``group(r, ["n"])`` the ranks that hold the other samples of the same spatial block.
+        ``group(r, ["n"])`` the ranks that hold the other samples of the same spatial block; on a
+        replicated axis, ``group(r, ["c"])`` are the ranks that hold copies along ``c``.
         """
-        dims = set(dims)
-        idx = [self.dim_names.index(d) for d in dims]
-        mine = self.coords(rank)
-        rep = self.replica(rank)
+        idx = {self.dim_names.index(d) for d in dims}
+        full = self.grid.coords(rank)
         out = []
-        for b in range(self.nblocks):
-            c = self.coords(b)
-            if all(c[i] == mine[i] for i in range(self.ndim) if i not in idx):
-                out.append(self.rank_of(c, rep))
+        for r in range(math.prod(self.split)):
+            g = self.grid.coords(r)[1:]
+            if all(g[i] == full[1 + i] for i in range(self.ndim) if i not in idx):
+                out.append(self.grid.rank((full[0],) + g))
         return out
 
     def replica_group(self, rank: int) -> list[int]:
-        """Ranks holding the same block as ``rank`` (its replicas), ``rank``'s own first in rank order."""
+        """Ranks holding the same block as ``rank`` (its replicas), in replica order."""
         return self.block_ranks(self.coords(rank))
 
     # -- shapes and boxes
@@ -361,7 +410,7 @@ class Distribution:
             raise DistributionError(
                 f"{what} of shape {tuple(global_shape)} has {len(global_shape)} dimensions but distribution "
                 f"{self} has {self.ndim}")
-        for name, n, s in zip(self.dim_names, global_shape, self.split):
+        for name, n, s in zip(self.dim_names, global_shape, self.parts):
             if n < s:
                 raise DistributionError(
                     f"{what} of shape {tuple(global_shape)} cannot be split {s} ways along '{name}' "
@@ -370,7 +419,7 @@ class Distribution:
 
     def box(self, global_shape: Sequence[int], rank: int) -> Box:
         """Half-open box of global indices owned by ``rank``."""
-        return tuple(block_range(n, s, c) for n, s, c in zip(global_shape, self.split, self.coords(rank)))
+        return tuple(block_range(n, p, c) for n, p, c in zip(global_shape, self.parts, self.coords(rank)))
 
     def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
         return box_shape(self.box(global_shape, rank))
@@ -380,12 +429,12 @@ class Distribution:
 
     def owner_coords(self, global_shape: Sequence[int], index: Sequence[int]) -> tuple[int, ...]:
         """Block coordinates of the block holding global element ``index``."""
-        return tuple(block_owner(n, s, i) for n, s, i in zip(global_shape, self.split, index))
+        return tuple(block_owner(n, p, i) for n, p, i in zip(global_shape, self.parts, index))
 
     def blocks_meeting(self, global_shape: Sequence[int], box: Box) -> list[tuple[int, ...]]:
         """Block coordinates of every block that intersects ``box`` (clipped to the tensor), C order."""
         ranges = []
-        for n, s, (lo, hi) in zip(global_shape, self.split, box):
+        for n, s, (lo, hi) in zip(global_shape, self.parts, box):
             lo, hi = max(lo, 0), min(hi, n)
             if lo >= hi:
                 return []
