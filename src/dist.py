@@ -399,6 +399,25 @@ class Distribution:
                 out.append(self.grid.rank((full[0],) + g))
         return out
 
+    def block_group(self, rank: int, dims: Iterable[str] | None = None) -> list[int]:
+        """Ranks of ``rank``'s replica index whose *block* coordinates differ from ``rank``'s only along
+        ``dims`` (default: all dimensions), in block order.
+
+        This is the group over which per-block partial sums are reduced exactly once: a weight gradient
+        over ``["n", "h", "w"]``, a loss over all dimensions. Copies on replicated axes and leftover
+        replicas fall in different groups, each of which computes the same reduction.
+        """
+        names = self.dim_names if dims is None else tuple(dims)
+        idx = {self.dim_names.index(d) for d in names}
+        mine = self.coords(rank)
+        rep = self.replica(rank)
+        out = []
+        for b in range(self.nblocks):
+            c = _unravel(b, self.parts)
+            if all(c[i] == mine[i] for i in range(self.ndim) if i not in idx):
+                out.append(self.rank_of(c, rep))
+        return out
+
     def replica_group(self, rank: int) -> list[int]:
         """Ranks holding the same block as ``rank`` (its replicas), in replica order."""
         return self.block_ranks(self.coords(rank))
@@ -443,6 +462,14 @@ class Distribution:
         for r in ranges:
             out = [c + (i,) for c in out for i in r]
         return out
+
+
+def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for extent in reversed(shape):
+        index, c = divmod(index, extent)
+        out.append(c)
+    return tuple(reversed(out))
 
 
 def shape_str(shape: Sequence[int]) -> str:
