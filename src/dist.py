@@ -83,6 +83,39 @@ def box_size(box: Box) -> int:
     return math.prod(box_shape(box))
 
 
+def box_contains(outer: Box, inner: Box) -> bool:
+    """True when every element of ``inner`` lies in ``outer`` (an empty ``inner`` lies everywhere)."""
+    if any(hi <= lo for lo, hi in inner):
+        return True
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def clip_box(box: Box, global_shape: Sequence[int]) -> Box | None:
+    """The part of ``box`` inside the tensor ``[0, n)`` per dimension, or ``None`` when it is empty."""
+    return intersect(box, tuple((0, int(n)) for n in global_shape))
+
+
+def box_subtract(outer: Box, inner: Box) -> list[Box]:
+    """Disjoint boxes that together cover ``outer`` minus ``inner`` exactly (at most ``2 * ndim`` slabs).
+
+    Slab ``d`` is cut along dimension ``d`` and spans, in the dimensions before ``d``, only the range
+    ``inner`` covers; so the slabs do not overlap and each is a single box (halo faces, then edges and
+    corners fall into the slab of the first dimension they stick out of).
+    """
+    cut = intersect(outer, inner)
+    if cut is None:
+        return [tuple(outer)] if box_size(outer) else []
+    out = []
+    cur = list(outer)
+    for d, ((o0, o1), (c0, c1)) in enumerate(zip(outer, cut)):
+        if o0 < c0:
+            out.append(tuple(cur[:d] + [(o0, c0)] + cur[d + 1:]))
+        if c1 < o1:
+            out.append(tuple(cur[:d] + [(c1, o1)] + cur[d + 1:]))
+        cur[d] = (c0, c1)
+    return out
+
+
 def relative_slices(inner: Box, outer_origin: Sequence[int]) -> tuple[slice, ...]:
     """Slices selecting ``inner`` (global coordinates) from an array whose element 0 is at ``outer_origin``."""
     return tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inner, outer_origin))
@@ -470,6 +503,20 @@ def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
         index, c = divmod(index, extent)
         out.append(c)
     return tuple(reversed(out))
+
+
+def empty_block(dist: "Distribution", global_shape: Sequence[int]) -> tuple[int, int] | None:
+    """The first rank (in rank order) whose block of ``global_shape`` is empty, and the dimension in which
+    it is, or ``None`` when every block holds data.
+
+    It loops over every rank, so every rank that asks gets the same answer and can raise the same error
+    without talking to the others.
+    """
+    for r in range(dist.ranks):
+        for d, (lo, hi) in enumerate(dist.box(global_shape, r)):
+            if hi <= lo:
+                return r, d
+    return None
 
 
 def shape_str(shape: Sequence[int]) -> str:
