@@ -1,0 +1,404 @@
+"""MPI backend: a :class:`~lbannpy.comm.base.Communicator` over an mpi4py communicator.
+
+Arrays travel with the buffer (upper-case) mpi4py calls, which never pickle; only the ``*_obj`` methods
+use the pickled (lower-case) calls, and only for small internal metadata. Every non-blocking call returns a
+:class:`Handle` that keeps the send and receive buffers alive until ``wait()``.
+
+CuPy arrays are handed to MPI as device pointers, which needs a CUDA-aware MPI. The current stream is
+synchronized first, because MPI reads and writes the memory outside any CUDA stream. An MPI that is not
+CUDA-aware is refused with :class:`CommError`: copying through the host behind the caller's back would
+hide a large cost (use the NCCL backend on GPUs instead).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .base import CommError, Communicator, Handle, check_op
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+
+_THREAD_LEVELS = {
+    MPI.THREAD_SINGLE: "single",
+    MPI.THREAD_FUNNELED: "funneled",
+    MPI.THREAD_SERIALIZED: "serialized",
+    MPI.THREAD_MULTIPLE: "multiple",
+}
+
+
+def thread_level_name(level: int) -> str:
+    return _THREAD_LEVELS.get(level, str(level))
+
+
+def query_thread() -> str:
+    """The thread support level MPI was initialized with ('single' ... 'multiple')."""
+    return thread_level_name(MPI.Query_thread())
+
+
+_cuda_aware: bool | None = None
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether the MPI library accepts CUDA device pointers.
+
+    ``LBANNPY_CUDA_AWARE_MPI=1`` (or ``0``) overrides the probe; otherwise ``MPIX_Query_cuda_support`` is
+    asked where the library has it (MPICH, Open MPI). Anything else counts as not CUDA-aware.
+    """
+    global _cuda_aware
+    env = os.environ.get("LBANNPY_CUDA_AWARE_MPI")
+    if env is not None:
+        return env.strip().lower() in ("1", "yes", "true", "on")
+    if _cuda_aware is None:
+        _cuda_aware = _probe_cuda_support()
+    return _cuda_aware
+
+
+def _probe_cuda_support() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f if "libmpi" in line and ".so" in line})
+    except OSError:
+        libs = []
+    for path in libs:
+        try:
+            fn = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    return False
+
+
+def _is_cupy(buf) -> bool:
+    return type(buf).__module__.startswith("cupy")
+
+
+class MPICommunicator(Communicator):
+    """A communicator over an mpi4py ``Intracomm``.
+
+    ``owned=True`` (the default for communicators made by ``dup``/``split`` or a :class:`Runtime`) means
+    :meth:`free` releases the MPI communicator; a wrapped ``COMM_WORLD`` is never freed.
+    ``check=True`` makes the ``v`` collectives agree on their counts across ranks first (one small
+    allgather each), so that inconsistent counts raise the same :class:`CommError` on every rank instead
+    of truncating or hanging; meant for tests and debugging.
+    """
+
+    backend = "mpi"
+
+    def __init__(self, comm: "MPI.Intracomm", owned: bool = False, check: bool = False):
+        if comm == MPI.COMM_NULL:
+            raise CommError("cannot build a communicator from MPI.COMM_NULL")
+        self._comm = comm
+        self._owned = owned and comm not in (MPI.COMM_WORLD, MPI.COMM_SELF)
+        self._rank = comm.Get_rank()
+        self._size = comm.Get_size()
+        self._freed = False
+        self.check = check
+        self._children: list[Communicator] = []
+
+    # -- identity -------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _where(self) -> str:
+        return f"rank {self._rank} of {self._size}"
+
+    def _live(self) -> "MPI.Intracomm":
+        if self._freed:
+            raise CommError(f"{self._where()}: communicator was already freed")
+        return self._comm
+
+    # -- management -----------------------------------------------------------------------------------
+    def split(self, color: int, key: int | None = None) -> "MPICommunicator | None":
+        """Collective: ranks with equal non-negative ``color`` form a new communicator ordered by ``key``."""
+        c = MPI.UNDEFINED if color is None or color < 0 else int(color)
+        sub = self._call("split", self._live().Split, c, self._rank if key is None else int(key))
+        if sub == MPI.COMM_NULL:
+            return None
+        child = MPICommunicator(sub, owned=True, check=self.check)
+        self._children.append(child)
+        return child
+
+    def dup(self) -> "MPICommunicator":
+        """Collective: same ranks, separate message space."""
+        child = MPICommunicator(self._call("dup", self._live().Dup), owned=True, check=self.check)
+        self._children.append(child)
+        return child
+
+    def free(self) -> None:
+        """Collective: free this communicator and any still-live ones split or duplicated from it, newest
+        first. Idempotent; does nothing after ``MPI.Finalize``."""
+        if self._freed:
+            return
+        for child in reversed(self._children):
+            child.free()
+        self._children.clear()
+        self._freed = True
+        if self._owned and not MPI.Is_finalized():
+            self._comm.Free()
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    def barrier(self) -> None:
+        self._call("barrier", self._live().Barrier)
+
+    def abort(self, code: int = 1) -> None:
+        """Not collective: end every rank of the job (of ``MPI.COMM_WORLD``) with ``code``."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream must not stop the abort
+                pass
+        (self._comm if not self._freed else MPI.COMM_WORLD).Abort(code)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except MPI.Exception as exc:
+            raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
+
+    def _request(self, what: str, req: "MPI.Request", finish=None, buffers=(), status=None) -> Handle:
+        def wait():
+            try:
+                req.Wait(status)
+            except MPI.Exception as exc:
+                raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}; "
+                                f"the ranks probably passed inconsistent sizes") from exc
+
+        def test():
+            try:
+                return req.Test()
+            except MPI.Exception as exc:
+                raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
+
+        return Handle(wait, test, finish, buffers, what)
+
+    def _prepare(self, buf, what: str, writable: bool = False):
+        """Buffer spec ``(array, datatype)`` for MPI. Send-only buffers that are not contiguous are
+        copied; buffers MPI writes into must already be contiguous."""
+        if _is_cupy(buf):
+            if not cuda_aware_mpi():
+                raise CommError(
+                    f"{self._where()}: {what} was given a CuPy array but this MPI is not CUDA-aware "
+                    f"(MPIX_Query_cuda_support() is 0); use the 'nccl' backend for GPU arrays, build MPI "
+                    f"with CUDA support, or set LBANNPY_CUDA_AWARE_MPI=1 if the probe is wrong")
+            import cupy
+            # MPI touches device memory outside any stream: finish the producer's kernels first.
+            cupy.cuda.get_current_stream().synchronize()
+            contiguous = buf.flags.c_contiguous
+            if not contiguous and not writable:
+                buf = cupy.ascontiguousarray(buf)
+                cupy.cuda.get_current_stream().synchronize()
+        else:
+            if not isinstance(buf, np.ndarray):
+                raise CommError(f"{self._where()}: {what} needs a NumPy or CuPy array, got {type(buf).__name__}")
+            contiguous = buf.flags.c_contiguous
+            if not contiguous and not writable:
+                buf = np.ascontiguousarray(buf)
+        if writable and not buf.flags.c_contiguous:
+            raise CommError(f"{self._where()}: {what} writes into a non-contiguous array of shape "
+                            f"{buf.shape}; pass a contiguous buffer (e.g. xp.ascontiguousarray)")
+        if writable and not _is_cupy(buf) and not buf.flags.writeable:
+            raise CommError(f"{self._where()}: {what} writes into a read-only array of shape {buf.shape}")
+        return buf, self._datatype(buf.dtype, what)
+
+    def _datatype(self, dtype, what: str) -> "MPI.Datatype":
+        # Predefined datatypes only: reductions (MPI_SUM...) are not defined on derived ones.
+        try:
+            return MPI.Datatype.fromcode(np.dtype(dtype).char)
+        except (KeyError, ValueError) as exc:
+            raise CommError(f"{self._where()}: {what}: MPI has no predefined datatype for {dtype}; "
+                            f"convert to float32/float64/int32/int64 first") from exc
+
+    def _check_like(self, out, buf, what: str, shape=None) -> None:
+        want_size = buf.size if shape is None else int(np.prod(shape))
+        if out.dtype != buf.dtype or out.size != want_size:
+            raise CommError(f"{self._where()}: {what}: output buffer has {out.size} elements of {out.dtype}, "
+                            f"needs {want_size} elements of {buf.dtype}")
+        if _is_cupy(out) != _is_cupy(buf):
+            raise CommError(f"{self._where()}: {what}: input and output must both be NumPy or both CuPy")
+
+    def _check_counts(self, counts: Sequence[int], what: str, total: int | None = None,
+                      total_name: str = "buffer") -> list[int]:
+        counts = [int(c) for c in counts]
+        if len(counts) != self._size:
+            raise CommError(f"{self._where()}: {what}: {len(counts)} counts given for {self._size} ranks")
+        if any(c < 0 for c in counts):
+            raise CommError(f"{self._where()}: {what}: negative count in {counts}")
+        if total is not None and sum(counts) != total:
+            raise CommError(f"{self._where()}: {what}: counts {counts} sum to {sum(counts)} but the "
+                            f"{total_name} holds {total} elements")
+        return counts
+
+    def _agree(self, what: str, mine, rule) -> None:
+        """With ``check`` on: gather every rank's count metadata and apply ``rule(all) -> error or None``
+        identically on every rank, so all raise together."""
+        if not self.check:
+            return
+        every = self.allgather_obj(mine)
+        err = rule(every)
+        if err:
+            raise CommError(f"{self._where()}: {what}: {err}")
+
+    @staticmethod
+    def _empty(buf, shape):
+        xp = sys.modules["cupy"] if _is_cupy(buf) else np
+        return xp.empty(shape, dtype=buf.dtype)
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
+        """Collective: elementwise reduction of ``buf`` over all ranks into ``out`` (``out is buf``:
+        in place). ``wait()`` returns ``out``."""
+        check_op(op)
+        comm = self._live()
+        if out is buf:
+            out, dt = self._prepare(buf, "allreduce (in place)", writable=True)
+            req = self._call("allreduce", comm.Iallreduce, MPI.IN_PLACE, [out, dt], _OPS[op])
+            return self._request("allreduce", req, lambda: out, (out,))
+        send, dt = self._prepare(buf, "allreduce")
+        if out is None:
+            out = self._empty(send, send.shape)
+        self._check_like(out, send, "allreduce")
+        out, _ = self._prepare(out, "allreduce (output)", writable=True)
+        req = self._call("allreduce", comm.Iallreduce, [send, dt], [out, dt], _OPS[op])
+        return self._request("allreduce", req, lambda: out, (send, out))
+
+    def iallgather(self, buf) -> Handle:
+        """Collective: ``buf`` has the same shape on every rank; ``wait()`` returns ``(size, *shape)``."""
+        comm = self._live()
+        send, dt = self._prepare(buf, "allgather")
+        self._agree("allgather", (tuple(send.shape), str(send.dtype)),
+                    lambda every: None if len(set(every)) == 1 else
+                    f"ranks give different shapes/dtypes {every}; every rank must give the same")
+        out = self._empty(send, (self._size,) + tuple(send.shape))
+        req = self._call("allgather", comm.Iallgather, [send, dt], [out, dt])
+        return self._request("allgather", req, lambda: out, (send, out))
+
+    def iallgatherv(self, buf, counts: Sequence[int]) -> Handle:
+        """Collective: flat concatenation of every rank's ``buf`` (``counts[i]`` elements from rank i)."""
+        comm = self._live()
+        counts = self._check_counts(counts, "allgatherv")
+        if buf.size != counts[self._rank]:
+            raise CommError(f"{self._where()}: allgatherv: this rank gives {buf.size} elements but "
+                            f"counts[{self._rank}] = {counts[self._rank]} (counts {counts})")
+        self._agree("allgatherv", counts, lambda every: None if all(c == every[0] for c in every) else
+                    f"ranks disagree on counts: {every}")
+        send, dt = self._prepare(buf.reshape(-1), "allgatherv")
+        out = self._empty(send, (sum(counts),))
+        displs = _displs(counts)
+        req = self._call("allgatherv", comm.Iallgatherv, [send, dt], [out, (counts, displs), dt])
+        return self._request("allgatherv", req, lambda: out, (send, out))
+
+    def ireduce_scatter(self, buf, counts: Sequence[int], op: str = "sum") -> Handle:
+        """Collective: reduce the flat ``buf`` over all ranks; rank i keeps its ``counts[i]`` elements."""
+        check_op(op)
+        comm = self._live()
+        counts = self._check_counts(counts, "reduce_scatter", buf.size)
+        self._agree("reduce_scatter", counts, lambda every: None if all(c == every[0] for c in every) else
+                    f"ranks disagree on counts: {every}")
+        send, dt = self._prepare(buf.reshape(-1), "reduce_scatter")
+        out = self._empty(send, (counts[self._rank],))
+        req = self._call("reduce_scatter", comm.Ireduce_scatter, [send, dt], [out, dt], counts, _OPS[op])
+        return self._request("reduce_scatter", req, lambda: out, (send, out))
+
+    def ialltoallv(self, sendbuf, sendcounts: Sequence[int], recvcounts: Sequence[int], out=None) -> Handle:
+        """Collective: ``sendcounts[j]`` elements of the flat ``sendbuf`` go to rank j; ``wait()`` returns
+        the flat receive buffer (``recvcounts[j]`` elements from rank j, in rank order)."""
+        comm = self._live()
+        sendcounts = self._check_counts(sendcounts, "alltoallv (send)", sendbuf.size, "send buffer")
+        recvcounts = self._check_counts(recvcounts, "alltoallv (recv)")
+
+        def rule(every):
+            bad = [(i, j, every[i][0][j], every[j][1][i]) for i in range(len(every)) for j in range(len(every))
+                   if every[i][0][j] != every[j][1][i]]
+            if bad:
+                i, j, s, r = bad[0]
+                return (f"rank {i} sends {s} elements to rank {j}, which expects {r} "
+                        f"({len(bad)} mismatched pairs)")
+            return None
+
+        self._agree("alltoallv", (sendcounts, recvcounts), rule)
+        send, dt = self._prepare(sendbuf.reshape(-1), "alltoallv")
+        if out is None:
+            out = self._empty(send, (sum(recvcounts),))
+        self._check_like(out, send, "alltoallv", shape=(sum(recvcounts),))
+        out, _ = self._prepare(out, "alltoallv (output)", writable=True)
+        flat = out.reshape(-1)
+        req = self._call("alltoallv", comm.Ialltoallv, [send, (sendcounts, _displs(sendcounts)), dt],
+                         [flat, (recvcounts, _displs(recvcounts)), dt])
+        return self._request("alltoallv", req, lambda: out, (send, out))
+
+    def ibcast(self, buf, root: int = 0) -> Handle:
+        """Collective: ``root``'s ``buf`` is copied into ``buf`` on every rank (in place); ``wait()``
+        returns ``buf``."""
+        self._check_rank(root, "bcast root")
+        comm = self._live()
+        self._agree("bcast", (buf.size, str(buf.dtype)),
+                    lambda every: None if len(set(every)) == 1 else
+                    f"ranks give buffers of different sizes/dtypes {every}")
+        arr, dt = self._prepare(buf, "bcast", writable=True)
+        req = self._call("bcast", comm.Ibcast, [arr, dt], root)
+        return self._request("bcast", req, lambda: buf, (arr,))
+
+    # -- point to point -------------------------------------------------------------------------------
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
+            raise CommError(f"{self._where()}: {what} {r} does not exist (ranks 0..{self._size - 1})")
+
+    def isend(self, buf, dest: int, tag: int = 0) -> Handle:
+        """Point to point: send ``buf`` (copied first if not contiguous) to ``dest``."""
+        self._check_rank(dest, "destination")
+        send, dt = self._prepare(buf, "send")
+        req = self._call("send", self._live().Isend, [send, dt], dest, tag)
+        return self._request(f"send to {dest}", req, None, (send,))
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Handle:
+        """Point to point: receive exactly ``buf.size`` elements from ``source`` into the contiguous
+        ``buf``; a shorter or longer message is a :class:`CommError`."""
+        self._check_rank(source, "source")
+        arr, dt = self._prepare(buf, "recv", writable=True)
+        status = MPI.Status()
+        req = self._call("recv", self._live().Irecv, [arr, dt], source, tag)
+
+        def finish():
+            got = status.Get_count(dt)
+            if got != arr.size:
+                raise CommError(f"{self._where()}: received {got} elements from rank {source} (tag {tag}) "
+                                f"into a buffer of {arr.size}; sender and receiver sizes must match")
+            return buf
+
+        return self._request(f"recv from {source}", req, finish, (arr,), status)
+
+    # -- small Python values --------------------------------------------------------------------------
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Collective (pickled): ``root``'s object on every rank. Internal metadata only."""
+        self._check_rank(root, "bcast_obj root")
+        return self._call("bcast_obj", self._live().bcast, obj, root)
+
+    def allgather_obj(self, obj: Any) -> list:
+        """Collective (pickled): every rank's object, in rank order. Internal metadata only."""
+        return self._call("allgather_obj", self._live().allgather, obj)
+
+    def flush(self) -> None:
+        """Start any deferred operations. MPI starts every operation when it is posted: nothing to do."""
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
