@@ -1,0 +1,273 @@
+"""Halo exchange for stencils (convolution, pooling) on blocked distributions, and its adjoint.
+
+A :class:`HaloPlan` answers, for one rank, which part of the input its block of the output reads (the
+*window*, in global coordinates, possibly reaching past ``[0, n)`` into zero padding) and where each part of
+that window lives: the rank's own block (*owned*), blocks of other ranks of the same replica (*receives*),
+or padding. It also lists what this rank must *send* (the parts of its block that other ranks' windows
+read). Output blocks are those of the same split applied to ``stencil.output_shape(global_shape)``, so with
+stride 2 a rank's window need not meet its own block and may need rows from a non-neighbour; windows may
+reach past an immediate neighbour. Nothing here assumes a halo narrower than a block.
+
+Plans are pure: built from shapes only, computable for any rank, cached by :func:`halo_plan`.
+
+No hang on a bad plan: :func:`check_halo` loops over *every* rank's geometry, so a plan that cannot work
+(an empty input or output block, a kernel longer than the padded input) raises the same
+:class:`~lbannpy.dist.DistributionError` on every rank before any message is posted. No rank is left
+waiting for a peer that gave up.
+
+Execution (point to point, within one replica group; every rank of the distribution must start it):
+
+* ``plan.start(comm, local)`` copies the owned part, zeros the padding, posts one receive and one send per
+  peer (contiguous packed buffers laid out once in the plan) and returns a :class:`HaloExchange`; its
+  ``.window`` already holds owned data and padding, so ``plan.interior_*`` outputs can be computed before
+  ``.wait()``, which unpacks the receives and returns the full window.
+* ``plan.accumulate_start(comm, grad_window)`` is the adjoint: the gradient with respect to the local
+  block is the owned part of ``grad_window`` plus, added, every part of other ranks' window gradients that
+  lies in this block; padding gradients are dropped.
+
+Message tags: a plan has a base tag ``t`` (given, or derived from its geometry) and uses ``2t`` for the
+exchange and ``2t + 1`` for the accumulation, both below 32768 (the smallest ``MPI_TAG_UB`` the standard
+allows). Plans that may be in flight at the same time on the same communicator need distinct base tags;
+the derived tag differs between plans of different geometry, so pass ``tag=`` when two plans of the *same*
+geometry overlap (the activation halo and the error-signal halo of one layer, say).
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Sequence
+
+from lbannpy.backend import array_module
+from lbannpy.comm.base import Communicator, Handle, wait_all
+from lbannpy.dist import (Box, Distribution, DistributionError, Stencil, box_shape, box_size, box_subtract,
+                          clip_box, empty_block, intersect, relative_slices, shape_str)
+from lbannpy.tensor import Segment, check_array, check_comm, pack, packed_size, segments, unpack
+
+TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
+
+
+def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil) -> tuple[int, ...]:
+    """Refuse a halo plan that cannot work; returns the output shape.
+
+    Pure and rank-independent: it checks every rank's input and output block, so every rank raises the
+    same error (naming the first offending rank) without communication.
+    """
+    global_shape = tuple(int(n) for n in global_shape)
+    what = f"halo plan for input {shape_str(global_shape)} under {dist}"
+    if len(global_shape) != dist.ndim or len(stencil.dims) != dist.ndim:
+        raise DistributionError(
+            f"{what}: the input has {len(global_shape)} dimensions, the distribution {dist.ndim} and the "
+            f"stencil {len(stencil.dims)}; build all three for the same tensor rank")
+    if any(n < 1 for n in global_shape):
+        raise DistributionError(f"{what}: every extent must be >= 1")
+    out_shape = stencil.output_shape(global_shape)
+    for name, n, w, m in zip(dist.dim_names, global_shape, stencil.dims, out_shape):
+        if m < 1:
+            raise DistributionError(
+                f"{what}: along '{name}' a kernel of reach {w.reach} (kernel {w.kernel}, dilation "
+                f"{w.dilation}) does not fit the padded input {w.pad_lo}+{n}+{w.pad_hi}, so the output "
+                f"would be empty on every rank; pad more, or use a smaller kernel or dilation")
+    for shape, kind in ((global_shape, "input"), (out_shape, "output")):
+        bad = empty_block(dist, shape)
+        if bad is not None:
+            r, d = bad
+            name = dist.dim_names[d]
+            raise DistributionError(
+                f"{what} (output {shape_str(out_shape)}): rank {r} (block {dist.coords(r)}) would hold an "
+                f"empty {kind} block along '{name}' ({kind} extent {shape[d]} split {dist.parts[d]} ways); "
+                f"lower the '{name}' degree to at most {min(global_shape[d], out_shape[d])}"
+                + (" or use a smaller stride" if kind == "output" else ""))
+    return out_shape
+
+
+def _interior_1d(w, lo: int, hi: int, n: int, o0: int, o1: int) -> tuple[int, int]:
+    """Outputs in ``[o0, o1)`` whose inputs lie in ``[lo, hi)`` or in padding past a tensor edge the block
+    touches (a possibly empty range inside ``[o0, o1]``)."""
+    # output o reads [o*s - pad_lo, o*s - pad_lo + reach)
+    first = o0 if lo == 0 else -((-(lo + w.pad_lo)) // w.stride)  # ceil((lo + pad_lo) / s)
+    last = o1 - 1 if hi == n else (hi + w.pad_lo - w.reach) // w.stride
+    i0 = min(max(o0, first), o1)
+    return i0, max(i0, min(o1, last + 1))
+
+
+class HaloPlan:
+    """Where rank ``rank``'s stencil window comes from and what it sends (pure; see the module docstring).
+
+    Geometry (global coordinates unless named ``*_slices``):
+
+    ``output_shape`` / ``output_box``: the output tensor and this rank's block of it (same split);
+    ``input_box``, ``local_shape``: this rank's input block; ``window_box``, ``window_shape``: the input
+    the output block reads; ``owned_box``: ``window ∩ input block`` (``None`` when empty);
+    ``padding_boxes``: disjoint boxes of the window outside the tensor; ``recvs`` / ``sends``: one
+    :class:`~lbannpy.tensor.Segment` per peer (``slices`` into the window / the local block; ``offset``
+    into the packed buffer); ``interior_box``: outputs computable from owned data and padding alone (may
+    be empty, ``box_size == 0``); ``boundary_boxes``: disjoint boxes covering the rest of the output
+    block. ``*_slices`` select these from the local output (``interior_slices``) or the window
+    (``interior_window_slices``, the inputs those outputs read).
+    """
+
+    def __init__(self, dist: Distribution, global_shape: Sequence[int], stencil: Stencil, rank: int,
+                 tag: int | None = None):
+        global_shape = tuple(int(n) for n in global_shape)
+        self.output_shape = check_halo(dist, global_shape, stencil)
+        if not 0 <= rank < dist.ranks:
+            raise DistributionError(f"halo plan: rank {rank} outside the {dist.ranks} ranks of {dist}")
+        if tag is None:
+            tag = zlib.crc32(repr((dist, global_shape, stencil)).encode()) % TAG_LIMIT
+        if not 0 <= tag < TAG_LIMIT:
+            raise DistributionError(f"halo plan: tag {tag} outside [0, {TAG_LIMIT})")
+        self.dist, self.global_shape, self.stencil, self.rank, self.tag = dist, global_shape, stencil, rank, tag
+
+        self.input_box = dist.box(global_shape, rank)
+        self.local_shape = box_shape(self.input_box)
+        self.output_box = dist.box(self.output_shape, rank)
+        self.output_local_shape = box_shape(self.output_box)
+        self.window_box = stencil.input_window(self.output_box)
+        self.window_shape = box_shape(self.window_box)
+        win0 = tuple(lo for lo, _ in self.window_box)
+        in0 = tuple(lo for lo, _ in self.input_box)
+        out0 = tuple(lo for lo, _ in self.output_box)
+
+        # owned part, padding
+        self.owned_box = intersect(self.window_box, self.input_box)
+        self.owned_window_slices = None if self.owned_box is None else relative_slices(self.owned_box, win0)
+        self.owned_local_slices = None if self.owned_box is None else relative_slices(self.owned_box, in0)
+        inside = clip_box(self.window_box, global_shape)
+        self.padding_boxes = (box_subtract(self.window_box, inside) if inside is not None
+                              else [self.window_box])
+        self.padding_slices = [relative_slices(b, win0) for b in self.padding_boxes]
+
+        # receives: blocks of the same replica that the window meets; sends: my block ∩ their windows
+        replica = dist.replica(rank)
+        recv_pieces = []
+        for coords in dist.blocks_meeting(global_shape, self.window_box):
+            peer = dist.rank_of(coords, replica)
+            if peer != rank:
+                recv_pieces.append((peer, intersect(self.window_box, dist.box(global_shape, peer))))
+        send_pieces = []
+        for peer in sorted(dist.rank_of(c, replica) for c in _all_blocks(dist)):
+            if peer == rank:
+                continue
+            box = intersect(stencil.input_window(dist.box(self.output_shape, peer)), self.input_box)
+            if box is not None:
+                send_pieces.append((peer, box))
+        self.recvs: tuple[Segment, ...] = segments(sorted(recv_pieces), win0)
+        self.sends: tuple[Segment, ...] = segments(send_pieces, in0)
+        self.recv_size = packed_size(self.recvs)
+        self.send_size = packed_size(self.sends)
+
+        # interior (owned data and padding only) and boundary of the output block
+        ranges = [_interior_1d(w, lo, hi, n, o0, o1) for w, (lo, hi), n, (o0, o1)
+                  in zip(stencil.dims, self.input_box, global_shape, self.output_box)]
+        self.interior_box: Box = tuple(ranges)
+        self.boundary_boxes: list[Box] = (box_subtract(self.output_box, self.interior_box)
+                                          if box_size(self.interior_box) else [self.output_box])
+        self.interior_slices = relative_slices(self.interior_box, out0)
+        self.interior_window_slices = relative_slices(stencil.input_window(self.interior_box), win0)
+        self.boundary_slices = [relative_slices(b, out0) for b in self.boundary_boxes]
+        self.boundary_window_slices = [relative_slices(stencil.input_window(b), win0)
+                                       for b in self.boundary_boxes]
+
+    def __repr__(self) -> str:
+        return (f"HaloPlan(rank {self.rank}, input {shape_str(self.global_shape)} under {self.dist}, "
+                f"window {self.window_box}, {len(self.recvs)} receives, {len(self.sends)} sends)")
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Ranks this plan exchanges messages with (either direction)."""
+        return tuple(sorted({s.peer for s in self.recvs} | {s.peer for s in self.sends}))
+
+    # -- execution ----------------------------------------------------------------------------------
+    def start(self, comm: Communicator, local, out=None) -> "HaloExchange":
+        """Point to point among the ranks of this rank's replica group; every rank of the distribution
+        starts its own plan. ``local`` is this rank's input block; ``out`` (optional) receives the window.
+        Returns a :class:`HaloExchange` whose ``wait()`` returns the window (shape ``window_shape``)."""
+        check_comm(comm, self.dist, self.rank, "halo exchange")
+        check_array(local, self.local_shape, "halo exchange input block", self.rank)
+        xp = array_module(local)
+        if out is None:
+            window = xp.empty(self.window_shape, dtype=local.dtype)
+        else:
+            check_array(out, self.window_shape, "halo exchange output window", self.rank, local.dtype)
+            window = out
+        for sl in self.padding_slices:
+            window[sl] = 0
+        if self.owned_box is not None:
+            window[self.owned_window_slices] = local[self.owned_local_slices]
+        recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
+        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.recvs]
+        sendbuf = pack(local, self.sends)
+        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.sends]
+
+        def finish():
+            return unpack(recvbuf, self.recvs, window)
+
+        return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
+                            f"halo rank {self.rank}")
+
+    def accumulate_start(self, comm: Communicator, grad_window, out=None) -> Handle:
+        """Adjoint of :meth:`start` (point to point, same group). ``grad_window`` has ``window_shape``;
+        ``wait()`` returns the gradient with respect to the local input block (``local_shape``), written
+        into ``out`` when given."""
+        check_comm(comm, self.dist, self.rank, "halo accumulate")
+        check_array(grad_window, self.window_shape, "halo accumulate window gradient", self.rank)
+        xp = array_module(grad_window)
+        if out is None:
+            grad = xp.zeros(self.local_shape, dtype=grad_window.dtype)
+        else:
+            check_array(out, self.local_shape, "halo accumulate output block", self.rank, grad_window.dtype)
+            grad = out
+            grad[...] = 0
+        if self.owned_box is not None:
+            grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
+        recvbuf = xp.empty(self.send_size, dtype=grad_window.dtype)
+        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.sends]
+        sendbuf = pack(grad_window, self.recvs)
+        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.recvs]
+
+        def finish():
+            return unpack(recvbuf, self.sends, grad, add=True)
+
+        return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
+                      (recvbuf, sendbuf, grad, grad_window), f"halo accumulate rank {self.rank}")
+
+
+class HaloExchange(Handle):
+    """A halo exchange in flight. ``window`` is the array being filled: owned part and padding are valid
+    at once (compute ``plan.interior_*`` from them), the ghost parts after ``wait()``, which returns it."""
+
+    __slots__ = ("window",)
+
+    def __init__(self, window, handles, finish, buffers, label):
+        super().__init__(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
+                         buffers, label)
+        self.window = window
+
+
+def _all_blocks(dist: Distribution):
+    for b in range(dist.nblocks):
+        out = []
+        for extent in reversed(dist.parts):
+            b, c = divmod(b, extent)
+            out.append(c)
+        yield tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=512)
+def halo_plan(dist: Distribution, global_shape: tuple, stencil: Stencil, rank: int,
+              tag: int | None = None) -> HaloPlan:
+    """Cached :class:`HaloPlan` (plans hold no buffers, so sharing one is safe)."""
+    return HaloPlan(dist, tuple(global_shape), stencil, rank, tag)
+
+
+def window_of(global_array, box: Box):
+    """Reference window: ``box`` (global coordinates) cut from ``global_array`` zero-padded outside it.
+    For tests and checks; it allocates the whole window."""
+    xp = array_module(global_array)
+    out = xp.zeros(box_shape(box), dtype=global_array.dtype)
+    inside = clip_box(box, global_array.shape)
+    if inside is not None:
+        out[relative_slices(inside, [lo for lo, _ in box])] = global_array[tuple(slice(a, b) for a, b in inside)]
+    return out
+
+

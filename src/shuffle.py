@@ -1,0 +1,151 @@
+"""Redistribution (shuffle) of a tensor between two distributions over the same ranks, and its adjoint.
+
+A :class:`ShufflePlan` intersects this rank's source block with every destination block and its
+destination block with every source block (Dryden et al. 2019, III-C), and executes as one ``ialltoallv``
+on flat packed buffers whose counts, displacements and pack/unpack slices are planned once.
+
+Who sends: every destination rank (each replica of each destination block) receives its whole block.
+A piece of source block ``b`` destined for rank ``q`` comes from ``q`` itself when ``q`` holds ``b`` under
+the source distribution (no copy over the network), otherwise from source replica
+``dst.replica(q) % src.replicas`` of ``b``: deterministic, computable by sender and receiver alike, and
+spread over the source replicas. A plan in which every rank only keeps part of its own block
+(``local_only``, the same on every rank) moves no data over the network and calls no collective.
+
+Adjoint under replicated semantics (a decision, recorded here): a replicated tensor's gradient is itself
+replicated, i.e. every replica holds the full, identical gradient (a layer that consumes replicated data
+makes its gradients agree, e.g. by the allreduce of a model-parallel layer). Under that convention the
+adjoint of the shuffle ``src -> dst`` is the shuffle ``dst -> src`` (:meth:`ShufflePlan.reverse`): each
+source replica receives the gradient of its block from one destination replica; nothing is summed over
+replicas. The dot-product test holds for it when inner products count each logical element once (the
+ranks of replica 0 speak for their block) and the replicas of ``y`` agree.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+from lbannpy.backend import array_module
+from lbannpy.comm.base import Communicator, Handle
+from lbannpy.dist import (Box, Distribution, DistributionError, box_contains, box_shape, empty_block,
+                          intersect, relative_slices, shape_str)
+from lbannpy.tensor import Segment, check_array, check_comm, pack, packed_size, segments, unpack
+
+
+def check_shuffle(src_dist: Distribution, dst_dist: Distribution, global_shape: Sequence[int]) -> None:
+    """Refuse a redistribution that cannot work. Pure and rank-independent (loops over every rank), so
+    every rank raises the same error without communication."""
+    what = f"redistribution of {shape_str(global_shape)} from {src_dist} to {dst_dist}"
+    if src_dist.ranks != dst_dist.ranks:
+        raise DistributionError(
+            f"{what}: the source is laid on {src_dist.ranks} ranks and the destination on {dst_dist.ranks}; "
+            f"both must use every rank of the communicator (Distribution.with_ranks)")
+    if not len(global_shape) == src_dist.ndim == dst_dist.ndim:
+        raise DistributionError(
+            f"{what}: tensor has {len(global_shape)} dimensions, source {src_dist.ndim}, destination "
+            f"{dst_dist.ndim}; use distributions of the tensor's rank")
+    if any(n < 1 for n in global_shape):
+        raise DistributionError(f"{what}: every extent must be >= 1")
+    for dist, side in ((src_dist, "source"), (dst_dist, "destination")):
+        bad = empty_block(dist, global_shape)
+        if bad is not None:
+            r, d = bad
+            name = dist.dim_names[d]
+            raise DistributionError(
+                f"{what}: rank {r} (block {dist.coords(r)}) would hold an empty {side} block along "
+                f"'{name}' (extent {global_shape[d]} split {dist.parts[d]} ways); lower the '{name}' degree "
+                f"of the {side} to at most {global_shape[d]}")
+
+
+def _sender(src: Distribution, dst: Distribution, q: int, coords: tuple[int, ...]) -> int:
+    """The rank that sends destination rank ``q`` its piece of source block ``coords``."""
+    if src.coords(q) == tuple(coords):
+        return q
+    return src.rank_of(coords, dst.replica(q) % src.replicas)
+
+
+class ShufflePlan:
+    """Rank ``rank``'s part of the redistribution ``src_dist -> dst_dist`` of a ``global_shape`` tensor.
+
+    ``sends`` / ``recvs``: one :class:`~lbannpy.tensor.Segment` per peer, in rank order (``slices`` into
+    the source / destination local block, ``offset`` into the packed buffer); ``sendcounts`` /
+    ``recvcounts``: elements per rank for the alltoallv; ``src_local_shape`` / ``dst_local_shape``.
+    """
+
+    def __init__(self, src_dist: Distribution, dst_dist: Distribution, global_shape: Sequence[int], rank: int):
+        global_shape = tuple(int(n) for n in global_shape)
+        check_shuffle(src_dist, dst_dist, global_shape)
+        if not 0 <= rank < src_dist.ranks:
+            raise DistributionError(f"shuffle plan: rank {rank} outside the {src_dist.ranks} ranks")
+        self.src_dist, self.dst_dist, self.global_shape, self.rank = src_dist, dst_dist, global_shape, rank
+        src, dst, shape = src_dist, dst_dist, global_shape
+        nranks = src.ranks
+        self.src_box: Box = src.box(shape, rank)
+        self.dst_box: Box = dst.box(shape, rank)
+        self.src_local_shape = box_shape(self.src_box)
+        self.dst_local_shape = box_shape(self.dst_box)
+
+        recv_pieces = []
+        for coords in src.blocks_meeting(shape, self.dst_box):
+            peer = _sender(src, dst, rank, coords)
+            recv_pieces.append((peer, intersect(self.dst_box, src.box(shape, peer))))
+        my_coords = src.coords(rank)
+        send_pieces = []
+        for coords in dst.blocks_meeting(shape, self.src_box):
+            for d in range(dst.replicas):
+                q = dst.rank_of(coords, d)
+                if _sender(src, dst, q, my_coords) == rank:
+                    send_pieces.append((q, intersect(self.src_box, dst.box(shape, q))))
+        self.recvs: tuple[Segment, ...] = segments(sorted(recv_pieces), [lo for lo, _ in self.dst_box])
+        self.sends: tuple[Segment, ...] = segments(sorted(send_pieces), [lo for lo, _ in self.src_box])
+        self.sendcounts = [0] * nranks
+        self.recvcounts = [0] * nranks
+        for s in self.sends:
+            self.sendcounts[s.peer] = s.size
+        for s in self.recvs:
+            self.recvcounts[s.peer] = s.size
+        # every rank's destination block inside its own source block: no rank talks to another
+        self.local_only = all(box_contains(src.box(shape, r), dst.box(shape, r)) for r in range(nranks))
+        self.keep_slices = (relative_slices(self.dst_box, [lo for lo, _ in self.src_box])
+                            if self.local_only else None)
+
+    def __repr__(self) -> str:
+        return (f"ShufflePlan(rank {self.rank}, {shape_str(self.global_shape)}: {self.src_dist} -> "
+                f"{self.dst_dist}, {len(self.sends)} sends, {len(self.recvs)} receives"
+                f"{', local only' if self.local_only else ''})")
+
+    def reverse(self) -> "ShufflePlan":
+        """The plan ``dst_dist -> src_dist``: the adjoint under replicated semantics (module docstring)."""
+        return shuffle_plan(self.dst_dist, self.src_dist, self.global_shape, self.rank)
+
+    def start(self, comm: Communicator, local, out=None) -> Handle:
+        """Collective over ``comm`` (all ``dst_dist.ranks`` ranks; one ialltoallv, none when
+        ``local_only``). ``local`` is this rank's source block; ``wait()`` returns its destination block,
+        written into ``out`` when given."""
+        check_comm(comm, self.src_dist, self.rank, "redistribution")
+        check_array(local, self.src_local_shape, f"redistribution input block ({self.src_dist})", self.rank)
+        xp = array_module(local)
+        if out is None:
+            result = xp.empty(self.dst_local_shape, dtype=local.dtype)
+        else:
+            check_array(out, self.dst_local_shape, f"redistribution output block ({self.dst_dist})",
+                        self.rank, local.dtype)
+            result = out
+        if self.local_only:
+            result[...] = local[self.keep_slices]
+            return Handle.completed(result, f"shuffle rank {self.rank}")
+        sendbuf = pack(local, self.sends)
+        recvbuf = xp.empty(packed_size(self.recvs), dtype=local.dtype)
+        handle = comm.ialltoallv(sendbuf, self.sendcounts, self.recvcounts, out=recvbuf)
+        received = []
+
+        def finish():
+            return unpack(received[0], self.recvs, result)
+
+        return Handle(lambda: received.append(handle.wait()), handle.test, finish,
+                      (sendbuf, recvbuf, result, local), f"shuffle rank {self.rank}")
+
+
+@functools.lru_cache(maxsize=1024)
+def shuffle_plan(src_dist: Distribution, dst_dist: Distribution, global_shape: tuple, rank: int) -> ShufflePlan:
+    """Cached :class:`ShufflePlan` (plans hold no buffers, so sharing one is safe)."""
+    return ShufflePlan(src_dist, dst_dist, tuple(global_shape), rank)

@@ -1,0 +1,282 @@
+"""Distributed tensors: a local block (NumPy or CuPy) plus the global shape and the Distribution it belongs to.
+
+Moving whole tensors (``scatter``, ``from_root``, ``gather``) is meant for tests, checkpoints and data
+loading; layers move data with halo plans (:mod:`lbannpy.halo`) and shuffle plans (:mod:`lbannpy.shuffle`).
+
+Boxes are packed into flat, contiguous buffers by :class:`Segment` lists planned once from pure box math;
+:func:`pack` and :func:`unpack` are the only places that copy between boxes and flat buffers, so every
+communication path in the package packs the same way.
+
+Replicated distributions hold each logical element on ``dist.replicas`` ranks. Whenever a reduction must
+count each logical element once (``gather``, :func:`vdot`) the ranks of replica 0 speak for their block.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy
+
+from lbannpy.backend import array_module, get_xp
+from lbannpy.comm.base import Communicator
+from lbannpy.dist import (Box, Distribution, DistributionError, box_shape, empty_block, relative_slices,
+                          shape_str)
+
+# --------------------------------------------------------------------------------------------------------
+# packing boxes into flat buffers
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One box moved to or from ``peer``: where it sits in a local array and in a flat buffer.
+
+    ``box`` is in global coordinates; ``slices`` select it from the local array it is packed from or
+    unpacked into; elements ``[offset, offset + size)`` of the flat buffer hold it in C order.
+    """
+
+    peer: int
+    box: Box
+    slices: tuple
+    offset: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return box_shape(self.box)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.size
+
+
+def segments(pieces: Sequence[tuple[int, Box]], origin: Sequence[int]) -> tuple[Segment, ...]:
+    """Segments for ``(peer, box)`` pieces laid one after another in a flat buffer, in the order given;
+    ``origin`` is the global index of element 0 of the local array the boxes are cut from."""
+    out, offset = [], 0
+    for peer, box in pieces:
+        seg = Segment(peer, tuple(box), relative_slices(box, origin), offset)
+        out.append(seg)
+        offset = seg.stop
+    return tuple(out)
+
+
+def packed_size(segs: Sequence[Segment]) -> int:
+    return segs[-1].stop if segs else 0
+
+
+def pack(arr, segs: Sequence[Segment], flat=None):
+    """Copy each segment's box of ``arr`` into its place in the flat buffer ``flat`` (allocated when
+    ``None``); returns ``flat``."""
+    xp = array_module(arr)
+    if flat is None:
+        flat = xp.empty(packed_size(segs), dtype=arr.dtype)
+    for s in segs:
+        flat[s.offset:s.stop].reshape(s.shape)[...] = arr[s.slices]
+    return flat
+
+
+def unpack(flat, segs: Sequence[Segment], arr, add: bool = False):
+    """Copy (or, with ``add``, accumulate) each segment of the flat buffer into its box of ``arr``.
+    Segments that overlap in ``arr`` must use ``add``; returns ``arr``."""
+    for s in segs:
+        part = flat[s.offset:s.stop].reshape(s.shape)
+        if add:
+            arr[s.slices] += part
+        else:
+            arr[s.slices] = part
+    return arr
+
+
+def check_comm(comm: Communicator, dist: Distribution, rank: int | None, what: str) -> None:
+    """Refuse a communicator that does not match the distribution (or the rank a plan was built for)."""
+    if comm.size != dist.ranks:
+        raise DistributionError(
+            f"{what}: distribution {dist} is laid on {dist.ranks} ranks but the communicator has {comm.size}; "
+            f"build the distribution with ranks={comm.size} (Distribution.with_ranks)")
+    if rank is not None and comm.rank != rank:
+        raise DistributionError(
+            f"{what}: plan was built for rank {rank} but is executed on rank {comm.rank}; build it with "
+            f"rank=comm.rank")
+
+
+def check_array(arr, shape: Sequence[int], what: str, rank: int, dtype=None) -> None:
+    if tuple(arr.shape) != tuple(shape):
+        raise DistributionError(f"rank {rank}: {what} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    if dtype is not None and arr.dtype != dtype:
+        raise DistributionError(f"rank {rank}: {what} has dtype {arr.dtype}, expected {dtype}")
+
+
+def _check_global(dist: Distribution, global_shape: Sequence[int], what: str) -> tuple[int, ...]:
+    global_shape = tuple(int(n) for n in global_shape)
+    dist.check_shape(global_shape, what)
+    bad = empty_block(dist, global_shape)
+    if bad is not None:
+        r, d = bad
+        raise DistributionError(
+            f"{what} of shape {shape_str(global_shape)} under {dist}: rank {r} would hold an empty block "
+            f"along '{dist.dim_names[d]}'; lower that degree to at most {global_shape[d]}")
+    return global_shape
+
+
+# --------------------------------------------------------------------------------------------------------
+# the tensor
+
+
+class DistTensor:
+    """A block of a global tensor held by one rank.
+
+    ``DistTensor(local, global_shape, dist, rank)`` checks that ``local`` has exactly the shape of
+    ``rank``'s block. ``rank`` may be left out when the tensor is built before a rank is known (the shape
+    is then checked against the block shapes that occur in ``dist``); every constructor below passes it.
+    """
+
+    __slots__ = ("local", "global_shape", "dist", "rank")
+
+    def __init__(self, local, global_shape: Sequence[int], dist: Distribution, rank: int | None = None):
+        global_shape = _check_global(dist, global_shape, "tensor")
+        if rank is not None:
+            check_array(local, dist.local_shape(global_shape, rank), f"local block of {dist}", rank)
+        else:
+            shapes = {dist.local_shape(global_shape, r) for r in range(dist.ranks)}
+            if tuple(local.shape) not in shapes:
+                raise DistributionError(
+                    f"local block of shape {tuple(local.shape)} is not a block of {shape_str(global_shape)} "
+                    f"under {dist} (block shapes: {sorted(shapes)})")
+        self.local = local
+        self.global_shape = global_shape
+        self.dist = dist
+        self.rank = rank
+
+    # -- views of the geometry
+    @property
+    def xp(self):
+        return array_module(self.local)
+
+    @property
+    def dtype(self):
+        return self.local.dtype
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(self.local.shape)
+
+    @property
+    def box(self) -> Box:
+        """Global box of this block (needs ``rank``)."""
+        if self.rank is None:
+            raise DistributionError("this tensor was built without a rank; pass rank= to know its box")
+        return self.dist.box(self.global_shape, self.rank)
+
+    def __repr__(self) -> str:
+        return (f"DistTensor({shape_str(self.global_shape)} under {self.dist}, rank {self.rank}, "
+                f"local {shape_str(self.local_shape)} {self.dtype})")
+
+    # -- moving whole tensors
+    @classmethod
+    def scatter(cls, global_array, dist: Distribution, comm: Communicator) -> "DistTensor":
+        """Not collective: every rank holds ``global_array`` and keeps a copy of its own block."""
+        check_comm(comm, dist, None, "scatter")
+        shape = _check_global(dist, global_array.shape, "scattered tensor")
+        box = dist.box(shape, comm.rank)
+        local = global_array[tuple(slice(lo, hi) for lo, hi in box)].copy()
+        return cls(local, shape, dist, comm.rank)
+
+    @classmethod
+    def from_root(cls, global_array, dist: Distribution, comm: Communicator, root: int = 0) -> "DistTensor":
+        """Collective over ``comm``: ``root`` holds the global array (others pass ``None``) and sends every
+        rank its block (all replicas receive) in one alltoallv. Shape, dtype and array backend come from
+        ``root``; an error found on ``root`` (no array, bad shape) is raised on every rank."""
+        if comm.rank == root:
+            meta = (None if global_array is None else
+                    (tuple(global_array.shape), numpy.dtype(global_array.dtype).str,
+                     "numpy" if array_module(global_array) is numpy else "cupy"))
+        else:
+            meta = None
+        meta = comm.bcast_obj(meta, root)
+        if meta is None:
+            raise DistributionError(f"from_root: root rank {root} passed no array; give it the global array")
+        shape, dtype, backend = meta
+        check_comm(comm, dist, None, "from_root")
+        shape = _check_global(dist, shape, "tensor sent from the root")
+        xp = get_xp(backend)
+        nranks = comm.size
+        sizes = [math.prod(dist.local_shape(shape, r)) for r in range(nranks)]
+        if comm.rank == root:
+            segs = segments([(r, dist.box(shape, r)) for r in range(nranks)], (0,) * len(shape))
+            sendbuf = pack(global_array, segs)
+            sendcounts = sizes
+        else:
+            sendbuf = xp.empty(0, dtype=dtype)
+            sendcounts = [0] * nranks
+        recvcounts = [sizes[comm.rank] if r == root else 0 for r in range(nranks)]
+        flat = comm.alltoallv(sendbuf, sendcounts, recvcounts)
+        local = flat.reshape(dist.local_shape(shape, comm.rank))
+        return cls(local, shape, dist, comm.rank)
+
+    def gather(self, comm: Communicator, root: int | None = None):
+        """Collective over ``comm``: the global array on every rank (``root=None``, one allgatherv) or only
+        on ``root`` (one alltoallv; other ranks get ``None``). The blocks of replica 0 are used."""
+        rank = comm.rank
+        check_comm(comm, self.dist, self.rank, "gather")
+        dist, shape = self.dist, self.global_shape
+        speakers = [r for r in range(comm.size) if dist.replica(r) == 0]
+        segs = segments([(r, dist.box(shape, r)) for r in speakers], (0,) * len(shape))
+        counts = [0] * comm.size
+        for s in segs:
+            counts[s.peer] = s.size
+        xp = self.xp
+        mine = xp.ascontiguousarray(self.local).reshape(-1) if counts[rank] else xp.empty(0, self.dtype)
+        if root is None:
+            flat = comm.allgatherv(mine, counts)
+        else:
+            sendcounts = [counts[rank] if r == root else 0 for r in range(comm.size)]
+            recvcounts = counts if rank == root else [0] * comm.size
+            flat = comm.alltoallv(mine, sendcounts, recvcounts)
+            if rank != root:
+                return None
+        out = self.xp.empty(shape, dtype=self.dtype)
+        return unpack(flat, segs, out)
+
+    def redistribute(self, dst_dist: Distribution, comm: Communicator) -> "DistTensor":
+        """Collective over ``comm``: this tensor under ``dst_dist`` (a cached :class:`ShufflePlan`)."""
+        from lbannpy.shuffle import shuffle_plan  # shuffle packs with this module's helpers
+
+        plan = shuffle_plan(self.dist, dst_dist, self.global_shape, comm.rank)
+        return DistTensor(plan.start(comm, self.local).wait(), self.global_shape, dst_dist, comm.rank)
+
+
+# --------------------------------------------------------------------------------------------------------
+# inner products and the dot-product (adjoint) test
+
+
+def vdot(comm: Communicator, a, b, counted: bool = True) -> float:
+    """Collective over ``comm``: ``sum`` over ranks of ``<a, b>`` (float64) on the ranks with ``counted``.
+
+    For replicated data pass ``counted=dist.replica(rank) == 0`` so each logical element counts once.
+    """
+    xp = array_module(a)
+    local = float(xp.vdot(a.reshape(-1).astype(numpy.float64), b.reshape(-1).astype(numpy.float64))) \
+        if counted and a.size else 0.0
+    total = comm.allreduce(xp.asarray([local], dtype=numpy.float64))
+    return float(total[0])
+
+
+def adjoint_gap(comm: Communicator, fx, y, x, aty, fwd_counted: bool = True, adj_counted: bool = True) -> float:
+    """Collective over ``comm``: the dot-product test of a linear operator ``F`` and its adjoint ``F*``.
+
+    Given ``fx = F x`` and ``aty = F* y`` (local pieces), returns the relative gap
+    ``|<F x, y> - <x, F* y>| / max(|<F x, y>|, |<x, F* y>|)``, inner products summed over ranks. Ranks whose
+    pieces duplicate another rank's (replicas other than 0) pass ``fwd_counted`` / ``adj_counted`` False
+    so that each logical element counts once. Zero for a correct adjoint up to rounding (~1e-15 in
+    float64 for well-scaled data); 0.0 when both products vanish.
+    """
+    xp = array_module(fx)
+    lhs = float(xp.vdot(fx.reshape(-1), y.reshape(-1))) if fwd_counted and fx.size else 0.0
+    rhs = float(xp.vdot(x.reshape(-1), aty.reshape(-1))) if adj_counted and x.size else 0.0
+    lhs, rhs = (float(v) for v in comm.allreduce(xp.asarray([lhs, rhs], dtype=numpy.float64)))
+    scale = max(abs(lhs), abs(rhs))
+    return 0.0 if scale == 0.0 else abs(lhs - rhs) / scale
