@@ -1,0 +1,76 @@
+"""Distributed batch normalisation: per-block partial sums, one allreduce per pass.
+
+``sync: group`` (default) aggregates statistics over the spatial group of each sample block: the ranks
+that share the same samples and channels but hold different parts of space (exactly a single-GPU BN of
+that sample block — the default of Dryden et al. when a sample is split). ``sync: global`` aggregates over
+all ranks holding the batch (synchronised BN: identical to single-rank BN of the whole mini-batch).
+Channels may be split (statistics are per channel). Evaluation uses running statistics.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from lbannpy.dist import Distribution
+
+from . import kernels as K
+from .base import Layer, LayerError
+
+
+class BatchNorm(Layer):
+    type = "batchnorm"
+
+    def setup(self, dist: Distribution) -> None:
+        super().setup(dist)
+        (in_shape,) = self.in_shapes
+        hp = self.hparams
+        self.eps = float(hp.get("eps", 1e-5))
+        self.momentum = float(hp.get("momentum", 0.1))
+        self.sync = hp.get("sync", "group")
+        if self.sync not in ("group", "global"):
+            raise LayerError(f"layer '{self.name}' (batchnorm): sync must be 'group' or 'global', "
+                             f"got {self.sync!r}")
+        spatial = [n for n in dist.dim_names if n not in ("n", "c")]
+        self.stat_dims = spatial + (["n"] if self.sync == "global" else [])
+        self.stats_comm = self.ctx.block_comm(dist, self.stat_dims)
+        c = in_shape[1]
+        cbox = dist.box(in_shape, self.ctx.rank)[1]
+        reduce_dims = [d for d in dist.dim_names if d != "c"]
+        self.gamma = self.new_param("scale", (c,), np.ones(c), (cbox,), dist, reduce_dims)
+        self.beta = self.new_param("bias", (c,), None, (cbox,), dist, reduce_dims)
+        xp = self.ctx.xp
+        self.running_mean = xp.zeros(cbox[1] - cbox[0])
+        self.running_var = xp.ones(cbox[1] - cbox[0])
+
+    def fp_compute(self, xs):
+        (x,) = xs
+        xp = self.ctx.xp
+        if not self.train:
+            self._saved = None
+            return K.bn_forward(x, self.running_mean, self.running_var, self.gamma.value, self.beta.value,
+                                self.eps)
+        s, sq, count = K.bn_local_stats(x)
+        packed = xp.concatenate([s, sq, xp.asarray([float(count)])])
+        tot = self.stats_comm.allreduce(packed)
+        c = s.shape[0]
+        count = float(tot[-1])
+        mean, var = K.bn_mean_var(tot[:c], tot[c:2 * c], count)
+        m = self.momentum
+        unbiased = var * (count / max(count - 1.0, 1.0))
+        self.running_mean = (1 - m) * self.running_mean + m * mean
+        self.running_var = (1 - m) * self.running_var + m * unbiased
+        self._saved = (x, mean, var, count)
+        return K.bn_forward(x, mean, var, self.gamma.value, self.beta.value, self.eps)
+
+    def bp_compute(self, dy):
+        x, mean, var, count = self._saved
+        xp = self.ctx.xp
+        sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, self.gamma.value, self.eps)
+        # gradients of scale/shift are partial sums over this block; the grad sync sums them
+        dgamma, dbeta = K.bn_backward_params(sum_dy, sum_dy_xhat)
+        self.gamma.grad += xp.asarray(dgamma, dtype=self.gamma.grad.dtype)
+        self.beta.grad += xp.asarray(dbeta, dtype=self.beta.grad.dtype)
+        c = sum_dy.shape[0]
+        tot = self.stats_comm.allreduce(xp.concatenate([sum_dy, sum_dy_xhat]))
+        dx = K.bn_backward_data(dy, x, mean, var, self.gamma.value, self.eps, tot[:c], tot[c:], count)
+        self._saved = None
+        return [dx]

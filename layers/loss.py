@@ -1,0 +1,100 @@
+"""Losses and metrics over distributed logits, reduced exactly once across ranks.
+
+* ``cross_entropy``: logits ``(N, K)`` split by samples; labels ``(N,)`` integers.
+* ``pixel_cross_entropy``: logits ``(N, K, [D,] H, W)`` split by samples and space; labels stored at the
+  *input* resolution ``(N, [D,] H0, W0)`` with ``H0 = f·H``; a prediction cell is positive if any input
+  pixel under it is (Dryden et al.'s mesh-tangling label reduction), done inside the loss.
+
+Both are means over the global number of predictions, so the gradient of every rank's block is a partial
+of the global loss and sums of partials over ranks are exact. Metrics are counts (correct predictions;
+true/false positives and false negatives per class) summed over the block group, from which accuracy and
+intersection-over-union follow.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from lbannpy.dist import Distribution
+from lbannpy.shuffle import ShufflePlan
+from lbannpy.tensor import DistTensor
+
+from . import kernels as K
+from .base import LayerContext, LayerError
+
+
+class Loss:
+    """The loss on the model's output. ``forward`` returns the global loss; ``backward`` the logits grad."""
+
+    def __init__(self, kind: str, ctx: LayerContext, logits_shape, logits_dist: Distribution,
+                 label_shape=None, num_classes_metric: int | None = None):
+        self.kind, self.ctx = kind, ctx
+        self.logits_shape = tuple(logits_shape)
+        self.src_dist = logits_dist
+        nd = len(self.logits_shape)
+        if kind == "cross_entropy":
+            if nd != 2:
+                raise LayerError(f"loss cross_entropy needs (N, classes) logits, got {self.logits_shape}; "
+                                 f"end the model with an fc layer or use pixel_cross_entropy")
+            self.dist = Distribution((logits_dist.split[0], logits_dist.split[1]), logits_dist.ranks,
+                                     (1,) if logits_dist.split[1] > 1 else ())
+            self.factors = ()
+        elif kind == "pixel_cross_entropy":
+            if nd not in (4, 5):
+                raise LayerError(f"loss pixel_cross_entropy needs (N, classes, [D,] H, W) logits, got "
+                                 f"{self.logits_shape}")
+            split = list(logits_dist.split)
+            rep = (1,) if split[1] > 1 else ()
+            self.dist = Distribution(tuple(split), logits_dist.ranks, rep)
+            label_shape = tuple(label_shape)
+            self.factors = tuple(int(a // b) for a, b in zip(label_shape[1:], self.logits_shape[2:]))
+            if any(a != b * f for a, b, f in zip(label_shape[1:], self.logits_shape[2:], self.factors)):
+                raise LayerError(f"labels of shape {label_shape} are not an integer multiple of the "
+                                 f"prediction's spatial shape {self.logits_shape[2:]}; choose an input size "
+                                 f"divisible by the model's total stride")
+        else:
+            raise LayerError(f"unknown loss '{kind}'; use cross_entropy or pixel_cross_entropy")
+        self.plan = None if self.dist == logits_dist else ShufflePlan(logits_dist, self.dist,
+                                                                      self.logits_shape, ctx.rank)
+        self.group = ctx.block_comm(self.dist)
+        self.count = int(np.prod([self.logits_shape[0]] + list(self.logits_shape[2:])))
+        self.num_classes = self.logits_shape[1]
+
+    def label_box(self):
+        """Box of the labels this rank needs: samples and (scaled) spatial block of its logits."""
+        box = self.dist.box(self.logits_shape, self.ctx.rank)
+        out = [box[0]]
+        for (a, b), f in zip(box[2:], self.factors):
+            out.append((a * f, b * f))
+        return tuple(out)
+
+    def forward(self, logits: DistTensor, labels_local):
+        ctx, xp = self.ctx, self.ctx.xp
+        z = logits.local if self.plan is None else self.plan.start(ctx.comm, logits.local).wait()
+        labels = xp.asarray(labels_local)
+        if self.factors:
+            labels = K.downsample_labels_any(labels, self.factors)
+        loss_sum, self._grad = K.cross_entropy(z, labels, self.count)
+        correct, _ = K.accuracy_counts(z, labels)
+        tp, fp, fn = K.iou_counts(z, labels, self.num_classes)
+        stats = np.concatenate([[float(loss_sum), float(correct)], np.asarray(tp, dtype=np.float64),
+                                np.asarray(fp, dtype=np.float64), np.asarray(fn, dtype=np.float64)])
+        tot = self.group.allreduce(stats)
+        k = self.num_classes
+        tp, fp, fn = tot[2:2 + k], tot[2 + k:2 + 2 * k], tot[2 + 2 * k:]
+        metrics = {"loss": float(tot[0] / self.count), "accuracy": float(tot[1] / self.count)}
+        if k == 2:  # binary segmentation: IoU of the positive class
+            d = tp[1] + fp[1] + fn[1]
+            metrics["iou"] = float(tp[1] / d) if d > 0 else 0.0
+        else:
+            d = tp + fp + fn
+            metrics["miou"] = float(np.mean(tp[d > 0] / d[d > 0])) if (d > 0).any() else 0.0
+        return metrics["loss"], metrics
+
+    def backward(self) -> DistTensor:
+        g = self._grad
+        self._grad = None
+        if g is None:
+            raise LayerError("loss backward called before forward")
+        if self.plan is not None:
+            g = self.plan.reverse().start(self.ctx.comm, g).wait()
+        return DistTensor(g, self.logits_shape, self.src_dist, self.ctx.rank)

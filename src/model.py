@@ -1,0 +1,119 @@
+"""The model graph: layers built from the config's ``model`` tree, each with its distribution.
+
+Layers are configured in topological order on every rank (so group communicators are created in the
+same order everywhere). Where a layer's input distribution differs from its parent's output distribution,
+the layer's base class redistributes (and reverses that in backprop). Gradients of a tensor consumed by
+several layers are summed in the parent's output distribution.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from lbannpy.dist import DIM_NAMES, Distribution, DistributionError
+from lbannpy.layers.base import Layer, LayerContext, LayerError
+from lbannpy.layers.registry import layer_classes
+from lbannpy.tensor import DistTensor
+
+INPUT_NAMES = ("x", "input")
+
+
+class ModelError(ValueError):
+    """A model that cannot be built: names the layer and the fix."""
+
+
+def layer_dist(layer_type: str, splittable, ndim: int, ranks: int, default: dict, override: dict | None):
+    """The distribution of a layer's output: the per-layer override as given (unsupported dims are refused
+    by the layer), else the default restricted to what this layer type can split and its tensor has."""
+    names = DIM_NAMES[ndim]
+    if override is not None:
+        degrees = {k: int(v) for k, v in override.items() if k in ("n", "c", "d", "h", "w")}
+        extra = [k for k, v in degrees.items() if k not in names and v > 1]
+        if extra:
+            raise ModelError(f"a {layer_type} layer has a rank-{ndim} output {names}; it cannot split {extra}")
+        degrees = {k: v for k, v in degrees.items() if k in names}
+    else:
+        degrees = {k: int(v) for k, v in (default or {}).items() if k in names and k in splittable}
+    return Distribution.make(ndim, ranks, **degrees)
+
+
+class Model:
+    def __init__(self, model_spec: dict, batch_size: int, ctx: LayerContext, parallel: dict | None = None):
+        parallel = parallel or {}
+        self.ctx = ctx
+        self.spec = model_spec
+        inp = model_spec["input"]
+        spatial = tuple(int(s) for s in inp["spatial"])
+        self.input_shape = (int(batch_size), int(inp["channels"])) + spatial
+        ranks = ctx.size
+        default = parallel.get("default") or {}
+        overrides = parallel.get("layers") or {}
+        in_override = next((overrides[n] for n in INPUT_NAMES if n in overrides), None)
+        self.input_dist = layer_dist("input", ("n", "c", "d", "h", "w"), len(self.input_shape), ranks,
+                                     default, in_override)
+        classes = layer_classes()
+        self.layers: list[Layer] = []
+        self.parents: dict[str, list[str]] = {}
+        shapes = {n: self.input_shape for n in INPUT_NAMES}
+        dists = {n: self.input_dist for n in INPUT_NAMES}
+        prev = INPUT_NAMES[0]
+        for i, spec in enumerate(model_spec["layers"]):
+            spec = dict(spec)
+            name = spec.pop("name")
+            ltype = spec.pop("type")
+            parents = spec.pop("parents", None) or [prev]
+            if isinstance(parents, str):
+                parents = [parents]
+            if ltype not in classes:
+                raise ModelError(f"model.layers[{i}] '{name}': unknown layer type '{ltype}'")
+            for p in parents:
+                if p not in shapes:
+                    raise ModelError(f"model.layers[{i}] '{name}': parent '{p}' is not an earlier layer")
+            layer = classes[ltype](name, **spec)
+            in_shapes = [shapes[p] for p in parents]
+            ndim = 2 if ltype == "fc" else len(in_shapes[0])
+            try:
+                dist = layer_dist(ltype, layer.splittable, ndim, ranks, default, overrides.get(name))
+                layer.configure(ctx, in_shapes, [dists[p] for p in parents], dist)
+            except (DistributionError, ModelError) as exc:
+                raise LayerError(f"layer '{name}' ({ltype}): {exc}") from exc
+            self.layers.append(layer)
+            self.parents[name] = list(parents)
+            shapes[name] = layer.out_shape
+            dists[name] = layer.out_dist
+            prev = name
+        self.output = self.layers[-1]
+        self.consumers: dict[str, int] = {}
+        for ps in self.parents.values():
+            for p in ps:
+                self.consumers[p] = self.consumers.get(p, 0) + 1
+
+    @property
+    def params(self):
+        return [p for layer in self.layers for p in layer.params]
+
+    def set_train(self, train: bool) -> None:
+        for layer in self.layers:
+            layer.train = train
+
+    def forward(self, x: DistTensor) -> DistTensor:
+        acts: dict[str, Any] = {n: x for n in INPUT_NAMES}
+        for layer in self.layers:
+            acts[layer.name] = layer.forward([acts[p] for p in self.parents[layer.name]])
+        self._acts = acts
+        return acts[self.output.name]
+
+    def backward(self, dy: DistTensor) -> DistTensor | None:
+        grads: dict[str, DistTensor] = {self.output.name: dy}
+        for layer in reversed(self.layers):
+            g = grads.pop(layer.name, None)
+            if g is None:
+                raise ModelError(f"layer '{layer.name}' does not reach the loss; remove it or connect it")
+            dxs = layer.backward(g)
+            for p, dx in zip(self.parents[layer.name], dxs):
+                key = INPUT_NAMES[0] if p in INPUT_NAMES else p
+                if key in grads:
+                    grads[key] = DistTensor(grads[key].local + dx.local, dx.global_shape, dx.dist, dx.rank)
+                else:
+                    grads[key] = dx
+        self._acts = None
+        return grads.get(INPUT_NAMES[0])

@@ -1,0 +1,121 @@
+"""Optimizers (SGD with momentum and weight decay, Adam) and learning-rate schedules.
+
+They update each parameter's local piece from its (already synchronised) gradient; the state (momentum,
+moments) has the shape of the local piece and is saved in checkpoints in global form by the trainer.
+``step_params`` updates a subset, so the overlap engine can update a bucket as soon as its reduction
+completes.
+"""
+from __future__ import annotations
+
+import math
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def learning_rate(base_lr: float, step: int, total_steps: int, schedule: dict | None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): optional linear warmup, then none/step/cosine."""
+    sched = schedule or {}
+    kind = sched.get("type", "none")
+    warm = int(sched.get("warmup_steps", 0))
+    if warm and step < warm:
+        return base_lr * (step + 1) / warm
+    s = step - warm
+    if kind in ("none", None):
+        return base_lr
+    if kind == "step":
+        size = int(sched.get("step_size", 1))
+        return base_lr * float(sched.get("gamma", 0.1)) ** (s // max(size, 1))
+    if kind == "cosine":
+        span = max(total_steps - warm, 1)
+        floor = float(sched.get("min_lr", 0.0))
+        return floor + 0.5 * (base_lr - floor) * (1 + math.cos(math.pi * min(s, span) / span))
+    raise ScheduleError(f"unknown learning-rate schedule {kind!r}; use none, step or cosine")
+
+
+class Optimizer:
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, schedule: dict | None = None,
+                 total_steps: int = 1):
+        self.params = list(params)
+        self.base_lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.schedule = schedule
+        self.total_steps = total_steps
+        self.t = 0  # optimizer steps taken
+        self.state: dict[str, dict] = {p.name: {} for p in self.params}
+
+    @property
+    def lr(self) -> float:
+        return learning_rate(self.base_lr, self.t, self.total_steps, self.schedule)
+
+    def step(self) -> None:
+        self.step_params(self.params)
+        self.finish_step()
+
+    def step_params(self, params) -> None:
+        lr = self.lr
+        for p in params:
+            g = p.grad
+            if self.weight_decay:
+                g = g + self.weight_decay * p.value
+            self._update(p, g, lr, self.state[p.name])
+
+    def finish_step(self) -> None:
+        self.t += 1
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad[...] = 0
+
+
+class SGD(Optimizer):
+    def __init__(self, params, lr, momentum: float = 0.0, nesterov: bool = False, **kw):
+        super().__init__(params, lr, **kw)
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+
+    def _update(self, p, g, lr, st):
+        if self.momentum:
+            buf = st.get("momentum")
+            if buf is None:
+                buf = st["momentum"] = g.copy()
+            else:
+                buf *= self.momentum
+                buf += g
+            g = g + self.momentum * buf if self.nesterov else buf
+        p.value -= lr * g
+
+
+class Adam(Optimizer):
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps: float = 1e-8, **kw):
+        super().__init__(params, lr, **kw)
+        self.b1, self.b2 = (float(b) for b in betas)
+        self.eps = float(eps)
+
+    def _update(self, p, g, lr, st):
+        if "m" not in st:
+            st["m"] = g * 0
+            st["v"] = g * 0
+        m, v = st["m"], st["v"]
+        m *= self.b1
+        m += (1 - self.b1) * g
+        v *= self.b2
+        v += (1 - self.b2) * g * g
+        t = self.t + 1
+        mhat = m / (1 - self.b1 ** t)
+        vhat = v / (1 - self.b2 ** t)
+        p.value -= lr * mhat / (vhat ** 0.5 + self.eps)
+
+
+def make_optimizer(cfg: dict, params, total_steps: int) -> Optimizer:
+    kind = cfg.get("type", "sgd")
+    common = dict(weight_decay=cfg.get("weight_decay", 0.0), schedule=cfg.get("schedule"),
+                  total_steps=total_steps)
+    if kind == "sgd":
+        return SGD(params, cfg.get("lr", 0.01), momentum=cfg.get("momentum", 0.0),
+                   nesterov=bool(cfg.get("nesterov", False)), **common)
+    if kind == "adam":
+        return Adam(params, cfg.get("lr", 1e-3), betas=cfg.get("betas", (0.9, 0.999)),
+                    eps=cfg.get("eps", 1e-8), **common)
+    raise ScheduleError(f"unknown optimizer {kind!r}; use sgd or adam")
