@@ -1,0 +1,121 @@
+"""Losses and metrics as local partial sums that the caller reduces over the ranks holding a batch.
+
+Logits have the class dimension at axis 1: ``(N, K)`` for classification, ``(N, K, *spatial)`` for
+segmentation; integer labels are ``(N,)`` or ``(N, *spatial)``. The mean is over the *global* number of
+terms, which the caller passes as ``global_count`` (samples, or samples x pixels), so ``dlogits`` is final
+and the loss is ``allreduce(partial_sum) / global_count``.
+"""
+from __future__ import annotations
+
+import numpy
+
+from lbannpy.backend import array_module
+
+from ._geometry import KernelShapeError, per_dim
+
+
+def _class_ids(xp, k, ndim):
+    return xp.arange(k).reshape((1, k) + (1,) * (ndim - 2))
+
+
+def _log_softmax(xp, logits):
+    m = logits.max(axis=1, keepdims=True)
+    z = logits - m
+    lse = xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+    return z - lse
+
+
+def cross_entropy(logits, labels, global_count):
+    """Softmax cross-entropy over axis 1 -> ``(partial_loss_sum, dlogits)``.
+
+    ``labels`` are class indices (one fewer dimension than ``logits``) or class probabilities (the shape of
+    ``logits``). ``partial_loss_sum`` is a float64 scalar array: the sum of the local per-term losses;
+    ``dlogits = (softmax - target) / global_count``.
+    """
+    xp = array_module(logits)
+    k = logits.shape[1]
+    logp = _log_softmax(xp, logits)
+    prob = xp.exp(logp)
+    if labels.ndim == logits.ndim:
+        if tuple(labels.shape) != tuple(logits.shape):
+            raise KernelShapeError(f"cross entropy: soft labels {tuple(labels.shape)} must match logits "
+                                   f"{tuple(logits.shape)}")
+        target = labels.astype(logits.dtype)
+        loss = -(target * logp).sum(dtype=numpy.float64)
+        dlogits = prob * target.sum(axis=1, keepdims=True) - target
+    else:
+        want = (logits.shape[0],) + tuple(logits.shape[2:])
+        if tuple(labels.shape) != want:
+            raise KernelShapeError(f"cross entropy: labels {tuple(labels.shape)} must be {want} for logits "
+                                   f"{tuple(logits.shape)}")
+        if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= k):
+            raise KernelShapeError(f"cross entropy: labels must lie in [0, {k}), got "
+                                   f"[{int(labels.min())}, {int(labels.max())}]")
+        onehot = xp.expand_dims(labels, 1) == _class_ids(xp, k, logits.ndim)
+        loss = -xp.where(onehot, logp, 0).sum(dtype=numpy.float64)
+        dlogits = prob - onehot.astype(logits.dtype)
+    dlogits /= logits.dtype.type(global_count)
+    return loss, dlogits
+
+
+def softmax_cross_entropy(logits, labels, global_count):
+    """Classification: ``logits`` ``(N, K)``, ``labels`` ``(N,)``; see :func:`cross_entropy`."""
+    return cross_entropy(logits, labels, global_count)
+
+
+def pixel_cross_entropy(logits, labels, global_count):
+    """Segmentation: ``logits`` ``(N, K, *S)``, ``labels`` ``(N, *S)``; ``global_count`` is the number
+    of labelled pixels in the global batch. See :func:`cross_entropy`."""
+    return cross_entropy(logits, labels, global_count)
+
+
+def downsample_labels_any(labels, factor):
+    """Labels ``(N, *S)`` at input resolution -> ``(N, *ceil(S/factor))``: each cell takes the largest label
+    of the input pixels under it, so for 0/1 masks a cell is positive if any pixel under it is. Cells that
+    stick out past the end see only the pixels that exist. A distributed caller must hand in blocks whose
+    starts are multiples of ``factor``."""
+    xp = array_module(labels)
+    nsp = labels.ndim - 1
+    f = per_dim(factor, nsp, "factor")
+    out = tuple(-(-n // fi) for n, fi in zip(labels.shape[1:], f))
+    if labels.dtype == numpy.bool_:
+        low = False
+    elif numpy.issubdtype(labels.dtype, numpy.integer):
+        low = numpy.iinfo(labels.dtype).min
+    else:
+        low = -numpy.inf
+    padded = xp.full((labels.shape[0],) + tuple(o * fi for o, fi in zip(out, f)), low, dtype=labels.dtype)
+    padded[(slice(None),) + tuple(slice(0, n) for n in labels.shape[1:])] = labels
+    split = (labels.shape[0],) + tuple(v for o, fi in zip(out, f) for v in (o, fi))
+    return padded.reshape(split).max(axis=tuple(range(2, 2 * nsp + 1, 2)))
+
+
+def predictions(logits):
+    """Predicted class per term (first maximum on ties, like ``torch.argmax``)."""
+    return logits.argmax(axis=1)
+
+
+def accuracy_counts(logits, labels):
+    """``(correct, total)`` local counts (ints) of argmax predictions equal to integer labels."""
+    pred = predictions(logits)
+    return int((pred == labels).sum()), int(labels.size)
+
+
+def iou_counts(logits, labels, num_classes=None):
+    """Per-class ``(tp, fp, fn)`` int64 arrays ``(K,)`` of argmax predictions against integer labels, to be
+    summed over ranks; IoU of class k is ``tp / (tp + fp + fn)``."""
+    xp = array_module(logits)
+    k = logits.shape[1] if num_classes is None else int(num_classes)
+    pred = predictions(logits).ravel().astype(xp.int64)
+    lab = labels.ravel().astype(xp.int64)
+    conf = xp.bincount(lab * k + pred, minlength=k * k).reshape(k, k)  # rows: label, columns: prediction
+    tp = xp.diagonal(conf).copy()
+    return tp, conf.sum(axis=0) - tp, conf.sum(axis=1) - tp
+
+
+def iou(tp, fp, fn):
+    """Per-class intersection over union from reduced counts (NaN where a class never occurs)."""
+    xp = array_module(tp)
+    denom = (tp + fp + fn).astype(xp.float64)
+    with numpy.errstate(invalid="ignore", divide="ignore"):
+        return xp.where(denom > 0, tp / xp.where(denom > 0, denom, 1.0), xp.nan)

@@ -1,0 +1,186 @@
+"""Local convolution kernels against PyTorch CPU (float64 to 1e-10; float32 to its own precision)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lbannpy.layers.kernels import conv as kconv
+from lbannpy.layers.kernels import (KernelShapeError, conv_backward_bias, conv_backward_data,
+                                    conv_backward_filter, conv_forward, crop_spatial, pad_spatial)
+
+SPATIAL = {2: (17, 23), 3: (7, 9, 11)}
+BATCH, CHANNELS = 3, 5
+
+
+def assert_close(ours, ref, rtol):
+    """Max-norm relative error: ``max|ours - ref| <= rtol * max|ref|``."""
+    ours, ref = np.asarray(ours), np.asarray(ref)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    scale = max(float(np.abs(ref).max()), 1e-300)
+    err = float(np.abs(ours.astype(np.float64) - ref).max())
+    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    nsp: int
+    kernel: int
+    stride: int
+    dilation: int
+    pads: tuple  # ((lo, hi), ...) per spatial dimension
+    groups: int = 1
+    filters: int = 7
+    bias: bool = True
+
+    @property
+    def id(self) -> str:
+        p = "x".join(f"{lo}-{hi}" for lo, hi in self.pads)
+        return (f"{self.nsp}d-k{self.kernel}-s{self.stride}-d{self.dilation}-p{p}-g{self.groups}"
+                f"{'' if self.bias else '-nobias'}")
+
+
+def _cases():
+    out = []
+    for k, s, d in itertools.product(range(1, 8), (1, 2), (1, 2)):
+        total = d * (k - 1)
+        half = total // 2
+        for lo, hi in ((0, 0), (half, total - half), (half + 1, max(total - half - 1, 0))):
+            out.append(ConvCase(2, k, s, d, ((lo, hi), (hi, lo))))
+    for k, s, d in itertools.product((1, 2, 3, 5), (1, 2), (1, 2)):
+        total = d * (k - 1)
+        out.append(ConvCase(3, k, s, d, ((total // 2, total - total // 2),) * 3))
+    out.append(ConvCase(3, 3, 1, 1, ((0, 2), (1, 0), (2, 1))))
+    out.append(ConvCase(3, 7, 2, 1, ((3, 3),) * 3))
+    out += [ConvCase(2, 3, 1, 1, ((1, 1),) * 2, groups=5, filters=10),
+            ConvCase(2, 3, 2, 2, ((2, 2),) * 2, groups=5, filters=5, bias=False),
+            ConvCase(3, 3, 1, 1, ((1, 1),) * 3, groups=5, filters=10),
+            ConvCase(2, 4, 2, 1, ((1, 2),) * 2, bias=False)]
+    return out
+
+
+CASES = _cases()
+
+
+def _torch_pad(pads):
+    out = []
+    for lo, hi in reversed(pads):  # F.pad lists the last dimension first
+        out += [lo, hi]
+    return out
+
+
+def _reference(case: ConvCase, x, w, b, dy_seed):
+    conv = F.conv2d if case.nsp == 2 else F.conv3d
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(w, requires_grad=True)
+    bt = torch.tensor(b, requires_grad=True) if b is not None else None
+    yt = conv(F.pad(xt, _torch_pad(case.pads)), wt, bt, case.stride, 0, case.dilation, case.groups)
+    dy = np.random.default_rng(dy_seed).standard_normal(tuple(yt.shape))
+    yt.backward(torch.tensor(dy))
+    return (yt.detach().numpy(), dy, xt.grad.numpy(), wt.grad.numpy(),
+            None if bt is None else bt.grad.numpy())
+
+
+def _inputs(case: ConvCase, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, CHANNELS) + SPATIAL[case.nsp])
+    w = rng.standard_normal((case.filters, CHANNELS // case.groups) + (case.kernel,) * case.nsp)
+    b = rng.standard_normal(case.filters) if case.bias else None
+    return x, w, b
+
+
+def _check(case: ConvCase, x, w, b, rtol):
+    y_ref, dy, dx_ref, dw_ref, db_ref = _reference(case, x.astype(np.float64), w.astype(np.float64),
+                                                   None if b is None else b.astype(np.float64), 1)
+    dt = x.dtype
+    xw = pad_spatial(x, case.pads)
+    y = conv_forward(xw, w, b, case.stride, case.dilation)
+    assert y.dtype == dt
+    assert_close(y, y_ref, rtol)
+    dxw = conv_backward_data(dy.astype(dt), w, xw.shape, case.stride, case.dilation)
+    assert dxw.shape == xw.shape and dxw.dtype == dt
+    assert_close(crop_spatial(dxw, case.pads), dx_ref, rtol)
+    dw = conv_backward_filter(xw, dy.astype(dt), w.shape, case.stride, case.dilation)
+    assert dw.shape == w.shape and dw.dtype == dt
+    assert_close(dw, dw_ref, rtol)
+    if db_ref is not None:
+        assert_close(conv_backward_bias(dy.astype(dt)), db_ref, rtol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_conv_float64_matches_torch(case, monkeypatch):
+    x, w, b = _inputs(case)
+    _check(case, x, w, b, 1e-10)
+    # one output row per gathered block: exercises the blocking that large images take
+    monkeypatch.setattr(kconv, "CPU_COLUMN_BYTES", 1)
+    _check(case, x, w, b, 1e-10)
+
+
+F32_CASES = [c for c in CASES if c.pads[0] == (c.dilation * (c.kernel - 1) // 2,) * 2 or c.groups > 1][:12]
+
+
+@pytest.mark.parametrize("case", F32_CASES, ids=lambda c: c.id)
+def test_conv_float32_matches_torch(case):
+    x, w, b = _inputs(case)
+    f32 = np.float32
+    _check(case, x.astype(f32), w.astype(f32), None if b is None else b.astype(f32), 2e-5)
+
+
+def test_padding_lost_window_gradient_is_adjoint():
+    """<conv(pad(x)), dy> == <x, crop(conv_backward_data(dy))>: the data gradient is the exact adjoint."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 11, 13))
+    w = rng.standard_normal((6, 4, 3, 5))
+    pads = ((1, 2), (2, 2))
+    y = conv_forward(pad_spatial(x, pads), w, None, 2, 1)
+    dy = rng.standard_normal(y.shape)
+    dx = crop_spatial(conv_backward_data(dy, w, pad_spatial(x, pads).shape, 2, 1), pads)
+    assert abs(np.vdot(y, dy) - np.vdot(x, dx)) <= 1e-10 * abs(np.vdot(y, dy))
+
+
+def test_pad_value_and_crop_roundtrip():
+    x = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+    xw = pad_spatial(x, ((1, 2), (0, 3)), value=-np.inf)
+    assert xw.shape == (2, 3, 7, 8)
+    assert np.isneginf(xw[:, :, 0]).all() and np.isneginf(xw[:, :, :, 5:]).all()
+    np.testing.assert_array_equal(crop_spatial(xw, ((1, 2), (0, 3))), x)
+
+
+@pytest.mark.parametrize("bad", ["window-too-small", "channels", "dy-shape", "dtype"])
+def test_conv_refuses_bad_shapes(bad):
+    x = np.zeros((1, 4, 5, 5))
+    w = np.zeros((2, 4, 3, 3))
+    with pytest.raises(KernelShapeError):
+        if bad == "window-too-small":
+            conv_forward(x[:, :, :2], w)
+        elif bad == "channels":
+            conv_forward(x, np.zeros((2, 3, 3, 3)))
+        elif bad == "dy-shape":
+            conv_backward_filter(x, np.zeros((1, 2, 4, 4)), w.shape)
+        else:
+            conv_forward(x.astype(np.float32), w)
+
+
+def test_conv_cupy_matches_numpy():
+    cp = pytest.importorskip("cupy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver or no device
+        pytest.skip(f"no usable GPU: {exc}")
+    for case in CASES[::7]:
+        x, w, b = _inputs(case)
+        xw = pad_spatial(x, case.pads)
+        y = conv_forward(xw, w, b, case.stride, case.dilation)
+        dy = np.random.default_rng(2).standard_normal(y.shape)
+        got = [conv_forward(cp.asarray(xw), cp.asarray(w), None if b is None else cp.asarray(b),
+                            case.stride, case.dilation),
+               conv_backward_data(cp.asarray(dy), cp.asarray(w), xw.shape, case.stride, case.dilation),
+               conv_backward_filter(cp.asarray(xw), cp.asarray(dy), w.shape, case.stride, case.dilation)]
+        want = [y, conv_backward_data(dy, w, xw.shape, case.stride, case.dilation),
+                conv_backward_filter(xw, dy, w.shape, case.stride, case.dilation)]
+        for g, r in zip(got, want):
+            assert_close(cp.asnumpy(g), r, 1e-10)
