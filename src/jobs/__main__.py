@@ -1,0 +1,127 @@
+"""python -m lbannpy.jobs: render SLURM batch scripts, and the helper steps those scripts run.
+
+  render TEMPLATE [--site S --nodes N --tasks-per-node T --gpus-per-node G --cpus-per-task C --time T
+                   --partition P --account A --env-setup LINES --config PATH] [-o FILE]
+  render-all [--dir jobs] [--check]     the committed jobs/*.sbatch (local site)
+  list                                  templates and sites
+  adapt-spec ZOO.yaml -o SPEC.yaml [--size N --data F.h5 --samples M --steps S --batch-size B]
+  synth-images --like SPEC.yaml --samples M -o F.h5
+  config-value CONFIG.h5 KEY
+  scaling RUN_DIR [-o scaling.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import helpers
+from .render import JobSpec, JobSpecError, render, render_all
+from .sites import SITES
+from .templates import TEMPLATES
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lbannpy.jobs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("render", help="render one batch script")
+    r.add_argument("template", choices=sorted(TEMPLATES))
+    r.add_argument("--site", default="local", help=f"one of {', '.join(SITES)} (default local)")
+    r.add_argument("--nodes", type=int)
+    r.add_argument("--tasks-per-node", type=int)
+    r.add_argument("--gpus-per-node", type=int)
+    r.add_argument("--cpus-per-task", type=int)
+    r.add_argument("--time", help="HH:MM:SS or D-HH:MM:SS")
+    r.add_argument("--partition")
+    r.add_argument("--account")
+    r.add_argument("--env-setup", help="extra shell lines run before the job (newline-separated)")
+    r.add_argument("--config", help="default config path baked in (the script's first argument still wins)")
+    r.add_argument("-o", "--output", help="file to write (default: stdout)")
+
+    ra = sub.add_parser("render-all", help="render the committed jobs/*.sbatch")
+    ra.add_argument("--dir", default="jobs", help="output directory (default: jobs)")
+    ra.add_argument("--check", action="store_true", help="only compare; exit 1 when a file differs")
+
+    sub.add_parser("list", help="templates and sites")
+
+    a = sub.add_parser("adapt-spec", help="resize a zoo spec for a job's default config")
+    a.add_argument("src")
+    a.add_argument("-o", "--output", required=True)
+    a.add_argument("--size", type=int)
+    a.add_argument("--data")
+    a.add_argument("--samples", type=int)
+    a.add_argument("--steps", type=int)
+    a.add_argument("--batch-size", type=int)
+
+    s = sub.add_parser("synth-images", help="random images + labels shaped like a spec's input")
+    s.add_argument("--like", required=True)
+    s.add_argument("--samples", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-o", "--output", required=True)
+
+    c = sub.add_parser("config-value", help="print one dotted key of a config.h5")
+    c.add_argument("config")
+    c.add_argument("key")
+
+    sc = sub.add_parser("scaling", help="scaling table from RUN_DIR/{strong,weak}-P/summary.json")
+    sc.add_argument("run_dir")
+    sc.add_argument("-o", "--output", help="CSV file to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "render":
+            spec = JobSpec.for_site(
+                args.template, site=args.site, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+                partition=args.partition, account=args.account, env_setup=args.env_setup, config=args.config)
+            text = render(spec)
+            if args.output:
+                out = Path(args.output)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(text)
+                out.chmod(0o755)
+                print(f"wrote {out}", file=sys.stderr)
+            else:
+                sys.stdout.write(text)
+        elif args.cmd == "render-all":
+            paths = render_all(Path(args.dir), check=args.check)
+            if args.check:
+                for path in paths:
+                    print(f"differs from a fresh render: {path}", file=sys.stderr)
+                return 1 if paths else 0
+            for path in paths:
+                print(f"wrote {path}")
+        elif args.cmd == "list":
+            for t in TEMPLATES.values():
+                print(f"template {t.name:<10} {t.description}")
+            for s in SITES.values():
+                print(f"site     {s.name:<13} gpus/node={s.gpus_per_node} mpi={s.mpi} "
+                      f"partition={s.partition or '(default)'}: {s.description}")
+        elif args.cmd == "adapt-spec":
+            helpers.adapt_spec(Path(args.src), Path(args.output), size=args.size, data=args.data,
+                               samples=args.samples, steps=args.steps, batch_size=args.batch_size)
+        elif args.cmd == "synth-images":
+            shape, classes = helpers.synth_images(Path(args.like), Path(args.output), args.samples, args.seed)
+            print(f"wrote {args.output}: inputs {shape} float32, labels over {classes} classes")
+        elif args.cmd == "config-value":
+            value = helpers.config_value(Path(args.config), args.key)
+            print(value)
+        elif args.cmd == "scaling":
+            rows = helpers.scaling_table(Path(args.run_dir))
+            csv_text, table = helpers.format_scaling(rows)
+            if args.output:
+                helpers._write_atomic(Path(args.output), csv_text)
+            sys.stdout.write(table)
+    except (JobSpecError, helpers.JobHelperError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Render SLURM batch scripts from typed parameters.
+
+    spec = JobSpec.for_site("mesh1k", site="gpu-cluster", nodes=4, time="02:00:00")
+    text = render(spec)
+
+Scripts are never edited by hand: ``jobs/*.sbatch`` are ``render_all()`` output, checked by a test.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .sites import SITES, Site
+from .templates import BODIES, BUILDERS, CONFIG_ARG, PREAMBLE, TEMPLATES, USAGE
+
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:,[A-Za-z0-9_.-]+)*$")
+
+DEVICE_NOTE = (
+    "Devices: srun gives every rank all of its node's GPUs; the lbannpy runtime (comm/runtime.py) picks",
+    "  GPU number SLURM_LOCALID (the node-local rank), so no CUDA_VISIBLE_DEVICES is set here and ranks",
+    "  never share a GPU as long as tasks-per-node <= gpus-per-node.",
+)
+
+
+class JobSpecError(ValueError):
+    """A job parameter is invalid; the message names the parameter, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a rendered batch script depends on. Build with :meth:`for_site` to get site defaults."""
+
+    template: str
+    site: str
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    time: str                          # HH:MM:SS or D-HH:MM:SS
+    partition: str | None = None       # None: the cluster's default partition
+    account: str | None = None
+    env_setup: tuple[str, ...] = field(default=())   # extra shell lines after the site's
+    config: str | None = None          # default config path baked in (the first argument still wins)
+
+    def __post_init__(self) -> None:
+        if self.template not in TEMPLATES:
+            raise JobSpecError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
+        if self.site not in SITES:
+            raise JobSpecError(f"unknown site {self.site!r}; choose one of {', '.join(SITES)} "
+                               f"(add a site to src/jobs/sites.py)")
+        for name, low in (("nodes", 1), ("tasks_per_node", 1), ("gpus_per_node", 0), ("cpus_per_task", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise JobSpecError(f"{name} must be an integer, got {value!r}")
+            if value < low:
+                raise JobSpecError(f"{name} must be >= {low}, got {value}")
+        site = SITES[self.site]
+        if self.gpus_per_node > site.gpus_per_node:
+            raise JobSpecError(f"gpus_per_node={self.gpus_per_node} but site {site.name!r} has "
+                               f"{site.gpus_per_node} GPU(s) per node; use --gpus-per-node "
+                               f"<= {site.gpus_per_node}")
+        if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
+            raise JobSpecError(f"tasks_per_node={self.tasks_per_node} > gpus_per_node={self.gpus_per_node}: "
+                               f"ranks would share GPUs (the runtime binds rank SLURM_LOCALID to GPU "
+                               f"SLURM_LOCALID); use --tasks-per-node <= {self.gpus_per_node}")
+        if not isinstance(self.time, str) or not _TIME_RE.match(self.time):
+            raise JobSpecError(f"time must be HH:MM:SS or D-HH:MM:SS, got {self.time!r}")
+        days, hours, minutes, seconds = _TIME_RE.match(self.time).groups()
+        if int(minutes) > 59 or int(seconds) > 59:
+            raise JobSpecError(f"time {self.time!r}: minutes and seconds must be < 60")
+        if int(days or 0) + int(hours) + int(minutes) + int(seconds) == 0:
+            raise JobSpecError(f"time {self.time!r} is zero; give the job a wall-clock limit")
+        for name in ("partition", "account"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not _NAME_RE.match(value)):
+                raise JobSpecError(f"{name} {value!r} is not a SLURM name (letters, digits, '_', '.', '-', "
+                                   f"comma-separated)")
+        if not isinstance(self.env_setup, tuple) or not all(isinstance(x, str) for x in self.env_setup):
+            raise JobSpecError("env_setup must be a tuple of shell lines (str)")
+        for line in self.env_setup:
+            if "\n" in line or "\r" in line:
+                raise JobSpecError(f"env_setup line {line!r} contains a newline; give one line per entry")
+            if line.lstrip().startswith("#SBATCH"):
+                raise JobSpecError(f"env_setup line {line!r}: #SBATCH lines after commands are ignored by "
+                                   f"sbatch; use the JobSpec fields (nodes, time, ...) instead")
+        if self.config is not None:
+            if not isinstance(self.config, str) or not self.config.strip() or "\n" in self.config:
+                raise JobSpecError(f"config must be a non-empty one-line path, got {self.config!r}")
+            if self.template in ("calibrate", "mpi-check"):
+                raise JobSpecError(f"template {self.template!r} takes no config")
+
+    @classmethod
+    def for_site(cls, template: str, site: str = "local", **overrides) -> "JobSpec":
+        """A JobSpec whose unset fields come from the site table. ``None`` values count as unset."""
+        if site not in SITES:
+            raise JobSpecError(f"unknown site {site!r}; choose one of {', '.join(SITES)}")
+        known = {f.name for f in fields(cls)} - {"template", "site"}
+        unknown = set(overrides) - known
+        if unknown:
+            raise JobSpecError(f"unknown job parameter(s) {', '.join(sorted(unknown))}; "
+                               f"known: {', '.join(sorted(known))}")
+        s: Site = SITES[site]
+        values = dict(nodes=1, tasks_per_node=s.tasks_per_node, gpus_per_node=s.gpus_per_node,
+                      cpus_per_task=s.cpus_per_task, time=s.time, partition=s.partition)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("env_setup"), (list, str)):
+            env = values["env_setup"]
+            values["env_setup"] = tuple(env.splitlines() if isinstance(env, str) else env)
+        return cls(template=template, site=site, **values)
+
+
+def _fill(text: str, subs: dict[str, str]) -> str:
+    for key, value in subs.items():
+        text = text.replace(f"@{key}@", value)
+    leftover = re.findall(r"@[A-Z_]+@", text)
+    if leftover:
+        raise AssertionError(f"unfilled placeholders {sorted(set(leftover))} in a template")
+    return text
+
+
+def render(spec: JobSpec) -> str:
+    """The batch script for ``spec`` (a complete bash file)."""
+    tpl = TEMPLATES[spec.template]
+    site = SITES[spec.site]
+    subs = {
+        "TEMPLATE": tpl.name,
+        "MODEL": tpl.model,
+        "SIZE": str(tpl.size),
+        "SAMPLES": str(tpl.samples),
+        "STEPS": str(tpl.steps),
+        "SITE": site.name,
+        "MPI": site.mpi,
+    }
+    sbatch = [
+        f"--job-name=lbannpy-{tpl.name}",
+        f"--nodes={spec.nodes}",
+        f"--ntasks-per-node={spec.tasks_per_node}",
+        f"--cpus-per-task={spec.cpus_per_task}",
+        f"--time={spec.time}",
+        "--output=%x-%j.out",
+    ]
+    if spec.gpus_per_node:
+        sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")
+    if spec.partition:
+        sbatch.append(f"--partition={spec.partition}")
+    if spec.account:
+        sbatch.append(f"--account={spec.account}")
+
+    lines = ["#!/bin/bash"]
+    lines += [f"#SBATCH {opt}" for opt in sbatch]
+    lines += [
+        "#",
+        f"# lbannpy job '{tpl.name}': {tpl.description}.",
+        f"# Site '{site.name}': {site.description}.",
+        "# Rendered by `python -m lbannpy.jobs render` from src/jobs/{templates,sites}.py; do not edit, re-render",
+        "# (jobs/*.sbatch: `python -m lbannpy.jobs render-all`).",
+        "#",
+    ]
+    lines += ["# " + _fill(u, subs) for u in USAGE[tpl.kind]]
+    lines += [
+        "# sbatch options on the command line (--nodes, --ntasks-per-node, --time, ...) win over the #SBATCH",
+        "#   lines above; srun lines take their sizes from the allocation.",
+    ]
+    if tpl.kind != "strategy":
+        lines += ["# " + line for line in DEVICE_NOTE]
+    lines.append("")
+
+    env_lines = list(site.env_setup) + list(spec.env_setup)
+    subs["SITE_ENV"] = ("# site environment\n" + "\n".join(env_lines) + "\n") if env_lines else ""
+    text = "\n".join(lines) + "\n" + _fill(PREAMBLE, subs)
+    if tpl.kind in BUILDERS:
+        # the default sits inside "${1:-...}": escape what double quotes would expand
+        config_default = re.sub(r'([\\"$`])', r"\\\1", spec.config or "")
+        subs["CONFIG_DEFAULT"] = config_default
+        subs["BUILD"] = _fill(BUILDERS[tpl.kind], subs)
+        text += _fill(CONFIG_ARG, subs)
+    text += _fill(BODIES[tpl.kind], subs)
+    return text
+
+
+# The committed scripts: every template for the local one-node cluster.
+RENDER_ALL: tuple[JobSpec, ...] = tuple(JobSpec.for_site(name, site="local") for name in TEMPLATES)
+
+
+def render_all(out_dir: Path, check: bool = False) -> list[Path]:
+    """Write (or with ``check`` compare) ``out_dir/<template>.sbatch`` for RENDER_ALL.
+
+    Returns the files written, or with ``check`` the files that differ from a fresh render.
+    """
+    out_dir = Path(out_dir)
+    changed = []
+    for spec in RENDER_ALL:
+        path = out_dir / f"{spec.template}.sbatch"
+        text = render(spec)
+        if check:
+            if not path.is_file() or path.read_text() != text:
+                changed.append(path)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".sbatch.tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(path)
+        changed.append(path)
+    return changed

@@ -1,0 +1,274 @@
+"""The job templates: what each batch script does, as shell fragments filled from a JobSpec.
+
+A template is a frozen record (name, kind, defaults); :func:`lbannpy.jobs.render.render` puts the
+``#SBATCH`` header, the common preamble and the template's body together. Placeholders are ``@NAME@``
+(shell uses ``$`` and ``%`` itself). Rendered scripts must be self-contained: sbatch copies the script into
+its spool directory, so nothing next to the script can be sourced; helpers run as ``python -m lbannpy.jobs``.
+
+Resources are never re-specified on srun lines: srun takes them from the allocation, so sbatch command-line
+options (which win over ``#SBATCH`` lines) decide them. The only size on an srun line is ``-n P`` of the
+scaling sweeps, and P never exceeds ``$SLURM_NTASKS``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("sweep", "train", "calibrate", "strategy", "mpi-check")
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    kind: str             # one of KINDS: which body the script gets
+    description: str
+    model: str = ""       # zoo model the default config is built from ('' = none)
+    size: int = 0         # default image edge in pixels for the default config
+    samples: int = 0      # default number of samples generated for the default config
+    steps: int = 0        # default optimizer steps of the default config
+
+
+TEMPLATES: dict[str, Template] = {
+    t.name: t
+    for t in (
+        Template("mesh1k", "sweep", "mesh tangling at 1024x1024: strong and weak scaling over ranks per sample",
+                 model="mesh1k", size=1024, samples=16, steps=20),
+        Template("mesh2k", "sweep", "mesh tangling at 2048x2048: strong and weak scaling over ranks per sample",
+                 model="mesh2k", size=2048, samples=16, steps=20),
+        Template("resnet50", "train", "ResNet-50 training on the job's ranks (synthetic ImageNet-sized data "
+                 "by default)", model="resnet50", size=224, samples=64, steps=50),
+        Template("calibrate", "calibrate", "measure the machine (compute and alpha-beta communication) "
+                 "for the strategy cost model"),
+        Template("strategy", "strategy", "choose per-layer distributions for the job's rank count and write "
+                 "them into the config", model="mesh1k", size=1024),
+        Template("mpi-check", "mpi-check", "check that srun starts one MPI rank per task with "
+                 "MPI_THREAD_MULTIPLE and node-local ranks (run this first on a new site)"),
+    )
+}
+
+# ------------------------------------------------------------------------------------------------ preamble
+# After the #SBATCH lines and the usage comment. @SITE_ENV@ is the site's env setup plus --env-setup lines.
+PREAMBLE = r"""set -euo pipefail
+
+: "${SLURM_JOB_ID:?submit this script with sbatch (SLURM_JOB_ID is not set)}"
+# srun's MPI plugin for this site; an environment value from the submitter wins.
+export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-@MPI@}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+@SITE_ENV@
+template=@TEMPLATE@
+run_dir="${LBANNPY_RUN_DIR:-run/@TEMPLATE@-$SLURM_JOB_ID}"
+mkdir -p "$run_dir"
+
+lbannpy_job_info() {
+    echo "lbannpy job $SLURM_JOB_ID: template=$template site=@SITE@ host=$(hostname) cwd=$PWD"
+    echo "  nodes=${SLURM_JOB_NUM_NODES:-?} ntasks=${SLURM_NTASKS:-?} tasks_per_node=${SLURM_NTASKS_PER_NODE:-?}" \
+         "cpus_per_task=${SLURM_CPUS_PER_TASK:-1} gpus_per_node=${SLURM_GPUS_PER_NODE:-0}" \
+         "partition=${SLURM_JOB_PARTITION:-?} mpi=$SLURM_MPI_TYPE omp_threads=$OMP_NUM_THREADS"
+    echo "  run_dir=$run_dir"
+}
+lbannpy_job_info
+"""
+
+# Config resolution: $1, else the rendered --config, else the template's built-in default (@BUILD@).
+CONFIG_ARG = r"""
+config="${1:-@CONFIG_DEFAULT@}"
+if [[ -n "$config" ]]; then
+    if [[ ! -f "$config" ]]; then
+        echo "error: config '$config' not found (cwd $PWD); pass an existing CONFIG.h5 as the first argument" \
+             "or none to build the default" >&2
+        exit 2
+    fi
+    echo "  config=$config (given)"
+else
+@BUILD@    echo "  config=$config (built-in default)"
+fi
+"""
+
+# Default config from the zoo: the spec is resized to the env-given sizes before it is built.
+BUILD_MESH = r"""    mesh_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
+    mesh_samples="${LBANNPY_MESH_SAMPLES:-@SAMPLES@}"
+    steps="${LBANNPY_STEPS:-@STEPS@}"
+    batch_size="${LBANNPY_BATCH_SIZE:-}"
+    echo "  building default config: model=@MODEL@ size=$mesh_size samples=$mesh_samples steps=$steps" \
+         "batch_size=${batch_size:-zoo}"
+    input_dir="$run_dir/input"
+    mkdir -p "$input_dir"
+    python -m lbannpy.data mesh --size "$mesh_size" --samples "$mesh_samples" -o "$input_dir/@MODEL@.h5"
+    python -m lbannpy.config zoo @MODEL@ -o "$input_dir/zoo.yaml"
+    python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" \
+        --data "$input_dir/@MODEL@.h5" --size "$mesh_size" --samples "$mesh_samples" --steps "$steps" \
+        ${batch_size:+--batch-size "$batch_size"}
+    python -m lbannpy.config build "$input_dir/spec.yaml" -o "$input_dir/config.h5"
+    config="$input_dir/config.h5"
+"""
+
+BUILD_IMAGES = r"""    image_size="${LBANNPY_IMAGE_SIZE:-@SIZE@}"
+    samples="${LBANNPY_SAMPLES:-@SAMPLES@}"
+    steps="${LBANNPY_STEPS:-@STEPS@}"
+    batch_size="${LBANNPY_BATCH_SIZE:-}"
+    echo "  building default config: model=@MODEL@ size=$image_size samples=$samples steps=$steps" \
+         "batch_size=${batch_size:-zoo}"
+    input_dir="$run_dir/input"
+    mkdir -p "$input_dir"
+    python -m lbannpy.config zoo @MODEL@ -o "$input_dir/zoo.yaml"
+    python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" \
+        --data "$input_dir/images.h5" --size "$image_size" --samples "$samples" --steps "$steps" \
+        ${batch_size:+--batch-size "$batch_size"}
+    python -m lbannpy.jobs synth-images --like "$input_dir/spec.yaml" --samples "$samples" \
+        -o "$input_dir/images.h5"
+    python -m lbannpy.config build "$input_dir/spec.yaml" -o "$input_dir/config.h5"
+    config="$input_dir/config.h5"
+"""
+
+BUILD_MODEL_ONLY = r"""    model="${LBANNPY_MODEL:-@MODEL@}"
+    model_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
+    echo "  building default config: model=$model size=$model_size (no data needed to choose a strategy)"
+    input_dir="$run_dir/input"
+    mkdir -p "$input_dir"
+    python -m lbannpy.config zoo "$model" -o "$input_dir/zoo.yaml"
+    python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" --size "$model_size"
+    python -m lbannpy.config build "$input_dir/spec.yaml" -o "$input_dir/config.h5"
+    config="$input_dir/config.h5"
+"""
+
+# ------------------------------------------------------------------------------------------------ bodies
+BODY_SWEEP = r"""
+# Ranks per sample P = 1, 2, 4, ... up to the job's task count. Every run splits each sample's height over
+# its P ranks (parallel.default.h=P, n=1).
+#   strong-P: the config's mini-batch and image; ideal step time T1/P.
+#   weak-P:   mini-batch B*P, so every rank keeps B samples' worth of pixels; ideal step time T1.
+sweeps="${LBANNPY_SWEEPS:-strong weak}"
+ranks=()
+for (( p = 1; p <= SLURM_NTASKS; p *= 2 )); do ranks+=("$p"); done
+echo "  sweeps=$sweeps ranks_per_sample=${ranks[*]}"
+if [[ " $sweeps " == *" weak "* ]]; then
+    base_batch="$(python -m lbannpy.jobs config-value "$config" trainer.batch_size)"
+    echo "  weak scaling base batch_size=$base_batch (from the config)"
+fi
+for sweep in $sweeps; do
+    for p in "${ranks[@]}"; do
+        case "$sweep" in
+            strong) extra=() ;;
+            weak) extra=(--set "trainer.batch_size=$(( base_batch * p ))") ;;
+            *) echo "error: LBANNPY_SWEEPS holds '$sweep'; use 'strong', 'weak' or both" >&2; exit 2 ;;
+        esac
+        echo "== $sweep scaling: $p rank(s) per sample -> $run_dir/$sweep-$p"
+        srun -n "$p" python -m lbannpy.train "$config" --set parallel.default.n=1 --set "parallel.default.h=$p" \
+            --set "output.dir=$run_dir/$sweep-$p" "${extra[@]}"
+    done
+done
+python -m lbannpy.jobs scaling "$run_dir" -o "$run_dir/scaling.csv"
+echo "done: $run_dir/scaling.csv"
+"""
+
+BODY_TRAIN = r"""
+echo "== training on $SLURM_NTASKS rank(s) -> $run_dir"
+srun python -m lbannpy.train "$config" --set "output.dir=$run_dir"
+echo "done: $run_dir/metrics.csv $run_dir/summary.json"
+"""
+
+BODY_CALIBRATE = r"""
+# The first argument is the machine file to write (not a config).
+machine="${1:-$run_dir/machine.yaml}"
+echo "  machine=$machine"
+mkdir -p "$(dirname "$machine")"
+srun python -m lbannpy.bench calibrate -o "$machine"
+[[ -s "$machine" ]] || { echo "error: calibration wrote no $machine" >&2; exit 1; }
+echo "done: $machine (use it with: python -m lbannpy.strategy CONFIG --ranks P --machine $machine)"
+"""
+
+BODY_STRATEGY = r"""
+# The selection itself is serial; the job's task count is the rank count it plans for.
+machine_args=()
+if [[ -n "${LBANNPY_MACHINE:-}" ]]; then
+    [[ -f "$LBANNPY_MACHINE" ]] || { echo "error: LBANNPY_MACHINE=$LBANNPY_MACHINE not found" >&2; exit 2; }
+    machine_args=(--machine "$LBANNPY_MACHINE")
+fi
+echo "== strategy for $SLURM_NTASKS ranks (machine: ${LBANNPY_MACHINE:-built-in})"
+python -m lbannpy.strategy "$config" --ranks "$SLURM_NTASKS" "${machine_args[@]}" --write --explain \
+    | tee "$run_dir/strategy.txt"
+echo "done: strategy written into $config; explanation in $run_dir/strategy.txt"
+"""
+
+BODY_MPI_CHECK = r"""
+# No config: this job only checks the launcher. Each rank reports; rank 0 checks the whole job.
+check_py='
+import os, socket, sys
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+ntasks = int(os.environ["SLURM_NTASKS"])
+level = MPI.Query_thread()
+row = (comm.rank, comm.size, level, os.environ.get("SLURM_LOCALID"), socket.gethostname())
+rows = comm.gather(row, root=0)
+if comm.rank == 0:
+    problems = []
+    if comm.size != ntasks:
+        problems.append(f"MPI world size {comm.size} != SLURM_NTASKS {ntasks} (wrong --mpi plugin?)")
+    for rank, size, lvl, localid, host in rows:
+        print(f"rank {rank}/{size} host={host} SLURM_LOCALID={localid} "
+              f"thread_multiple={lvl == MPI.THREAD_MULTIPLE}", flush=True)
+        if lvl != MPI.THREAD_MULTIPLE:
+            problems.append(f"rank {rank}: thread level {lvl}, not MPI_THREAD_MULTIPLE")
+        if localid is None:
+            problems.append(f"rank {rank}: SLURM_LOCALID is not set")
+    print(MPI.Get_library_version().splitlines()[0].strip(), flush=True)
+    for p in problems:
+        print("error:", p, file=sys.stderr, flush=True)
+    print("mpi-check:", "FAILED" if problems else f"OK ({comm.size} ranks, MPI_THREAD_MULTIPLE)", flush=True)
+    code = 1 if problems else 0
+else:
+    code = 0
+sys.exit(comm.bcast(code, root=0))
+'
+srun python -m mpi4py -c "$check_py"
+"""
+
+BODIES = {
+    "sweep": BODY_SWEEP,
+    "train": BODY_TRAIN,
+    "calibrate": BODY_CALIBRATE,
+    "strategy": BODY_STRATEGY,
+    "mpi-check": BODY_MPI_CHECK,
+}
+
+BUILDERS = {
+    "sweep": BUILD_MESH,
+    "train": BUILD_IMAGES,
+    "strategy": BUILD_MODEL_ONLY,
+}
+
+# Lines for the usage comment at the top of each script (after the #SBATCH lines).
+USAGE = {
+    "sweep": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
+        "Without CONFIG.h5 the job generates mesh data and builds the zoo model @MODEL@, sized by",
+        "  LBANNPY_MESH_SIZE (default @SIZE@), LBANNPY_MESH_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
+        "  LBANNPY_BATCH_SIZE (default: the zoo's).",
+        "LBANNPY_SWEEPS='strong weak' picks the sweeps; LBANNPY_RUN_DIR the output (run/@TEMPLATE@-JOBID).",
+        "Output: RUN_DIR/strong-P/ and weak-P/ (metrics.csv, summary.json per run) and RUN_DIR/scaling.csv",
+        "  (sweep, ranks, step_s, speedup, efficiency, key) from each run's summary.json.",
+    ),
+    "train": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
+        "Without CONFIG.h5 the job builds the zoo model @MODEL@ on synthetic images, sized by",
+        "  LBANNPY_IMAGE_SIZE (default @SIZE@), LBANNPY_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
+        "  LBANNPY_BATCH_SIZE (default: the zoo's).",
+        "Output: LBANNPY_RUN_DIR (default run/@TEMPLATE@-JOBID): metrics.csv, summary.json.",
+    ),
+    "calibrate": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [MACHINE.yaml]",
+        "The first argument is the machine file to write (default RUN_DIR/machine.yaml), not a config;",
+        "  LBANNPY_RUN_DIR sets RUN_DIR (default run/@TEMPLATE@-JOBID).",
+    ),
+    "strategy": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
+        "Writes the chosen strategy into CONFIG.h5 (python -m lbannpy.strategy --write) for $SLURM_NTASKS",
+        "  ranks; LBANNPY_MACHINE=machine.yaml uses a calibrated machine. Without CONFIG.h5 it builds the",
+        "  zoo model LBANNPY_MODEL (default @MODEL@) at LBANNPY_MESH_SIZE (default @SIZE@).",
+        "Output: LBANNPY_RUN_DIR (default run/@TEMPLATE@-JOBID)/strategy.txt.",
+    ),
+    "mpi-check": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch",
+        "Prints one line per rank and fails unless the MPI world matches SLURM_NTASKS, every rank has",
+        "  MPI_THREAD_MULTIPLE (needed by the gradient-overlap thread) and SLURM_LOCALID is set.",
+    ),
+}
