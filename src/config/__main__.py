@@ -1,0 +1,116 @@
+"""Command line of lbannpy.config.
+
+    python -m lbannpy.config build SPEC.yaml -o CONFIG.h5 [--set key=value ...]
+    python -m lbannpy.config show CONFIG.h5 [--set key=value ...]
+    python -m lbannpy.config validate CONFIG.h5 [--ranks P] [--no-data] [--set key=value ...]
+    python -m lbannpy.config zoo NAME -o SPEC.yaml [--batch-size B] [--input-size S]
+    python -m lbannpy.config schema
+
+Exit status 0 on success; on bad input 1 and one line ``lbannpy.config: error: <key>: <message> (hint: ...)``
+on stderr, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+PROG = "python -m lbannpy.config"
+EXIT_USER_ERROR = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description="Build, show and check lbannpy run configurations.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def overrides(p):
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key, e.g. --set trainer.steps=3 (repeatable)")
+
+    p = sub.add_parser("build", help="check a YAML spec and write config.h5")
+    p.add_argument("spec", help="YAML spec (or a config.h5 to rewrite)")
+    p.add_argument("-o", "--output", required=True, help="config.h5 to write (a .yaml name writes YAML)")
+    p.add_argument("--ranks", type=int, help="also check the parallel degrees against this rank count")
+    overrides(p)
+
+    p = sub.add_parser("show", help="print a config (or spec) as normalized YAML")
+    p.add_argument("config")
+    overrides(p)
+
+    p = sub.add_parser("validate", help="all checks: schema, shapes, rank count, data files")
+    p.add_argument("config")
+    p.add_argument("--ranks", type=int, help="rank count the parallel degrees must fit")
+    p.add_argument("--no-data", action="store_true", help="skip the dataset checks")
+    overrides(p)
+
+    p = sub.add_parser("zoo", help="write the spec of a zoo model")
+    p.add_argument("name")
+    p.add_argument("-o", "--output", required=True, help="YAML spec to write")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--input-size", type=int, nargs="+", metavar="S",
+                   help="spatial input size: one number for every dimension, or one per dimension")
+
+    sub.add_parser("schema", help="print every section, key, default and layer type")
+    return ap
+
+
+def _load(path: str, sets: list[str]) -> dict:
+    from . import apply_overrides, load_config
+
+    cfg = load_config(path)
+    return apply_overrides(cfg, sets) if sets else cfg
+
+
+def run(args) -> int:
+    from . import (ConfigError, check_graph, check_ranks, save_config, schema_text, to_yaml, validate)
+
+    if args.command == "schema":
+        sys.stdout.write(schema_text())
+    elif args.command == "build":
+        cfg = _load(args.spec, args.overrides)
+        graph = check_graph(cfg)
+        if args.ranks is not None:
+            check_ranks(cfg, args.ranks, graph)
+        save_config(cfg, args.output)
+        print(f"wrote {args.output}: model {cfg['model']['name']!r}, {len(cfg['model']['layers'])} layers")
+    elif args.command == "show":
+        sys.stdout.write(to_yaml(_load(args.config, args.overrides)))
+    elif args.command == "validate":
+        cfg = validate(_load(args.config, args.overrides), ranks=args.ranks, data=not args.no_data)
+        ranks = f" on {args.ranks} ranks" if args.ranks is not None else ""
+        print(f"{args.config}: ok{ranks} (model {cfg['model']['name']!r}, {len(cfg['model']['layers'])} layers)")
+    elif args.command == "zoo":
+        from .. import zoo
+
+        size = args.input_size
+        if size is not None and len(size) == 1:
+            size = size[0]
+        try:
+            spec = zoo.get_spec(args.name, batch_size=args.batch_size, input_size=size)
+        except zoo.ZooError as e:
+            from .errors import did_you_mean
+
+            hint = did_you_mean(args.name, zoo.names(), "models") if args.name not in zoo.names() else \
+                "see python -m lbannpy.config zoo --help"
+            raise ConfigError(f"zoo {args.name}", str(e), hint) from None
+        cfg = validate(spec, data=False)
+        save_config(cfg, args.output)
+        print(f"wrote {args.output}: zoo model {args.name!r}, {len(cfg['model']['layers'])} layers")
+    return 0
+
+
+def main(argv=None) -> int:
+    from .errors import ConfigError
+
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        sys.stderr.write(f"lbannpy.config: error: {e.line()}\n")
+        return EXIT_USER_ERROR
+    except OSError as e:  # e.g. an output directory that does not exist
+        sys.stderr.write(f"lbannpy.config: error: {e.filename or ''}: {e.strerror or e}\n")
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

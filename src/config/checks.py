@@ -1,0 +1,259 @@
+"""Checks that look across keys (names, parents, cycles), at the model graph, at a rank count and at the data.
+
+:func:`lbannpy.config.schema.normalize` checks each value on its own; the functions here check how values
+relate. All raise :class:`ConfigError` naming the key path of the problem.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from ..dist import DIM_NAMES, Distribution, DistributionError, Stencil
+from .errors import ConfigError, did_you_mean, join_path
+from .schema import INPUT_NAMES, LAYER_TYPES, normalize
+
+_STENCIL_TYPES = ("conv", "pool")
+_PER_DIM_KEYS = ("kernel", "stride", "dilation")
+
+
+def check_references(cfg: dict) -> None:
+    """Layer names unique, parents known, parent counts per type, no cycle, per-dimension lists as long as
+    the input has spatial dimensions, and ``parallel.layers`` naming existing layers."""
+    model = cfg["model"]
+    layers = model["layers"]
+    nsp = len(model["input"]["spatial"])
+    index: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        name, path = layer["name"], f"model.layers[{i}]"
+        if name in INPUT_NAMES:
+            raise ConfigError(f"{path}.name", f"{name!r} names the model input and cannot name a layer",
+                              "rename the layer")
+        if name in index:
+            raise ConfigError(f"{path}.name", f"duplicate layer name {name!r} (also model.layers[{index[name]}])",
+                              "give every layer a unique name")
+        index[name] = i
+    for i, layer in enumerate(layers):
+        path = f"model.layers[{i}]"
+        spec = LAYER_TYPES[layer["type"]]
+        parents = layer["parents"]
+        for j, p in enumerate(parents):
+            if p not in INPUT_NAMES and p not in index:
+                raise ConfigError(f"{path}.parents[{j}]", f"unknown parent {p!r} of layer {layer['name']!r}",
+                                  did_you_mean(p, list(INPUT_NAMES) + list(index), "layers"))
+        if len(set(parents)) != len(parents):
+            raise ConfigError(f"{path}.parents", f"layer {layer['name']!r} lists a parent twice: {parents}",
+                              "list each parent once")
+        n = len(parents)
+        if n < spec.min_parents or (spec.max_parents is not None and n > spec.max_parents):
+            want = (f"exactly {spec.min_parents}" if spec.min_parents == spec.max_parents
+                    else f"at least {spec.min_parents}")
+            raise ConfigError(f"{path}.parents", f"a {layer['type']} layer takes {want} parent(s), got {n}",
+                              f"give {want} parent(s)")
+        if layer["type"] in _STENCIL_TYPES:
+            _check_stencil(layer, path, nsp)
+    _check_cycles(layers, index)
+    for name in cfg["parallel"]["layers"]:
+        if name not in index and name not in INPUT_NAMES:
+            raise ConfigError(f"parallel.layers.{name}", f"no layer named {name!r}",
+                              did_you_mean(name, list(INPUT_NAMES) + list(index), "layers"))
+
+
+def _check_stencil(layer: dict, path: str, nsp: int) -> None:
+    for key in _PER_DIM_KEYS:
+        v = layer.get(key)
+        if isinstance(v, list) and len(v) != nsp:
+            raise ConfigError(f"{path}.{key}", f"{len(v)} entries for an input with {nsp} spatial "
+                                               f"dimension(s)", f"give {nsp} entries or a single number")
+    try:
+        Stencil.conv(nsp + 2, layer["kernel"], layer["stride"], layer["padding"], layer.get("dilation", 1))
+    except DistributionError as e:
+        raise ConfigError(f"{path}.padding", str(e), f"give one padding entry per spatial dimension ({nsp})")
+
+
+def _check_cycles(layers: list, index: dict) -> None:
+    """Depth-first search; the first cycle found is reported as ``a -> b -> a``."""
+    state = {}  # name -> 1 on the current path, 2 done
+
+    for root in index:
+        if state.get(root):
+            continue
+        stack = [(root, iter(layers[index[root]]["parents"]))]
+        trail = [root]
+        state[root] = 1
+        while stack:
+            name, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[name] = 2
+                stack.pop()
+                trail.pop()
+                continue
+            if nxt in INPUT_NAMES:
+                continue
+            if state.get(nxt) == 1:
+                cyc = trail[trail.index(nxt):] + [nxt]
+                # parents point backwards; show the data flow direction
+                flow = " -> ".join(reversed(cyc))
+                raise ConfigError(f"model.layers[{index[nxt]}].parents", f"cycle in the layer graph: {flow}",
+                                  "a layer cannot (indirectly) feed itself; fix the parents")
+            if not state.get(nxt):
+                state[nxt] = 1
+                trail.append(nxt)
+                stack.append((nxt, iter(layers[index[nxt]]["parents"])))
+
+
+def check_graph(cfg: dict):
+    """Shape inference by :func:`lbannpy.strategy.graph.build_graph`; its errors come back as ConfigError
+    naming the layer's key path. Returns the graph."""
+    from ..strategy import graph as G  # imported late: the config package must load without the strategy
+
+    user_errors = tuple({ValueError, getattr(G, "ShapeError", ValueError)})
+    model = cfg["model"]
+    known = getattr(G, "LAYER_PARAMS", None)
+    if known is not None:
+        # The graph refuses parameters missing from its own list; the schema has already checked every
+        # parameter, so hand it only those it reads (schema-only ones such as batchnorm.sync do not change
+        # shapes).
+        common = {"name", "type", "parents"}
+        model = dict(model, layers=[{k: v for k, v in layer.items() if k in common or k in known.get(
+            layer["type"], ())} for layer in model["layers"]])
+    try:
+        return G.build_graph(model, cfg["trainer"]["batch_size"])
+    except ConfigError:
+        raise
+    except user_errors as e:
+        raise ConfigError(_layer_path(cfg, e), str(e),
+                          "change the layer's parameters or parents so that the shapes agree") from None
+
+
+def _layer_path(cfg: dict, err: Exception) -> str:
+    names = [layer["name"] for layer in cfg["model"]["layers"]]
+    name = getattr(err, "layer", None)
+    if isinstance(name, str) and name in names:
+        return f"model.layers[{names.index(name)}]"
+    for quoted in re.findall(r"['\"]([^'\"]+)['\"]", str(err)):
+        if quoted in names:
+            return f"model.layers[{names.index(quoted)}]"
+    return "model.layers"
+
+
+def check_ranks(cfg: dict, ranks: int, graph=None) -> None:
+    """Every set of degrees in ``parallel`` fits ``ranks`` (their product divides it) and names only
+    dimensions that the tensors have: the input's for the default, and with a ``graph`` (from
+    :func:`check_graph`) each layer's output for its own entry (an fc layer's output is (n, c))."""
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError("--ranks", f"rank count must be a positive integer, got {ranks!r}", "use e.g. 4")
+    ndim = 2 + len(cfg["model"]["input"]["spatial"])
+    par = cfg["parallel"]
+    entries = [("parallel.default", par["default"], ndim)]
+    for k, v in par["layers"].items():
+        node_ndim = ndim if graph is None or k in INPUT_NAMES else len(graph[k].out_shape)
+        entries.append((f"parallel.layers.{k}", v, node_ndim))
+    for path, degrees, ndim in entries:
+        names = DIM_NAMES[ndim]
+        for d, v in degrees.items():
+            if d not in names and v != 1:
+                raise ConfigError(join_path(path, d), f"the model's tensors have no dimension {d!r} "
+                                                      f"(they are {'·'.join(names)})",
+                                  f"split only {', '.join(names)}")
+        try:
+            Distribution.make(ndim, ranks, **{d: v for d, v in degrees.items() if d in names})
+        except DistributionError as e:
+            raise ConfigError(path, str(e), f"change {path} or the rank count") from None
+
+
+def check_data(cfg: dict, base_dir: str | None = None) -> None:
+    """The training (and validation) HDF5 files exist and hold datasets that fit the model input.
+
+    Only metadata (names, shapes, dtypes) is read: no sample is loaded and nothing is allocated from a size
+    found in the file.
+    """
+    data = cfg.get("data")
+    if data is None:
+        return
+    train = data["train"]
+    n = _check_dataset("data.train", train["path"], train, cfg, base_dir, is_train=True)
+    val = data.get("validation")
+    if val and "path" in val:
+        _check_dataset("data.validation", val["path"], train, cfg, base_dir, is_train=False)
+    elif val:
+        held = int(n * val["fraction"])
+        if held < 1 or n - held < 1:
+            raise ConfigError("data.validation.fraction", f"holding out {val['fraction']} of {n} samples "
+                                                          f"leaves {held} for validation and {n - held} for "
+                                                          f"training", "choose a fraction that keeps both "
+                                                                       "non-empty")
+
+
+def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_train: bool) -> int:
+    import h5py  # imported late: only data checks need it
+
+    full = file if os.path.isabs(file) or base_dir is None else os.path.join(base_dir, file)
+    where = f"{path}.path"
+    if not os.path.exists(full):
+        raise ConfigError(where, f"dataset file {full!r} does not exist",
+                          "check the path (relative paths are taken from the working directory) or create "
+                          "the data, e.g. python -m lbannpy.data mesh ...")
+    if not os.path.isfile(full) or not h5py.is_hdf5(full):
+        raise ConfigError(where, f"{full!r} is not an HDF5 file", "point data paths at .h5 files")
+    model = cfg["model"]
+    channels, spatial = model["input"]["channels"], tuple(model["input"]["spatial"])
+    try:
+        with h5py.File(full, "r") as f:
+            for key in ("inputs", "labels"):
+                name = names[key]
+                obj = f.get(name)
+                if not isinstance(obj, h5py.Dataset):
+                    found = [k for k in f if isinstance(f.get(k), h5py.Dataset)]
+                    raise ConfigError(f"data.train.{key}", f"{full!r} has no dataset {name!r}",
+                                      did_you_mean(name, found, "datasets"))
+            x, y = f[names["inputs"]], f[names["labels"]]
+            xshape, xdtype, yshape, ydtype = tuple(x.shape or ()), x.dtype, tuple(y.shape or ()), y.dtype
+    except OSError as e:
+        raise ConfigError(where, f"cannot read {full!r}: {e}", "regenerate the data file") from None
+    want = ("N", channels) + spatial
+    if len(xshape) != len(want) or xshape[1:] != want[1:]:
+        raise ConfigError("data.train.inputs", f"dataset {names['inputs']!r} in {full!r} has shape {xshape}, "
+                                                f"the model input needs (N, C, *spatial) = "
+                                                f"{'(' + ', '.join(map(str, want)) + ')'}",
+                          "make model.input match the data, or use matching data")
+    if xdtype.kind not in "fiu":
+        raise ConfigError("data.train.inputs", f"dataset {names['inputs']!r} in {full!r} has dtype {xdtype}, "
+                                                "not a numeric type", "store inputs as float32/float64")
+    n = xshape[0]
+    if n < 1:
+        raise ConfigError(where, f"dataset {names['inputs']!r} in {full!r} holds no samples",
+                          "use a non-empty dataset")
+    soft = model["loss"] == "cross_entropy" and len(yshape) == 2 and yshape[0] == n and yshape[1] > 1
+    if model["loss"] == "pixel_cross_entropy":
+        ok_shape = yshape in ((n,) + spatial, (n, 1) + spatial)
+        want_y = f"(N, *spatial) = ({n}, {', '.join(map(str, spatial))})"
+    else:
+        ok_shape = yshape in ((n,), (n, 1)) or soft
+        want_y = f"({n},) class indices or ({n}, classes) probabilities"
+    if not ok_shape:
+        raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has shape {yshape}, "
+                                               f"{model['loss']} needs {want_y}",
+                          "make the labels match the inputs and the loss")
+    if ydtype.kind not in ("f" if soft else "iu"):
+        want_t = "probabilities must be floating point" if soft else "class labels must be integers"
+        raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; "
+                                               f"{want_t}", "store labels as int64 (or float32 probabilities)")
+    if is_train and n < cfg["trainer"]["batch_size"]:
+        raise ConfigError(where, f"{full!r} holds {n} samples, fewer than trainer.batch_size = "
+                                 f"{cfg['trainer']['batch_size']}", "lower the batch size or add samples")
+    return n
+
+
+def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = True,
+             base_dir: str | None = None) -> dict:
+    """All checks: schema, references, shapes (``graph``), a rank count (``ranks``) and the data files
+    (``data``). Returns the normal form; raises ConfigError naming the first problem."""
+    cfg = normalize(cfg)
+    check_references(cfg)
+    model_graph = check_graph(cfg) if graph else None
+    if ranks is not None:
+        check_ranks(cfg, ranks, model_graph)
+    if data:
+        check_data(cfg, base_dir)
+    return cfg

@@ -1,0 +1,674 @@
+"""The config schema: the one definition of every section, key, default, allowed value and layer type.
+
+Everything else in :mod:`lbannpy.config` is driven by the tree built here:
+
+* parsing and default filling (:func:`normalize` walks :data:`SCHEMA`),
+* structural validation (each :class:`Type` checks a value and returns its normal form),
+* the YAML and HDF5 round trip (the normal form is the only thing written),
+* documentation (:func:`schema_text`, printed by ``python -m lbannpy.config schema``),
+* the layer registry other packages query (:func:`layer_types`, :func:`layer_params`, :func:`layer_type`).
+
+The normal form is a tree of plain ``dict``/``list``/``int``/``float``/``bool``/``str``; keys appear in
+schema order, every key with a default is present, and a key that is unset and has no default is absent
+(``None`` never appears, so the tree maps one to one onto HDF5 attributes).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError, did_you_mean, join_path
+
+# Names of layers become HDF5 group names and ``--set`` path segments: no '/', '.', '[' or spaces.
+NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
+INPUT_NAMES = ("x", "input")  # the model input, as in lbannpy.strategy.graph; no layer may use these names
+INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
+DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES
+MAX_SPATIAL_DIMS = 3
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED = _Missing()  # a key without a default that must be given
+UNSET = None  # a key without a default that may be left out
+
+
+# --------------------------------------------------------------------------------------------------------
+# value types: check(value, path) returns the normal form or raises ConfigError naming the path
+
+
+def _type_name(value) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Type:
+    """A kind of value. Subclasses implement ``check`` and ``describe`` (one short phrase for docs)."""
+
+    def check(self, value, path: str):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Int(Type):
+    lo: int | None = None
+    hi: int | None = None
+
+    def check(self, value, path):
+        if not _is_int(value):
+            hint = "write a whole number without quotes or a decimal point"
+            if isinstance(value, float) and value.is_integer():
+                hint = f"write {int(value)} instead of {value}"
+            raise ConfigError(path, f"expected an integer, got {_type_name(value)} {value!r}", hint)
+        if self.lo is not None and value < self.lo:
+            what = "positive" if self.lo == 1 else f">= {self.lo}"
+            raise ConfigError(path, f"must be {what}, got {value}",
+                              f"use a value of at least {self.lo}")
+        if self.hi is not None and value > self.hi:
+            raise ConfigError(path, f"must be <= {self.hi}, got {value}", f"use a value of at most {self.hi}")
+        return int(value)
+
+    def describe(self):
+        return "int" + _range_text(self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Float(Type):
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # True: value must be > lo rather than >= lo
+    hi_open: bool = False
+
+    def check(self, value, path):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}",
+                              "write a plain number such as 0.01 or 1e-3, without quotes")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be finite, got {value}", "use a finite number")
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            op = ">" if self.lo_open else ">="
+            raise ConfigError(path, f"must be {op} {self.lo}, got {value}", f"use a value {op} {self.lo}")
+        if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
+            op = "<" if self.hi_open else "<="
+            raise ConfigError(path, f"must be {op} {self.hi}, got {value}", f"use a value {op} {self.hi}")
+        return value
+
+    def describe(self):
+        lo = "" if self.lo is None else ("(" if self.lo_open else "[") + f"{self.lo:g}"
+        hi = "" if self.hi is None else f"{self.hi:g}" + (")" if self.hi_open else "]")
+        if not lo and not hi:
+            return "float"
+        return f"float in {lo or '(-inf'}, {hi or 'inf)'}"
+
+
+@dataclass(frozen=True)
+class Bool(Type):
+    def check(self, value, path):
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {_type_name(value)} {value!r}",
+                              "write true or false without quotes")
+        return value
+
+    def describe(self):
+        return "bool"
+
+
+@dataclass(frozen=True)
+class Str(Type):
+    choices: tuple[str, ...] = ()
+    pattern: re.Pattern | None = None
+    nonempty: bool = True
+
+    def check(self, value, path):
+        if not isinstance(value, str):
+            want = f"one of {', '.join(self.choices)}" if self.choices else "a string"
+            raise ConfigError(path, f"expected {want}, got {_type_name(value)} {value!r}",
+                              "quote the value if it looks like a number or boolean")
+        if self.choices and value not in self.choices:
+            raise ConfigError(path, f"unknown value {value!r}", did_you_mean(value, self.choices))
+        if self.nonempty and not value:
+            raise ConfigError(path, "must not be empty", "give a non-empty string")
+        if self.pattern is not None and not self.pattern.match(value):
+            raise ConfigError(path, f"{value!r} is not a valid name",
+                              "start with a letter; use only letters, digits, '_' and '-'")
+        return value
+
+    def describe(self):
+        return "|".join(self.choices) if self.choices else "str"
+
+
+@dataclass(frozen=True)
+class ListOf(Type):
+    item: Type
+    min_len: int = 0
+    max_len: int | None = None
+
+    def check(self, value, path):
+        if not isinstance(value, list):
+            raise ConfigError(path, f"expected a list of {self.item.describe()}, got {_type_name(value)} "
+                                    f"{value!r}", "write a list such as [1, 2]")
+        n = len(value)
+        if n < self.min_len or (self.max_len is not None and n > self.max_len):
+            span = (f"{self.min_len}" if self.min_len == self.max_len
+                    else f"{self.min_len} to {self.max_len if self.max_len is not None else 'any'}")
+            raise ConfigError(path, f"expected {span} entries, got {n}", f"give {span} entries")
+        return [self.item.check(v, join_path(path, i)) for i, v in enumerate(value)]
+
+    def describe(self):
+        n = ("" if self.max_len is None and not self.min_len else
+             f"{self.min_len}" if self.min_len == self.max_len else
+             f"{self.min_len}..{'' if self.max_len is None else self.max_len}")
+        return f"[{self.item.describe()}]" + (f"×{n}" if n else "")
+
+
+@dataclass(frozen=True)
+class PerDim(Type):
+    """One value for every spatial dimension, or a list with one entry per spatial dimension."""
+
+    item: Type
+
+    def check(self, value, path):
+        if isinstance(value, list):
+            return ListOf(self.item, 1, MAX_SPATIAL_DIMS).check(value, path)
+        return self.item.check(value, path)
+
+    def describe(self):
+        d = self.item.describe()
+        return f"{d} | [{d}] per spatial dim"
+
+
+@dataclass(frozen=True)
+class Padding(Type):
+    """``int >= 0``, ``'same'``, ``'valid'``, ``[lo, hi]`` or a per-dimension list of those
+    (as in :meth:`lbannpy.dist.Stencil.conv`: a two-int list means ``[lo, hi]`` only for one spatial
+    dimension, otherwise one entry per dimension)."""
+
+    words: tuple[str, ...] = ("same", "valid")
+
+    def _one(self, value, path, allow_pair: bool):
+        if isinstance(value, str):
+            return Str(self.words).check(value, path)
+        if isinstance(value, list) and allow_pair:
+            return ListOf(Int(0), 2, 2).check(value, path)
+        if _is_int(value):
+            return Int(0).check(value, path)
+        raise ConfigError(path, f"expected padding (an int >= 0, 'same', 'valid' or [lo, hi]), got "
+                                f"{_type_name(value)} {value!r}", "write e.g. 1, 'same' or [0, 1]")
+
+    def check(self, value, path):
+        if isinstance(value, list):
+            if not 1 <= len(value) <= MAX_SPATIAL_DIMS:
+                raise ConfigError(path, f"expected 1 to {MAX_SPATIAL_DIMS} entries, got {len(value)}",
+                                  "give one entry per spatial dimension, or [lo, hi]")
+            return [self._one(v, join_path(path, i), True) for i, v in enumerate(value)]
+        return self._one(value, path, False)
+
+    def describe(self):
+        return "int>=0 | same | valid | [lo, hi] | per-dim list"
+
+
+def _range_text(lo, hi) -> str:
+    if lo is None and hi is None:
+        return ""
+    if hi is None:
+        return f" >= {lo}"
+    if lo is None:
+        return f" <= {hi}"
+    return f" in [{lo}, {hi}]"
+
+
+# --------------------------------------------------------------------------------------------------------
+# keys, sections, rules
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    type: Type
+    default: Any = UNSET  # REQUIRED, UNSET (may be absent) or a value in normal form
+    doc: str = ""
+    default_from: str | None = None  # when unset, copy the (normalized) value of this sibling key
+    aliases: tuple[str, ...] = ()  # other accepted spellings; the normal form uses ``name``
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def default_text(self) -> str:
+        if self.required:
+            return "required"
+        if self.default_from:
+            return f"= {self.default_from}"
+        if self.default is UNSET:
+            return "optional"
+        return _yaml_scalar(self.default)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """At most one of ``keys`` may be given (exactly one when ``required``); ``default`` fills
+    ``(key, value)`` when none is given."""
+
+    keys: tuple[str, ...]
+    required: bool = False
+    default: tuple[str, Any] | None = None
+
+    def describe(self) -> str:
+        what = "exactly one" if self.required else "at most one"
+        d = f"; default {self.default[0]}: {_yaml_scalar(self.default[1])}" if self.default else ""
+        return f"{what} of {', '.join(self.keys)}{d}"
+
+
+@dataclass(frozen=True)
+class Section(Type):
+    """A mapping with a fixed set of keys. ``optional``: when absent from its parent it stays absent
+    (instead of being filled with defaults)."""
+
+    name: str
+    doc: str
+    keys: tuple = ()  # Key or Section, in the order they are written
+    rules: tuple[OneOf, ...] = ()
+    optional: bool = False
+
+    def field(self, name: str):
+        for k in self.keys:
+            if k.name == name:
+                return k
+        return None
+
+    def names(self) -> list[str]:
+        return [k.name for k in self.keys]
+
+    def _unalias(self, value: dict, path: str) -> dict:
+        out = dict(value)
+        for k in self.keys:
+            for a in getattr(k, "aliases", ()):
+                if a in out:
+                    if out.get(k.name) is not None:
+                        raise ConfigError(join_path(path, a), f"{a!r} and {k.name!r} give the same value twice",
+                                          f"keep only {k.name!r}")
+                    out[k.name] = out.pop(a)
+        return out
+
+    def check(self, value, path):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(path or self.name, f"expected a mapping of keys ({', '.join(self.names())}), "
+                                                 f"got {_type_name(value)} {value!r}",
+                              "write 'key: value' lines indented under the section")
+        value = self._unalias(value, path)
+        for k in value:
+            if not isinstance(k, str) or self.field(k) is None:
+                raise ConfigError(join_path(path, str(k)), f"unknown key {str(k)!r} in {path or 'the spec'}",
+                                  did_you_mean(str(k), self.names(), "keys"))
+        given = {k: v for k, v in value.items() if v is not None}
+        for rule in self.rules:
+            both = [k for k in rule.keys if k in given]
+            if len(both) > 1:
+                raise ConfigError(join_path(path, both[1]), f"{' and '.join(both)} are exclusive",
+                                  f"give only one of {', '.join(rule.keys)}")
+            if not both and rule.required:
+                raise ConfigError(path, f"needs one of {', '.join(rule.keys)}",
+                                  f"add one of {', '.join(rule.keys)}")
+        out = {}
+        for k in self.keys:
+            kpath = join_path(path, k.name)
+            if isinstance(k, Section):
+                if k.name in value:
+                    out[k.name] = k.check(value[k.name], kpath)
+                elif not k.optional:
+                    out[k.name] = k.check({}, kpath)
+                continue
+            if k.name in given:
+                out[k.name] = k.type.check(given[k.name], kpath)
+            elif k.required:
+                raise ConfigError(kpath, f"missing required key {k.name!r}", k.doc or f"add {k.name}")
+            elif k.default_from is None and k.default is not UNSET:
+                out[k.name] = _copy(k.default)
+        for k in self.keys:  # defaults copied from siblings, once those are normal
+            if isinstance(k, Key) and k.default_from and k.name not in out and k.default_from in out:
+                out[k.name] = _copy(out[k.default_from])
+        for rule in self.rules:
+            if rule.default and not any(k in out for k in rule.keys):
+                out[rule.default[0]] = _copy(rule.default[1])
+        return {k: out[k] for k in self.names() if k in out}  # schema order
+
+    def describe(self):
+        return "section"
+
+
+@dataclass(frozen=True)
+class MapOf(Type):
+    """A mapping from user-chosen names (e.g. layer names) to values of one type."""
+
+    value: Type
+    doc: str = ""
+
+    def check(self, value, path):
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping of names, got {_type_name(value)} {value!r}",
+                              "write 'name: {...}' entries")
+        out = {}
+        for k, v in value.items():
+            kp = join_path(path, str(k))
+            Str(pattern=NAME_RE).check(k, kp)
+            out[k] = self.value.check(v, kp)
+        return out
+
+    def describe(self):
+        return "{name: " + self.value.describe() + "}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# the layer registry
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """A layer type: its parameters and how many parents it takes (``max_parents`` None: any number)."""
+
+    name: str
+    doc: str
+    params: tuple[Key, ...] = ()
+    min_parents: int = 1
+    max_parents: int | None = 1
+
+
+NAME_KEY = Key("name", Str(pattern=NAME_RE), REQUIRED, "unique layer name (letters, digits, '_', '-')")
+TYPE_KEY = Key("type", Str(), REQUIRED, "layer type, one of the registry below")
+PARENTS_KEY = Key("parents", ListOf(Str(pattern=NAME_RE)), UNSET,
+                  f"names of the input layers ('{INPUT_NAME}' or 'input': the model input); default: the previous "
+                  f"layer ('{INPUT_NAME}' for the first)")
+COMMON_LAYER_KEYS = (NAME_KEY, TYPE_KEY, PARENTS_KEY)
+
+_POS = Int(1)
+_BIAS = Key("bias", Bool(), True, "learn an additive bias")
+
+LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
+    LayerType("conv", "N-d convolution (cross-correlation) over the spatial dimensions", (
+        Key("filters", _POS, REQUIRED, "output channels"),
+        Key("kernel", PerDim(_POS), 3, "kernel size"),
+        Key("stride", PerDim(_POS), 1, "stride"),
+        Key("padding", Padding(), 0, "zero padding on each side"),
+        Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
+        _BIAS)),
+    LayerType("pool", "max or average pooling over the spatial dimensions", (
+        Key("mode", Str(("max", "avg")), "max", "max or average"),
+        Key("kernel", PerDim(_POS), 2, "window size"),
+        Key("stride", PerDim(_POS), default_from="kernel", doc="stride; default: the kernel size"),
+        Key("padding", Padding(), 0, "padding on each side (ignored by max, zeros for avg)"),
+        Key("global", Bool(), False, "pool each channel over its whole spatial extent (kernel, stride and "
+                                     "padding unused)"))),
+    LayerType("batchnorm", "batch normalization over samples and spatial dimensions, per channel", (
+        Key("eps", Float(0.0, lo_open=True), 1e-5, "added to the variance"),
+        Key("momentum", Float(0.0, 1.0), 0.1, "weight of the new batch in the running statistics"),
+        Key("sync", Str(("group", "global")), "group",
+            "statistics over the ranks holding one sample (group) or over all ranks (global)"))),
+    LayerType("relu", "rectified linear unit"),
+    LayerType("leaky_relu", "leaky rectified linear unit", (
+        Key("slope", Float(0.0), 0.01, "slope for negative inputs", aliases=("negative_slope",)),)),
+    LayerType("dropout", "inverted dropout (identity at evaluation)", (
+        Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element",
+            aliases=("rate",)),)),
+    LayerType("sum", "elementwise sum of its parents (residual connections)", (), 2, None),
+    LayerType("concat", "concatenation of its parents along one dimension", (
+        Key("axis", Int(1), 1, "tensor dimension to concatenate along (1: channels)"),), 2, None),
+    LayerType("fc", "fully connected (flattens a spatial input)", (
+        Key("units", _POS, REQUIRED, "output features"),
+        _BIAS)),
+    LayerType("flatten", "reshape (n, c, spatial...) to (n, c*prod(spatial))"),
+)}
+
+
+def layer_types() -> list[str]:
+    """Names of all layer types, in registry order."""
+    return list(LAYER_TYPES)
+
+
+def layer_type(name: str) -> LayerType:
+    """The registry entry of a layer type; ConfigError (with did-you-mean) for an unknown one."""
+    try:
+        return LAYER_TYPES[name]
+    except KeyError:
+        raise ConfigError("type", f"unknown layer type {name!r}", did_you_mean(name, LAYER_TYPES, "types"))
+
+
+def layer_params(name: str) -> dict[str, Key]:
+    """The type-specific parameters of a layer type (not name/type/parents), in schema order."""
+    return {k.name: k for k in layer_type(name).params}
+
+
+@dataclass(frozen=True)
+class LayerList(Type):
+    """``model.layers``: a non-empty list of layers, each checked against its type's registry entry."""
+
+    def check(self, value, path):
+        if not isinstance(value, list) or not value:
+            raise ConfigError(path, f"expected a non-empty list of layers, got {_type_name(value)}",
+                              "write one '- {name: ..., type: ...}' entry per layer")
+        out = []
+        for i, layer in enumerate(value):
+            out.append(self.check_layer(layer, join_path(path, i), out[-1]["name"] if out else INPUT_NAME))
+        return out
+
+    @staticmethod
+    def check_layer(layer, path, previous: str) -> dict:
+        if not isinstance(layer, dict):
+            raise ConfigError(path, f"expected a layer mapping, got {_type_name(layer)} {layer!r}",
+                              "write {name: ..., type: ..., ...}")
+        if "type" not in layer or layer["type"] is None:
+            raise ConfigError(join_path(path, "type"), "missing required key 'type'",
+                              f"add type: one of {', '.join(LAYER_TYPES)}")
+        ltype = layer["type"]
+        if not isinstance(ltype, str) or ltype not in LAYER_TYPES:
+            raise ConfigError(join_path(path, "type"), f"unknown layer type {ltype!r}",
+                              did_you_mean(str(ltype), LAYER_TYPES, "types"))
+        spec = LAYER_TYPES[ltype]
+        keys = COMMON_LAYER_KEYS + spec.params
+        names = [k.name for k in keys]
+        accepted = names + [a for k in keys for a in k.aliases]
+        for k in layer:
+            if k not in accepted:
+                owners = [t for t, lt in LAYER_TYPES.items() if any(p.name == k for p in lt.params)]
+                hint = did_you_mean(str(k), names, "keys")
+                if owners and not hint.startswith("did you mean"):
+                    hint = f"{k!r} is a parameter of {', '.join(owners)}; {ltype} takes {', '.join(names)}"
+                raise ConfigError(join_path(path, str(k)), f"unknown key {str(k)!r} for a {ltype} layer", hint)
+        section = Section(ltype, spec.doc, keys)
+        out = section.check(layer, path)
+        if "parents" not in out:
+            out["parents"] = [previous]
+            out = {k: out[k] for k in names if k in out}
+        return out
+
+    def describe(self):
+        return "[layer]"
+
+
+# --------------------------------------------------------------------------------------------------------
+# the tree
+
+_DEGREE_KEYS = tuple(Key(d, _POS, 1, f"split degree of dimension {d}") for d in DIMS)
+DEGREES = Section("degrees", "split degree per tensor dimension; unset = 1", _DEGREE_KEYS)
+
+SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and output", (
+    Section("model", "the network", (
+        Key("name", Str(), "model", "model name, used in logs and summaries"),
+        Section("input", "shape of one input sample", (
+            Key("channels", _POS, REQUIRED, "input channels"),
+            Key("spatial", ListOf(_POS, 1, MAX_SPATIAL_DIMS), REQUIRED, "[H, W] or [D, H, W] (or [W])"),
+        )),
+        Key("layers", LayerList(), REQUIRED, "the layers; parents default to the previous layer"),
+        Key("loss", Str(("cross_entropy", "pixel_cross_entropy")), "cross_entropy",
+            "cross_entropy (one label per sample) or pixel_cross_entropy (one label per pixel)"),
+    )),
+    Section("data", "training and validation data (HDF5)", (
+        Section("train", "the training set", (
+            Key("path", Str(), REQUIRED, "HDF5 file with the samples"),
+            Key("inputs", Str(), "inputs", "dataset of inputs, shape (N, C, *spatial)"),
+            Key("labels", Str(), "labels", "dataset of labels: (N,) or, per pixel, (N, *spatial)"),
+        )),
+        Section("validation", "the validation set: a file of its own or a fraction of the training set", (
+            Key("path", Str(), UNSET, "HDF5 file with the same dataset names as train"),
+            Key("fraction", Float(0.0, 1.0, True, True), UNSET, "share of training samples held out"),
+        ), (OneOf(("path", "fraction"), required=True),), optional=True),
+        Key("prefetch", Int(0), 2, "batches read ahead"),
+    ), optional=True),
+    Section("trainer", "the training loop", (
+        Key("batch_size", _POS, 1, "global mini-batch size (samples per optimizer step)"),
+        Key("epochs", _POS, UNSET, "passes over the training set"),
+        Key("steps", _POS, UNSET, "optimizer steps in all"),
+        Key("seed", Int(0), 0, "seed of initialization, shuffling and dropout"),
+        Key("dtype", Str(("float32", "float64")), "float32", "floating-point type of tensors"),
+        Key("eval_every", Int(0), 0, "validate every N steps; 0: at the end of every epoch"),
+        Key("watchdog_s", Float(0.0), 600.0, "abort when one step takes longer (seconds); 0: off"),
+    ), (OneOf(("epochs", "steps"), default=("epochs", 1)),)),
+    Section("optimizer", "the optimizer", (
+        Key("type", Str(("sgd", "adam")), "sgd", "sgd (with momentum) or adam"),
+        Key("lr", Float(0.0, lo_open=True), 0.01, "learning rate"),
+        Key("momentum", Float(0.0, 1.0, hi_open=True), 0.0, "sgd momentum"),
+        Key("nesterov", Bool(), False, "sgd with Nesterov momentum"),
+        Key("weight_decay", Float(0.0), 0.0, "L2 penalty"),
+        Key("betas", ListOf(Float(0.0, 1.0, hi_open=True), 2, 2), [0.9, 0.999], "adam decay rates"),
+        Key("eps", Float(0.0, lo_open=True), 1e-8, "adam denominator term"),
+        Section("schedule", "learning-rate schedule", (
+            Key("type", Str(("none", "step", "cosine")), "none", "none, step decay or cosine decay"),
+            Key("warmup_steps", Int(0), 0, "linear warm-up steps"),
+            Key("step_size", _POS, 1000, "steps between decays (step)"),
+            Key("gamma", Float(0.0, 1.0, lo_open=True), 0.1, "decay factor (step)"),
+        )),
+    )),
+    Section("parallel", "how tensors are split over ranks", (
+        Section("default", "degrees of every layer without its own entry; unset = 1, leftover ranks "
+                           "replicate", _DEGREE_KEYS),
+        Key("layers", MapOf(DEGREES), {}, "per-layer degrees {layer: {n, c, d, h, w}}; an entry replaces the "
+                                          "default, its unset dimensions are 1"),
+        Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
+                                                            "strategy selector at start-up"),
+    )),
+    Section("comm", "gradient communication", (
+        Key("bucket_mb", Float(0.0, lo_open=True), 25.0, "gradient bucket size (MiB)"),
+        Key("first_bucket_mb", Float(0.0, lo_open=True), 1.0, "size of the first bucket (MiB)"),
+        Key("overlap", Bool(), True, "reduce gradients on a background thread during backprop"),
+        Key("replicate_fc", Int(0), 0, "number of final fc layers whose gradients are computed replicated "
+                                       "from gathered activations and errors (Lee et al. f)"),
+        Section("chunks", "pipelining of each bucket's reduction", (
+            Key("k", _POS, 1, "chunks per bucket (Lee et al. k)"),
+        )),
+    )),
+    Section("checkpoint", "checkpoints (written atomically)", (
+        Key("dir", Str(), "ckpt", "directory of checkpoints"),
+        Key("every_steps", Int(0), 0, "write one every N steps; 0: only at the end"),
+    )),
+    Section("output", "what a run writes", (
+        Key("dir", Str(), "run", "output directory (metrics.csv, summary.json, loss.png)"),
+        Key("log_every", _POS, 1, "steps between metric rows"),
+        Key("trace", Bool(), False, "write one Chrome-trace file per rank"),
+    )),
+    Section("runtime", "where it runs", (
+        Key("backend", Str(("auto", "mpi", "single", "nccl")), "auto",
+            "communication backend; auto: nccl on gpu under MPI, mpi under MPI, else single"),
+        Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
+    )),
+))
+
+
+def normalize(spec) -> dict:
+    """Check ``spec`` (a parsed YAML or HDF5 tree) against :data:`SCHEMA` and return its normal form."""
+    return SCHEMA.check(spec, "")
+
+
+def lookup(path: list[str]):
+    """The schema node (Section, Key or MapOf value) at a path of section/key names, or None."""
+    node: Any = SCHEMA
+    for part in path:
+        if isinstance(node, Key):
+            node = node.type
+        if isinstance(node, MapOf):
+            node = node.value
+            continue
+        if not isinstance(node, Section):
+            return None
+        node = node.field(part)
+        if node is None:
+            return None
+    return node
+
+
+# --------------------------------------------------------------------------------------------------------
+# documentation
+
+
+def _yaml_scalar(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_yaml_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_scalar(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def schema_text() -> str:
+    """The schema as indented text: ``key: type = default  # doc``, then the layer registry."""
+    lines = ["# lbannpy config schema (spec YAML and config.h5 hold this tree)", ""]
+
+    def walk(sec: Section, indent: int):
+        pad = "  " * indent
+        for rule in sec.rules:
+            lines.append(f"{pad}# {rule.describe()}")
+        for k in sec.keys:
+            if isinstance(k, Section):
+                opt = " (optional section)" if k.optional else ""
+                lines.append(f"{pad}{k.name}:{' ' * max(1, 38 - len(pad) - len(k.name))}# {k.doc}{opt}")
+                walk(k, indent + 1)
+            else:
+                head = f"{pad}{k.name}: {k.type.describe()} = {k.default_text()}"
+                lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}")
+
+    walk(SCHEMA, 0)
+    lines += ["", "# layer types (model.layers[i]); every layer also takes:"]
+    for k in COMMON_LAYER_KEYS:
+        lines.append(f"#   {k.name}: {k.type.describe()} = {k.default_text()}  # {k.doc}")
+    for t in LAYER_TYPES.values():
+        arity = (f"{t.min_parents}" if t.min_parents == t.max_parents
+                 else f">= {t.min_parents}" if t.max_parents is None else f"{t.min_parents}..{t.max_parents}")
+        lines.append(f"{t.name}:{' ' * max(1, 38 - len(t.name))}# {t.doc}; parents: {arity}")
+        for k in t.params:
+            head = f"  {k.name}: {k.type.describe()} = {k.default_text()}"
+            lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}")
+    return "\n".join(lines) + "\n"
+
+
+def _copy(v):
+    if isinstance(v, list):
+        return [_copy(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    return v
+
+
+__all__ = ["SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "DIMS", "REQUIRED", "UNSET",
+           "Type", "Int", "Float", "Bool", "Str", "ListOf", "PerDim", "Padding", "Key", "OneOf", "Section",
+           "MapOf", "LayerType", "LayerList", "layer_types", "layer_type", "layer_params", "normalize",
+           "lookup", "schema_text"]
