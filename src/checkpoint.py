@@ -27,8 +27,9 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _assemble(comm, global_shape, box, local) -> np.ndarray | None:
-    """The global tensor from every rank's (box, piece); on every rank (pieces are small: weights)."""
+def assemble(comm, global_shape, box, local) -> np.ndarray | None:
+    """Collective over ``comm``: the global tensor from every rank's (box, piece), on every rank.
+    Used for weights and optimizer state (small next to activations)."""
     pieces = comm.allgather_obj((box, to_numpy(local)))
     out = np.zeros(global_shape, dtype=np.float64)
     for b, arr in pieces:
@@ -40,9 +41,9 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict) -> str 
     """Collective over ``comm``: gather every tensor, rank 0 writes atomically. Returns the path on rank 0."""
     tensors = {}
     for p in params:
-        tensors[f"params/{p.name}"] = _assemble(comm, p.global_shape, p.box, p.value)
+        tensors[f"params/{p.name}"] = assemble(comm, p.global_shape, p.box, p.value)
         for key, val in sorted(optimizer.state[p.name].items()):
-            tensors[f"optim/{p.name}/{key}"] = _assemble(comm, p.global_shape, p.box, val)
+            tensors[f"optim/{p.name}/{key}"] = assemble(comm, p.global_shape, p.box, val)
     path = None
     if comm.rank == 0:
         os.makedirs(directory, exist_ok=True)
