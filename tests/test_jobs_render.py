@@ -323,3 +323,14 @@ def test_scaling_refuses_an_unfinished_run(tmp_path):
     empty.mkdir()
     proc = run([sys.executable, "-m", "lbannpy.jobs", "scaling", str(empty)])
     assert proc.returncode == 2 and "no strong-P/ or weak-P/ run directories" in proc.stderr
+
+
+def test_config_value_reads_a_yaml_spec(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(ZOO_SPEC))
+    proc = run([sys.executable, "-m", "lbannpy.jobs", "config-value", str(spec), "trainer.batch_size"])
+    assert proc.returncode == 0 and proc.stdout.strip() == "32", proc.stderr
+    proc = run([sys.executable, "-m", "lbannpy.jobs", "config-value", str(spec), "trainer.nope"])
+    assert proc.returncode == 2 and "has no key 'trainer.nope'" in proc.stderr
+    with pytest.raises(helpers.JobHelperError, match="not found"):
+        helpers.config_value(tmp_path / "missing.h5", "trainer.batch_size")

@@ -2,7 +2,7 @@
 
 - :func:`adapt_spec`: resize a zoo spec (image size, data path, steps, batch) for a job's default config;
 - :func:`synth_images`: random images and labels shaped like a spec's input, for throughput jobs;
-- :func:`config_value`: one key of a config.h5, read through ``python -m lbannpy.config show``;
+- :func:`config_value`: one key of a config.h5 (read through ``python -m lbannpy.config show``) or spec;
 - :func:`scaling_table`: step times of the strong/weak sweep runs, with speedup and efficiency.
 """
 from __future__ import annotations
@@ -132,6 +132,9 @@ def config_value(config: Path, key: str, python: str = sys.executable):
     """The value at dotted ``key`` of ``config`` (config.h5), read from ``python -m lbannpy.config show``."""
     if not Path(config).is_file():
         raise JobHelperError(f"config {config} not found")
+    if Path(config).suffix in (".yaml", ".yml"):
+        # the trainer also runs a YAML spec directly; read it the same safe way
+        return _lookup(_load_spec(Path(config)), key, config)
     try:
         proc = subprocess.run([python, "-m", "lbannpy.config", "show", str(config)], capture_output=True,
                               text=True, timeout=CONFIG_SHOW_TIMEOUT_S)
@@ -145,6 +148,10 @@ def config_value(config: Path, key: str, python: str = sys.executable):
         node = yaml.safe_load(proc.stdout)
     except yaml.YAMLError as exc:
         raise JobHelperError(f"`python -m lbannpy.config show {config}` printed no YAML: {exc}") from None
+    return _lookup(node, key, config)
+
+
+def _lookup(node, key: str, config: Path):
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             raise JobHelperError(f"config {config} has no key {key!r} (missing at {part!r})")

@@ -84,18 +84,19 @@ fi
 """
 
 # Default config from the zoo: the spec is resized to the env-given sizes before it is built.
-BUILD_MESH = r"""    mesh_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
+BUILD_MESH = r"""    model="${LBANNPY_MODEL:-@MODEL@}"
+    mesh_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
     mesh_samples="${LBANNPY_MESH_SAMPLES:-@SAMPLES@}"
     steps="${LBANNPY_STEPS:-@STEPS@}"
     batch_size="${LBANNPY_BATCH_SIZE:-}"
-    echo "  building default config: model=@MODEL@ size=$mesh_size samples=$mesh_samples steps=$steps" \
+    echo "  building default config: model=$model size=$mesh_size samples=$mesh_samples steps=$steps" \
          "batch_size=${batch_size:-zoo}"
     input_dir="$run_dir/input"
     mkdir -p "$input_dir"
-    python -m lbannpy.data mesh --size "$mesh_size" --samples "$mesh_samples" -o "$input_dir/@MODEL@.h5"
-    python -m lbannpy.config zoo @MODEL@ -o "$input_dir/zoo.yaml"
+    python -m lbannpy.data mesh --size "$mesh_size" --samples "$mesh_samples" -o "$input_dir/mesh.h5"
+    python -m lbannpy.config zoo "$model" -o "$input_dir/zoo.yaml"
     python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" \
-        --data "$input_dir/@MODEL@.h5" --size "$mesh_size" --samples "$mesh_samples" --steps "$steps" \
+        --data "$input_dir/mesh.h5" --size "$mesh_size" --samples "$mesh_samples" --steps "$steps" \
         ${batch_size:+--batch-size "$batch_size"}
     python -m lbannpy.config build "$input_dir/spec.yaml" -o "$input_dir/config.h5"
     config="$input_dir/config.h5"
@@ -240,7 +241,8 @@ BUILDERS = {
 USAGE = {
     "sweep": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
-        "Without CONFIG.h5 the job generates mesh data and builds the zoo model @MODEL@, sized by",
+        "Without CONFIG.h5 the job generates mesh data and builds the zoo model LBANNPY_MODEL (default @MODEL@),",
+        "  sized by",
         "  LBANNPY_MESH_SIZE (default @SIZE@), LBANNPY_MESH_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
         "  LBANNPY_BATCH_SIZE (default: the zoo's).",
         "LBANNPY_SWEEPS='strong weak' picks the sweeps; LBANNPY_RUN_DIR the output (run/@TEMPLATE@-JOBID).",
