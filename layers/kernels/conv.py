@@ -13,11 +13,11 @@ with ``o``, ``j``, ``i`` multi-indices over the spatial dimensions and ``w`` in 
 
 Implementation: per sample and group, the outputs are taken in blocks of rows of the first spatial
 dimension; each block's columns (``Cg*prod(kernel)`` x ``rows*rest``) are gathered from a strided view of
-the window into a buffer small enough to stay in cache, and a single GEMM (``F x Cg*K`` times
-``Cg*K x P``) produces the block's outputs directly in NCHW order. The filter gradient is the same gather
-followed by ``dy_block @ cols.T``; the data gradient is the transposed GEMM followed by a scatter-add
-through the same strided view (col2im), one tap at a time. Nothing is transposed to another layout, so the
-caller's arrays stay NCHW. The array module (NumPy or CuPy) is taken from the arguments.
+the window into a reused buffer, and a single GEMM (``F x Cg*K`` times ``Cg*K x P``) produces the block's
+outputs directly in NCHW order. The filter gradient is the same gather followed by ``dy_block @ cols.T``.
+The data gradient is itself a stride-1 convolution (per phase of the stride) with the flipped filter, so it
+runs on the same path. Nothing is transposed to another layout; the caller's arrays stay NCHW. The array
+module (NumPy or CuPy) is taken from the arguments.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from lbannpy.backend import array_module, is_gpu_array
 
 from ._geometry import KernelShapeError, per_dim, tap_view, valid_output_shape
 
-# bytes of gathered columns per GEMM on the CPU: the buffer plus its GEMM's output block fit in a 512 KiB L2
-CPU_COLUMN_BYTES = 192 * 1024
+# bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
+# OpenBLAS's speed, and the buffer (reused for every block) stays in the L3
+CPU_COLUMN_BYTES = 8 * 1024 * 1024
 # on a GPU, larger blocks amortise kernel launches; memory, not cache, bounds them
 GPU_COLUMN_BYTES = 64 * 1024 * 1024
 
@@ -179,14 +180,53 @@ def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
 
 def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
     """Gradient w.r.t. the window (shape ``x_window_shape``, padding and halo included): the caller
-    halo-accumulates it, or crops the padding (:func:`crop_spatial`) on a single rank."""
-    xp = array_module(dy)
+    halo-accumulates it, or crops the padding (:func:`crop_spatial`) on a single rank.
+
+    With stride 1 this is a valid convolution of ``dy`` zero-padded by ``dilation*(kernel-1)`` with the
+    flipped, transposed filter; with stride ``s`` and dilation 1 each of the ``s**nsp`` phases of the window
+    (``dx[..., a::s]``) is such a stride-1 convolution with the sub-filter ``w[..., a::s]``. Both run on the
+    forward kernel's GEMM path. Other combinations (stride and dilation both > 1) use a GEMM followed by
+    a scatter-add (col2im).
+    """
     dt = _check_dtypes(dy, w)
     geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
     _check_dy(dy, geo)
-    cg, fg, budget = geo.cg, geo.fg, _budget(dy)
+    if all(s == 1 for s in geo.stride):
+        return _backward_data_phase(dy, w, geo, (0,) * len(geo.kernel), tuple(geo.window))
+    if all(d == 1 for d in geo.dilation):
+        xp = array_module(dy)
+        dx = xp.zeros(tuple(x_window_shape), dtype=dt)
+        for phase in itertools.product(*(range(s) for s in geo.stride)):
+            # window positions a, a+s, a+2s, ... of each dimension
+            extent = tuple(-(-(n - a) // s) for n, a, s in zip(geo.window, phase, geo.stride))
+            if any(a >= k for a, k in zip(phase, geo.kernel)) or 0 in extent:
+                continue  # no tap reaches these positions: their gradient is zero
+            sl = (slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))
+            dx[sl] = _backward_data_phase(dy, w, geo, phase, extent)
+        return dx
+    return _backward_data_col2im(dy, w, geo)
+
+
+def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
+    """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
     nsp = len(geo.kernel)
-    dx = xp.zeros(tuple(x_window_shape), dtype=dt)
+    sub = w[(slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))]
+    taps = sub.shape[2:]
+    # (F, Cg, *k) per group -> (C, Fg, *k) flipped: output channels of the adjoint are the input channels
+    wt = sub.reshape((geo.groups, geo.fg, geo.cg) + taps).swapaxes(1, 2)
+    wt = wt[(slice(None),) * 3 + (slice(None, None, -1),) * nsp].reshape((geo.channels, geo.fg) + taps)
+    pads = []
+    for t, d, m, o in zip(taps, geo.dilation, extent, geo.out):
+        lo = d * (t - 1)
+        pads.append((lo, m + d * (t - 1) - o - lo))
+    return conv_forward(pad_spatial(dy, pads), array_module(dy).ascontiguousarray(wt), None, 1, geo.dilation)
+
+
+def _backward_data_col2im(dy, w, geo: ConvGeometry):
+    xp = array_module(dy)
+    dt = dy.dtype
+    cg, fg, budget = geo.cg, geo.fg, _budget(dy)
+    dx = xp.zeros((geo.batch, geo.channels) + geo.window, dtype=dt)
     w2t = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps).transpose(0, 2, 1)
     rb = geo.rows_per_block(dt.itemsize, budget)
     buf = xp.empty(cg * geo.ntaps * rb * geo.rest, dtype=dt)

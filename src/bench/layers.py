@@ -1,0 +1,220 @@
+"""``python -m lbannpy.bench layers``: forward+backward time of our local conv, pooling and batch-norm kernels
+next to PyTorch CPU's, at one thread, on the mesh model's layer shapes.
+
+Both sides get the same inputs and are timed interleaved (the order rotates every repeat) so that load from
+other processes hits them alike; each number is the median of the repeats after one warm-up call. PyTorch
+runs in NCHW and in channels-last (inputs, filters and ``dy`` converted before timing); the faster one is
+the reference. Threads: the process re-executes itself with ``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=
+MKL_NUM_THREADS=1`` before NumPy is imported (OpenBLAS reads them at load), and calls
+``torch.set_num_threads(1)``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+TARGET_CONV_RATIO = 1.5
+
+
+def _one_thread_or_reexec(argv) -> None:
+    """Re-execute this benchmark with single-threaded BLAS unless the environment already asks for it."""
+    if all(os.environ.get(v) == "1" for v in _THREAD_VARS):
+        return
+    env = dict(os.environ, **{v: "1" for v in _THREAD_VARS})
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "lbannpy.bench.layers", *argv], env)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    kind: str  # conv | maxpool | batchnorm
+    batch: int
+    channels: int
+    size: int  # square images, size x size
+    filters: int = 0
+    kernel: int = 3
+    stride: int = 1
+
+    @property
+    def id(self) -> str:
+        shape = f"{self.batch}x{self.channels}x{self.size}x{self.size}"
+        if self.kind == "conv":
+            return f"conv {shape} ->{self.filters} k{self.kernel} s{self.stride}"
+        if self.kind == "maxpool":
+            return f"maxpool {shape} k{self.kernel} s{self.stride}"
+        return f"batchnorm {shape}"
+
+
+def default_cases(full: bool) -> list[BenchCase]:
+    cases = [BenchCase("conv", 1, 18, 256, 16), BenchCase("conv", 4, 18, 256, 16),
+             BenchCase("conv", 1, 18, 256, 32), BenchCase("conv", 1, 18, 256, 64),
+             BenchCase("conv", 1, 18, 1024, 16),
+             BenchCase("conv", 1, 18, 256, 16, stride=2), BenchCase("conv", 4, 18, 256, 32, stride=2),
+             BenchCase("conv", 1, 18, 1024, 32, stride=2)]
+    if full:
+        cases += [BenchCase("conv", 4, 18, 1024, 16), BenchCase("conv", 1, 18, 1024, 64),
+                  BenchCase("conv", 1, 18, 1024, 64, stride=2)]
+    for n, size in ((1, 256), (4, 256), (1, 1024)):
+        cases.append(BenchCase("maxpool", n, 16, size, kernel=2, stride=2))
+    for n, size in ((1, 256), (4, 256), (1, 1024)):
+        cases.append(BenchCase("batchnorm", n, 16, size))
+    return cases
+
+
+def _contenders(case: BenchCase, dtype):
+    """``{name: zero-argument callable}`` doing forward + backward, all on the same inputs."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from lbannpy.layers import kernels as K
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((case.batch, case.channels, case.size, case.size)).astype(dtype)
+    out = {}
+    if case.kind == "conv":
+        w = (rng.standard_normal((case.filters, case.channels, case.kernel, case.kernel)) * 0.1).astype(dtype)
+        b = rng.standard_normal(case.filters).astype(dtype)
+        pad, s = case.kernel // 2, case.stride
+        y_shape = K.conv_forward(K.pad_spatial(x[:1], pad), w, b, s).shape[1:]
+        dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+
+        def ours():
+            xw = K.pad_spatial(x, pad)
+            K.conv_forward(xw, w, b, s)
+            np.ascontiguousarray(K.crop_spatial(K.conv_backward_data(dy, w, xw.shape, s), pad))
+            K.conv_backward_filter(xw, dy, w.shape, s)
+            K.conv_backward_bias(dy)
+
+        def torch_fn(fmt):
+            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
+            wt = torch.from_numpy(w).contiguous(memory_format=fmt).requires_grad_()
+            bt = torch.from_numpy(b).requires_grad_()
+            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+
+            def run():
+                yt = F.conv2d(xt, wt, bt, s, pad)
+                torch.autograd.grad(yt, (xt, wt, bt), dyt)
+            return run
+    elif case.kind == "maxpool":
+        k, s = case.kernel, case.stride
+        y_shape = K.max_pool_forward(x[:1], k, s)[0].shape[1:]
+        dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+
+        def ours():
+            _, arg = K.max_pool_forward(x, k, s)
+            K.max_pool_backward(dy, arg, x.shape, k, s)
+
+        def torch_fn(fmt):
+            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
+            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+
+            def run():
+                torch.autograd.grad(F.max_pool2d(xt, k, s), (xt,), dyt)
+            return run
+    else:
+        gamma = rng.standard_normal(case.channels).astype(dtype)
+        beta = rng.standard_normal(case.channels).astype(dtype)
+        dy = rng.standard_normal(x.shape).astype(dtype)
+        eps = 1e-5
+
+        def ours():
+            total, total_sq, count = K.bn_local_stats(x)
+            mean, var = K.bn_mean_var(total, total_sq, count)
+            K.bn_forward(x, mean, var, gamma, beta, eps)
+            sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, eps)
+            K.bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count)
+
+        def torch_fn(fmt):
+            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
+            gt, bt = torch.from_numpy(gamma).requires_grad_(), torch.from_numpy(beta).requires_grad_()
+            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+
+            def run():
+                yt = F.batch_norm(xt, None, None, gt, bt, training=True, eps=eps)
+                torch.autograd.grad(yt, (xt, gt, bt), dyt)
+            return run
+    out["ours"] = ours
+    out["torch NCHW"] = torch_fn(torch.contiguous_format)
+    out["torch NHWC"] = torch_fn(torch.channels_last)
+    return out
+
+
+def measure(case: BenchCase, dtype, repeats: int) -> dict[str, float]:
+    """Median seconds per forward+backward of every contender, timed interleaved."""
+    import statistics
+
+    fns = _contenders(case, dtype)
+    names = list(fns)
+    for name in names:  # warm-up: first-touch allocations, torch's primitive caches
+        fns[name]()
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m lbannpy.bench layers",
+        description="Forward+backward time of our local conv / max-pool / batch-norm kernels against PyTorch "
+                    "CPU, at one thread, interleaved, median of repeats.")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per contender (default 7)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"), help="run one layer kind")
+    parser.add_argument("--full", action="store_true", help="add the large (1024^2, 64 filters) conv shapes")
+    parser.add_argument("--quick", action="store_true", help="256^2 shapes only and 3 repeats (smoke test)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    _one_thread_or_reexec(argv)
+
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    dtype = np.dtype(args.dtype)
+    cases = default_cases(args.full)
+    if args.only:
+        cases = [c for c in cases if c.kind == args.only]
+    repeats = args.repeats
+    if args.quick:
+        cases = [c for c in cases if c.size <= 256][:6]
+        repeats = min(repeats, 3)
+    print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU, {args.dtype}, forward+backward, "
+          f"1 thread (torch threads {torch.get_num_threads()}, "
+          + ", ".join(f"{v}={os.environ.get(v)}" for v in _THREAD_VARS)
+          + f"), median of {repeats} after 1 warm-up")
+    head = (f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'torch layout':<12} "
+            f"{'NCHW ms':>9} {'NHWC ms':>9}")
+    print(head)
+    print("-" * len(head))
+    ratios: dict[str, list[float]] = {}
+    for case in cases:
+        t = measure(case, dtype, repeats)
+        layout = min(("torch NCHW", "torch NHWC"), key=lambda k: t[k])
+        ratio = t["ours"] / t[layout]
+        ratios.setdefault(case.kind, []).append(ratio)
+        print(f"{case.id:<36} {t['ours'] * 1e3:9.2f} {t[layout] * 1e3:9.2f} {ratio:6.2f}  {layout[6:]:<12} "
+              f"{t['torch NCHW'] * 1e3:9.2f} {t['torch NHWC'] * 1e3:9.2f}", flush=True)
+    print()
+    for kind, rs in ratios.items():
+        geo = float(np.exp(np.mean(np.log(rs))))
+        line = f"{kind:<10} ratio ours/torch: geometric mean {geo:.2f}, worst {max(rs):.2f}"
+        if kind == "conv":
+            verdict = "met" if max(rs) <= TARGET_CONV_RATIO else "NOT met"
+            line += f"  (target <= {TARGET_CONV_RATIO} on every shape: {verdict})"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
