@@ -1,0 +1,332 @@
+"""The distributed HDF5 reader, tested serially: one reader per rank of a Distribution (pure geometry)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+import pytest
+
+from lbannpy.data.blobs import write_blobs
+from lbannpy.data.mesh import MeshParams, write_mesh
+from lbannpy.data.reader import (DataError, HDF5Reader, epoch_order, read_runs, split_indices,
+                                 validate_dataset)
+from lbannpy.dist import Distribution, DistributionError
+
+N_SAMPLES, SIZE, CHANNELS = 7, 20, 5
+
+
+@pytest.fixture(scope="module")
+def mesh_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("reader") / "mesh.h5")
+    write_mesh(path, MeshParams(size=SIZE, samples=N_SAMPLES, seed=9, channels=CHANNELS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def blobs_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("reader") / "blobs.h5")
+    write_blobs(path, size=9, samples=11, classes=3, channels=2, seed=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def file_arrays(mesh_file):
+    with h5py.File(mesh_file, "r") as fh:
+        return fh["inputs"][...], fh["labels"][...]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    ranks: int
+    degrees: tuple[tuple[str, int], ...]
+    batch: int
+    piece_bytes: int = 4 << 20
+
+    def dist(self) -> Distribution:
+        return Distribution.make(4, ranks=self.ranks, **dict(self.degrees))
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    Case("single", 1, (), 3),
+    Case("sample2", 2, (("n", 2),), 4),
+    Case("sample3-uneven", 3, (("n", 3),), 5),
+    Case("spatial-h2w2", 4, (("h", 2), ("w", 2)), 2),
+    Case("spatial-h3-uneven", 3, (("h", 3),), 1),
+    Case("hybrid-n2h2", 4, (("n", 2), ("h", 2)), 3),
+    Case("hybrid-n2w3-uneven", 6, (("n", 2), ("w", 3)), 3),
+    Case("channel-c2-uneven", 2, (("c", 2),), 2),
+    Case("replicated-r2", 2, (), 2),
+    Case("hybrid-small-pieces", 4, (("n", 2), ("h", 2)), 3, 64),
+]
+
+
+def assemble(readers, batches, x_shape, y_shape):
+    """Put every rank's block into a global array; a cell written twice must agree (replicas)."""
+    x = np.full(x_shape, np.nan, dtype=np.float32)
+    y = np.full(y_shape, 255, dtype=np.uint8)
+    for r, b in zip(readers, batches):
+        sel = tuple(slice(lo, hi) for lo, hi in r.box)
+        prev = x[sel]
+        assert np.isnan(prev).all() or np.array_equal(prev, b.inputs), "replicas disagree"
+        x[sel] = b.inputs
+        y[tuple(slice(lo, hi) for lo, hi in r.label_box)] = b.labels
+    return x, y
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_union_of_rank_blocks_is_the_shuffled_global_batch(case, mesh_file, file_arrays):
+    xs, ys = file_arrays
+    dist = case.dist()
+    readers = [HDF5Reader(mesh_file, dist=dist, rank=r, batch_size=case.batch, seed=4, prefetch=False,
+                          piece_bytes=case.piece_bytes) for r in range(dist.ranks)]
+    try:
+        steps = readers[0].steps_per_epoch
+        assert steps == N_SAMPLES // case.batch
+        seen = []
+        for _ in range(steps + 1):   # one epoch and the first step of the next
+            batches = [r.next() for r in readers]
+            epoch, step = batches[0].epoch, batches[0].step
+            assert all((b.epoch, b.step) == (epoch, step) for b in batches)
+            ids = epoch_order(np.arange(N_SAMPLES), 4, epoch)[step * case.batch:(step + 1) * case.batch]
+            assert np.array_equal(readers[-1].batch_ids(epoch, step), ids)
+            x, y = assemble(readers, batches, (case.batch, CHANNELS, SIZE, SIZE), (case.batch, SIZE, SIZE))
+            assert np.array_equal(x, xs[ids]) and np.array_equal(y, ys[ids])
+            for r, b in zip(readers, batches):
+                assert b.inputs.shape == r.local_shape
+                assert np.array_equal(b.sample_ids, ids[r.box[0][0]:r.box[0][1]])
+            if epoch == 0:
+                seen.extend(ids.tolist())
+        assert len(set(seen)) == len(seen) == steps * case.batch   # no sample twice in an epoch
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_shuffle_differs_between_epochs_and_not_between_ranks():
+    idx = np.arange(50)
+    orders = [epoch_order(idx, 7, e) for e in range(3)]
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[1], orders[2])
+    assert np.array_equal(epoch_order(idx, 7, 1), orders[1])
+    assert all(np.array_equal(np.sort(o), idx) for o in orders)
+    assert np.array_equal(epoch_order(idx, 7, 5, shuffle=False), idx)
+    # the documented contract (checkpoints of older runs rely on it): SeedSequence(seed, spawn_key=(epoch,))
+    want = np.random.default_rng(np.random.SeedSequence(7, spawn_key=(0,))).permutation(50)
+    assert np.array_equal(orders[0], want)
+
+
+def test_label_dist_takes_the_labels_box(mesh_file, file_arrays):
+    # inputs split over samples, labels compared with a spatially split output: each rank gets its label box
+    _, ys = file_arrays
+    dist = Distribution.make(4, ranks=4, n=4)
+    ldist = Distribution.make(4, ranks=4, n=2, w=2)
+    readers = [HDF5Reader(mesh_file, dist=dist, label_dist=ldist, rank=r, batch_size=4, seed=0,
+                          prefetch=False) for r in range(4)]
+    batches = [r.next() for r in readers]
+    ids = readers[0].batch_ids(0, 0)
+    y = np.full((4, SIZE, SIZE), 255, np.uint8)
+    for r, b in zip(readers, batches):
+        assert b.labels.shape == ldist.local_shape((4, 1, SIZE, SIZE), r.rank)[:1] + (SIZE, SIZE // 2)
+        y[tuple(slice(lo, hi) for lo, hi in r.label_box)] = b.labels
+        assert b.inputs.shape == (1, CHANNELS, SIZE, SIZE)
+    assert np.array_equal(y, ys[ids])
+    for r in readers:
+        r.close()
+
+
+def test_class_labels(blobs_file):
+    with h5py.File(blobs_file, "r") as fh:
+        xs, ys = fh["inputs"][...], fh["labels"][...]
+    dist = Distribution.make(4, ranks=2, n=2)
+    readers = [HDF5Reader(blobs_file, dist=dist, rank=r, batch_size=4, seed=2) for r in range(2)]
+    for _ in range(3):
+        batches = [r.next() for r in readers]
+        ids = readers[0].batch_ids(batches[0].epoch, batches[0].step)
+        assert np.array_equal(np.concatenate([b.labels for b in batches]), ys[ids])
+        assert np.array_equal(np.concatenate([b.inputs for b in batches]), xs[ids])
+        assert batches[0].labels.dtype == np.int64
+    for r in readers:
+        r.close()
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["sync", "prefetch"])
+def test_resume_reads_the_same_batches(mesh_file, prefetch):
+    dist = Distribution.make(4, ranks=2, h=2)
+    kw = dict(dist=dist, rank=1, batch_size=2, seed=13, prefetch=prefetch)
+    with HDF5Reader(mesh_file, **kw) as ref:
+        want = [ref.next() for _ in range(9)]
+    with HDF5Reader(mesh_file, **kw) as first:
+        for _ in range(4):
+            first.next()
+        state = first.state()
+    assert state["epoch"] == 4 // 3 and state["step"] == 4 % 3 and state["seed"] == 13
+    # values as they come back from an HDF5 checkpoint (NumPy scalars)
+    stored = {k: (np.int64(v) if not isinstance(v, bool) else np.bool_(v)) for k, v in state.items()}
+    kw2 = {k: v for k, v in kw.items() if k not in ("seed", "batch_size")}
+    with HDF5Reader.from_state(stored, mesh_file, **kw2) as resumed:
+        got = [resumed.next() for _ in range(5)]
+    for w, g in zip(want[4:], got):
+        assert (w.epoch, w.step) == (g.epoch, g.step)
+        assert np.array_equal(w.inputs, g.inputs) and np.array_equal(w.labels, g.labels)
+
+
+def test_load_state_refuses_a_different_run(mesh_file):
+    with HDF5Reader(mesh_file, batch_size=2, seed=1, prefetch=False) as r:
+        state = r.state()
+    with HDF5Reader(mesh_file, batch_size=2, seed=2, prefetch=False) as other:
+        with pytest.raises(DataError, match="seed"):
+            other.load_state(state)
+        with pytest.raises(DataError, match="lacks"):
+            other.load_state({"epoch": 0})
+        bad = dict(other.state(), step=99)
+        with pytest.raises(DataError, match="outside an epoch"):
+            other.load_state(bad)
+
+
+def test_prefetch_on_and_off_give_identical_batches(mesh_file):
+    dist = Distribution.make(4, ranks=4, n=2, w=2)
+    for rank in range(4):
+        with HDF5Reader(mesh_file, dist=dist, rank=rank, batch_size=2, seed=5, prefetch=False) as a, \
+             HDF5Reader(mesh_file, dist=dist, rank=rank, batch_size=2, seed=5, prefetch=True, depth=3) as b:
+            for _ in range(8):
+                x, y = a.next(), b.next()
+                assert (x.epoch, x.step) == (y.epoch, y.step)
+                assert np.array_equal(x.inputs, y.inputs) and np.array_equal(x.labels, y.labels)
+            assert len(b.wait_times) == 8 and all(w >= 0 for w in b.wait_times)
+            stats = b.io_stats()
+            assert stats["steps"] == 8 and stats["prefetch"] is True
+            assert stats["wait_s_total"] == pytest.approx(sum(b.wait_times))
+
+
+def test_prefetch_hides_reads_behind_compute(mesh_file):
+    """While the consumer sleeps (a compute step that releases the GIL) the next batch is read."""
+    with HDF5Reader(mesh_file, batch_size=3, seed=0, prefetch=True, depth=2) as r:
+        slow = r.read_batch
+
+        def read_slowly(epoch, step):
+            time.sleep(0.03)   # a read of 30 ms
+            return slow(epoch, step)
+
+        r.read_batch = read_slowly
+        r.next()
+        for _ in range(4):
+            time.sleep(0.1)    # compute: three times longer than a read
+            r.next()
+        waits = r.wait_times[1:]
+        assert max(waits) < 0.02, waits
+
+
+def test_validation_split(mesh_file):
+    tr, va = split_indices(100, 0.2, seed=3)
+    assert len(va) == 20 and len(tr) == 80
+    assert np.array_equal(np.sort(np.concatenate([tr, va])), np.arange(100))
+    tr2, va2 = split_indices(100, 0.2, seed=3)
+    assert np.array_equal(tr, tr2) and np.array_equal(va, va2)
+    assert not np.array_equal(va, split_indices(100, 0.2, seed=4)[1])
+    assert len(split_indices(10, 0.01)[1]) == 1
+    with pytest.raises(DataError):
+        split_indices(4, 1.0)
+    tr, va = split_indices(N_SAMPLES, 0.3, seed=0)
+    with HDF5Reader(mesh_file, batch_size=2, indices=va, shuffle=False, prefetch=False) as r:
+        b = r.next()
+        assert np.array_equal(b.sample_ids, va[:2]) and r.steps_per_epoch == len(va) // 2
+
+
+def test_read_runs_plan():
+    assert read_runs([]) == []
+    assert read_runs([3, 4, 5]) == [(3, 0, 3)]
+    assert read_runs([5, 3, 4]) == [(3, 1, 2), (5, 0, 1)]
+    assert read_runs([9, 2, 7, 1]) == [(1, 3, 1), (2, 1, 1), (7, 2, 1), (9, 0, 1)]
+
+
+def test_thread_exception_reaches_the_consumer_and_nothing_hangs(mesh_file):
+    r = HDF5Reader(mesh_file, batch_size=1, seed=0, prefetch=True)
+    real = r.read_batch
+
+    def failing(epoch, step):
+        if step == 2:
+            raise OSError("disk went away")
+        return real(epoch, step)
+
+    r.read_batch = failing
+    r.next()
+    r.next()
+    t0 = time.perf_counter()
+    with pytest.raises(OSError, match="disk went away"):
+        r.next()
+    assert time.perf_counter() - t0 < 5
+    r.close()
+    r.close()   # idempotent
+    assert not any(t.name.startswith("lbannpy-prefetch") for t in threading.enumerate())
+
+
+def test_close_with_a_full_queue_joins_the_thread(mesh_file):
+    r = HDF5Reader(mesh_file, batch_size=1, seed=0, prefetch=True, depth=1)
+    r.next()
+    time.sleep(0.1)   # the producer fills the queue and blocks on the next put
+    t0 = time.perf_counter()
+    r.close()
+    assert time.perf_counter() - t0 < 2
+    assert not any(t.name.startswith("lbannpy-prefetch") for t in threading.enumerate())
+
+
+def test_validate_dataset_errors(tmp_path, mesh_file):
+    with pytest.raises(DataError, match="does not exist"):
+        validate_dataset(str(tmp_path / "nope.h5"))
+    txt = tmp_path / "x.txt"
+    txt.write_text("hello")
+    with pytest.raises(DataError, match="not an HDF5 file"):
+        validate_dataset(str(txt))
+    with pytest.raises(DataError, match=r"'images' not found.*inputs, labels"):
+        validate_dataset(mesh_file, inputs="images")
+    with pytest.raises(DataError, match=rf"mesh.h5.*'inputs'.*{CHANNELS} channels.*expects 18"):
+        validate_dataset(mesh_file, expected_channels=18)
+    with pytest.raises(DataError, match=rf"expects spatial \(64, 64\).*found \(7, {CHANNELS}, 20, 20\)"):
+        validate_dataset(mesh_file, expected_spatial=(64, 64))
+    info = validate_dataset(mesh_file, expected_channels=CHANNELS, expected_spatial=(SIZE, SIZE))
+    assert info.num_samples == N_SAMPLES and info.per_pixel and info.spatial == (SIZE, SIZE)
+
+    bad = str(tmp_path / "bad.h5")
+    with h5py.File(bad, "w") as fh:
+        fh.create_dataset("inputs", data=np.zeros((4, 2, 6, 6), np.float32))
+        fh.create_dataset("int_inputs", data=np.zeros((4, 2, 6, 6), np.int32))
+        fh.create_dataset("labels", data=np.zeros((4, 6, 5), np.uint8))
+        fh.create_dataset("short", data=np.zeros((3,), np.int64))
+        fh.create_dataset("float_labels", data=np.zeros((4,), np.float32))
+        fh.create_dataset("flat", data=np.zeros((4,), np.float32))
+        fh.create_group("grp")
+    with pytest.raises(DataError, match=r"per-pixel labels must match.*expected \(4, 6, 6\), found \(4, 6, 5\)"):
+        validate_dataset(bad)
+    with pytest.raises(DataError, match="'short' has shape 3 but 'inputs' has 4 samples"):
+        validate_dataset(bad, labels="short")
+    with pytest.raises(DataError, match="dtype float32; expected integer"):
+        validate_dataset(bad, labels="float_labels")
+    with pytest.raises(DataError, match="dtype int32; expected floating"):
+        validate_dataset(bad, inputs="int_inputs", labels="short")
+    with pytest.raises(DataError, match="1 dimensions"):
+        validate_dataset(bad, inputs="flat", labels="short")
+    with pytest.raises(DataError, match="is a group"):
+        validate_dataset(bad, inputs="grp")
+
+
+def test_reader_refuses_bad_settings(mesh_file):
+    with pytest.raises(DataError, match="exceeds the 7 samples"):
+        HDF5Reader(mesh_file, batch_size=8)
+    with pytest.raises(DistributionError, match="cannot be split 4 ways along 'n'"):
+        HDF5Reader(mesh_file, dist=Distribution.make(4, ranks=4, n=4), batch_size=3)
+    with pytest.raises(DataError, match="3 dimensions"):
+        HDF5Reader(mesh_file, dist=Distribution.make(3, ranks=1), batch_size=1)
+    with pytest.raises(DataError, match="rank 2 outside"):
+        HDF5Reader(mesh_file, dist=Distribution.make(4, ranks=2, n=2), rank=2, batch_size=2)
+    with pytest.raises(DataError, match="duplicates"):
+        HDF5Reader(mesh_file, batch_size=1, indices=[1, 1, 2])
+    with pytest.raises(DataError, match=r"in \[0, 7\)"):
+        HDF5Reader(mesh_file, batch_size=1, indices=[0, 7])
+    with pytest.raises(DataError, match="expects 18"):
+        HDF5Reader(mesh_file, batch_size=1, expected_channels=18)
