@@ -56,12 +56,35 @@ class Loss:
         self.plan = None if self.dist == logits_dist else ShufflePlan(logits_dist, self.dist,
                                                                       self.logits_shape, ctx.rank)
         self.group = ctx.block_comm(self.dist)
+        self._check_label_blocks(label_shape)
         self.count = int(np.prod([self.logits_shape[0]] + list(self.logits_shape[2:])))
         self.num_classes = self.logits_shape[1]
 
-    def label_box(self):
+    @property
+    def label_dist(self) -> Distribution:
+        """Distribution under which the reader reads labels (samples and space split like the logits)."""
+        return self.dist
+
+    def _check_label_blocks(self, label_shape):
+        """Per-pixel labels are read as blocks of the input-resolution label tensor; each must be exactly
+        the pixels under this rank's prediction cells. Checked for every rank (no communication)."""
+        if not self.factors:
+            return
+        lshape = (self.logits_shape[0], 1) + tuple(label_shape[1:])
+        for r in range(self.dist.ranks):
+            want = self.label_box(r)
+            got = self.dist.box(lshape, r)
+            got = (got[0],) + tuple(got[2:])
+            if want != got:
+                raise LayerError(
+                    f"rank {r}: the prediction block {self.dist.box(self.logits_shape, r)} of "
+                    f"{self.logits_shape} under {self.dist} covers input pixels {want}, but the label block "
+                    f"read for it is {got}; choose a spatial split that divides the prediction's size "
+                    f"{self.logits_shape[2:]}")
+
+    def label_box(self, rank=None):
         """Box of the labels this rank needs: samples and (scaled) spatial block of its logits."""
-        box = self.dist.box(self.logits_shape, self.ctx.rank)
+        box = self.dist.box(self.logits_shape, self.ctx.rank if rank is None else rank)
         out = [box[0]]
         for (a, b), f in zip(box[2:], self.factors):
             out.append((a * f, b * f))

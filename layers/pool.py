@@ -23,8 +23,13 @@ class Pool(Layer):
         self.mode = hp.get("mode", "max")
         if self.mode not in ("max", "avg"):
             raise LayerError(f"layer '{self.name}' (pool): mode must be max or avg, got {self.mode!r}")
-        kernel = hp.get("kernel", 2)
-        self.stencil = Stencil.conv(len(in_shape), kernel, hp.get("stride", kernel), hp.get("padding", 0), 1)
+        if hp.get("global", False):  # one window over the whole spatial extent (fetched by the halo plan)
+            kernel, stride, padding = tuple(in_shape[2:]), 1, 0
+        else:
+            kernel = hp.get("kernel", 2)
+            stride = hp.get("stride") or kernel
+            padding = hp.get("padding", 0)
+        self.stencil = Stencil.conv(len(in_shape), kernel, stride, padding, 1)
         sp = self.stencil.dims[2:]
         self.kernel = tuple(w.kernel for w in sp)
         self.stride = tuple(w.stride for w in sp)

@@ -9,7 +9,7 @@ def layer_classes() -> dict[str, type[Layer]]:
     from .conv import Conv
     from .fc import FullyConnected
     from .pool import Pool
-    from .simple import Concat, Dropout, LeakyReLU, ReLU, Sum
+    from .simple import Concat, Dropout, Flatten, LeakyReLU, ReLU, Sum
 
-    classes = (Conv, Pool, BatchNorm, ReLU, LeakyReLU, Dropout, Sum, Concat, FullyConnected)
+    classes = (Conv, Pool, BatchNorm, ReLU, LeakyReLU, Dropout, Sum, Concat, Flatten, FullyConnected)
     return {c.type: c for c in classes}

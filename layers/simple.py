@@ -6,6 +6,8 @@ numbers whatever the split.
 """
 from __future__ import annotations
 
+import math
+
 from lbannpy.dist import Distribution
 
 from . import kernels as K
@@ -86,6 +88,29 @@ class Sum(Layer):
         return [dy] * len(self.in_shapes)
 
 
+class Flatten(Layer):
+    """``(n, c, *spatial)`` -> ``(n, c·prod(spatial))``; samples may be split, nothing else."""
+
+    type = "flatten"
+    splittable = ("n",)
+
+    def setup(self, dist: Distribution):
+        (in_shape,) = self.in_shapes
+        nin = len(in_shape)
+        pn = dist.split[0]
+        self.out_shape = (in_shape[0], int(math.prod(in_shape[1:])))
+        self.out_dist = Distribution((pn, 1), dist.ranks)
+        self.in_dists = [Distribution((pn,) + (1,) * (nin - 1), dist.ranks)]
+
+    def fp_compute(self, xs):
+        (x,) = xs
+        self._shape = x.shape
+        return x.reshape(x.shape[0], -1)
+
+    def bp_compute(self, dy):
+        return [dy.reshape(self._shape)]
+
+
 class Concat(Layer):
     """Concatenation along channels (inception); channels are not split in this layer."""
 
@@ -94,6 +119,9 @@ class Concat(Layer):
     splittable = ("n", "d", "h", "w")
 
     def setup(self, dist: Distribution):
+        if int(self.hparams.get("axis", 1)) != 1:
+            raise LayerError(f"layer '{self.name}' (concat): only axis 1 (channels) is supported, got "
+                             f"axis {self.hparams.get('axis')}")
         first = self.in_shapes[0]
         for s in self.in_shapes[1:]:
             if len(s) != len(first) or s[0] != first[0] or s[2:] != first[2:]:

@@ -70,7 +70,7 @@ class Model:
                     raise ModelError(f"model.layers[{i}] '{name}': parent '{p}' is not an earlier layer")
             layer = classes[ltype](name, **spec)
             in_shapes = [shapes[p] for p in parents]
-            ndim = 2 if ltype == "fc" else len(in_shapes[0])
+            ndim = 2 if ltype in ("fc", "flatten") else len(in_shapes[0])
             try:
                 dist = layer_dist(ltype, layer.splittable, ndim, ranks, default, overrides.get(name))
                 layer.configure(ctx, in_shapes, [dists[p] for p in parents], dist)

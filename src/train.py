@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.data.reader import DataError
+    from lbannpy.dist import DistributionError
+    from lbannpy.layers.base import LayerError
 
     # the config decides the backend; reading it needs no communicator (every rank reads the same file)
     try:
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
                               quiet=args.quiet)
             trainer.setup(resume=args.resume)
             err = None
-        except (UserError, ConfigError, ValueError, OSError) as exc:
+        except (UserError, ConfigError, DataError, LayerError, DistributionError, OSError) as exc:
             err = f"{exc}"
         # every rank agrees before anyone trains: a problem on any rank stops all of them cleanly
         errors = world.allgather_obj(err)
@@ -175,14 +178,14 @@ class Trainer:
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
         from lbannpy.config import validate
-        from lbannpy.data.reader import HDF5Reader, validate_dataset
+        from lbannpy.data.reader import HDF5Reader, split_indices, validate_dataset
         from lbannpy.layers.base import LayerContext, Timer
         from lbannpy.layers.loss import Loss
         from lbannpy.model import Model
         from lbannpy.optim import make_optimizer
 
         cfg, world = self.cfg, self.world
-        validate(cfg, ranks=world.size)
+        cfg = self.cfg = validate(cfg, ranks=world.size)
         tr = cfg["trainer"]
         self.batch_size = int(tr["batch_size"])
         self.seed = int(tr.get("seed", 0))
@@ -202,42 +205,43 @@ class Trainer:
         self.model = Model(mspec, self.batch_size, self.ctx, cfg.get("parallel"))
         in_shape = self.model.input_shape
         loss_kind = mspec.get("loss", "cross_entropy")
-        info = validate_dataset(train["path"], train.get("inputs", "inputs"), train.get("labels", "labels"),
-                                expected_channels=in_shape[1], expected_spatial=in_shape[2:])
-        nsamples = int(info["samples"]) if isinstance(info, dict) else int(info)
         label_shape = (self.batch_size,) + tuple(in_shape[2:]) if loss_kind == "pixel_cross_entropy" else None
         self.loss = Loss(loss_kind, self.ctx, self.model.output.out_shape, self.model.output.out_dist,
                          label_shape)
-        # train/validation split: a fraction of the file, or a separate file
+        info = validate_dataset(train["path"], train["inputs"], train["labels"],
+                                expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+        # train/validation split: a fraction of the file (same on every rank), or a file of its own
         val = data.get("validation") or {}
-        frac = float(val.get("fraction", 0.0) or 0.0)
-        order = np.random.default_rng(self.seed).permutation(nsamples)
-        nval = int(round(frac * nsamples)) if not val.get("path") else 0
-        train_idx = np.sort(order[nval:])
-        val_idx = np.sort(order[:nval])
+        if val.get("fraction"):
+            train_idx, val_idx = split_indices(info.num_samples, float(val["fraction"]), self.seed)
+        else:
+            train_idx, val_idx = np.arange(info.num_samples), None
         if len(train_idx) < self.batch_size:
             raise UserError(f"data.train: {len(train_idx)} training samples in {train['path']} are fewer than "
-                            f"trainer.batch_size {self.batch_size}")
-        prefetch = bool(data.get("prefetch", True))
-        common = dict(inputs=train.get("inputs", "inputs"), labels=train.get("labels", "labels"),
-                      dist=self.model.input_dist, rank=world.rank, batch_size=self.batch_size,
-                      label_box=self.loss.label_box)
+                            f"trainer.batch_size {self.batch_size}; lower the batch size")
+        common = dict(inputs=train["inputs"], labels=train["labels"], dist=self.model.input_dist,
+                      rank=world.rank, batch_size=self.batch_size, label_dist=self.loss.label_dist,
+                      comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+        depth = int(data.get("prefetch", 2))
         self.reader = HDF5Reader(train["path"], seed=self.seed, shuffle=True, indices=train_idx,
-                                 prefetch=prefetch, **common)
+                                 prefetch=depth > 0, depth=max(depth, 1), **common)
         self.val_reader = None
         if val.get("path"):
-            self.val_reader = HDF5Reader(val["path"], seed=self.seed, shuffle=False, indices=None,
-                                         prefetch=False, **common)
-        elif nval >= self.batch_size:
+            self.val_reader = HDF5Reader(val["path"], seed=self.seed, shuffle=False, prefetch=False, **common)
+        elif val_idx is not None and len(val_idx) >= self.batch_size:
             self.val_reader = HDF5Reader(train["path"], seed=self.seed, shuffle=False, indices=val_idx,
                                          prefetch=False, **common)
+        elif val_idx is not None:
+            raise UserError(f"data.validation.fraction holds out {len(val_idx)} samples, fewer than "
+                            f"trainer.batch_size {self.batch_size}; raise the fraction or lower the batch size")
+        train_idx = self.reader.indices
         steps_per_epoch = len(train_idx) // self.batch_size
         if tr.get("steps"):
             self.total_steps = int(tr["steps"])
         else:
             self.total_steps = int(tr.get("epochs", 1)) * steps_per_epoch
         self.steps_per_epoch = steps_per_epoch
-        self.eval_every = int(tr.get("eval_every", 0) or 0)
+        self.eval_every = int(tr.get("eval_every", 0) or 0) or steps_per_epoch
         self.optimizer = make_optimizer(cfg["optimizer"], self.model.params, self.total_steps)
         # gradient reduction groups (collective: created in parameter order on every rank)
         self.grad_comms = [self.ctx.block_comm(p.dist, p.reduce_dims) for p in self.model.params]
@@ -262,7 +266,7 @@ class Trainer:
         checkpoint.restore(data, self.model.params, self.optimizer, self.rt.xp)
         self.step = data["step"]
         meta = data["meta"]
-        self.reader.set_state(meta["reader"])
+        self.reader.load_state(meta["reader"])
         self.rows = meta.get("rows", [])
         self.evals = meta.get("evals", [])
         for layer in self.model.layers:  # running statistics and step counters that live in layers
@@ -322,8 +326,7 @@ class Trainer:
             return {}
         self.model.set_train(False)
         totals, n = {}, 0
-        self.val_reader.reset()
-        for _ in range(self.val_reader.steps_per_epoch):
+        for _ in range(self.val_reader.steps_per_epoch):  # unshuffled: every pass reads the same batches
             self.watchdog.progress("evaluation")
             batch = self.val_reader.next()
             x, labels = self._batch_tensors(batch)
