@@ -112,13 +112,15 @@ def check_array(arr, shape: Sequence[int], what: str, rank: int, dtype=None) -> 
 
 def _check_global(dist: Distribution, global_shape: Sequence[int], what: str) -> tuple[int, ...]:
     global_shape = tuple(int(n) for n in global_shape)
-    dist.check_shape(global_shape, what)
+    if len(global_shape) != dist.ndim:
+        dist.check_shape(global_shape, what)  # refuses the dimension mismatch
     bad = empty_block(dist, global_shape)
     if bad is not None:
         r, d = bad
         raise DistributionError(
             f"{what} of shape {shape_str(global_shape)} under {dist}: rank {r} would hold an empty block "
-            f"along '{dist.dim_names[d]}'; lower that degree to at most {global_shape[d]}")
+            f"along '{dist.dim_names[d]}' (extent {global_shape[d]} split {dist.parts[d]} ways); lower that "
+            f"degree to at most {global_shape[d]}")
     return global_shape
 
 
