@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,45 @@ def test_start_is_idempotent(cluster):
     proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "already running" in proc.stderr, proc.stderr
     assert "export SLURM_CONF=" in proc.stdout
+
+
+def _daemon_pids(slurm_dir: Path) -> dict[str, int]:
+    pids = {}
+    for name in ("munged", "slurmctld", "slurmd"):
+        f = slurm_dir / "run" / f"{name}.pid"
+        if f.exists() and f.read_text().strip().isdigit():
+            pids[name] = int(f.read_text().strip())
+    return pids
+
+
+def _alive(pid: int, name: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == name
+    except OSError:
+        return False
+
+
+def test_second_cluster_in_own_dir_starts_and_stops_only_its_daemons(cluster):
+    # start/stop/stop in a private directory on other ports; the module's cluster must survive
+    slurm_dir = Path(tempfile.mkdtemp(prefix="lbs-", dir="/tmp"))  # short: munge's socket path has a limit
+    env = dict(os.environ, LBANNPY_SLURM_DIR=str(slurm_dir), LBANNPY_SLURM_PORT="6927")
+    try:
+        proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"export SLURM_CONF={slurm_dir}/etc/slurm.conf" in proc.stdout
+        pids = _daemon_pids(slurm_dir)
+        assert set(pids) == {"munged", "slurmctld", "slurmd"} and all(_alive(p, n) for n, p in pids.items())
+        ours = _daemon_pids(cluster.slurm_dir)
+        assert not set(ours.values()) & set(pids.values())
+        for _ in range(2):  # stopping twice is fine
+            proc = subprocess.run([str(STOP)], capture_output=True, text=True, timeout=120, env=env)
+            assert proc.returncode == 0, proc.stderr
+        assert not any(_alive(p, n) for n, p in pids.items()), "a daemon survived stop"
+        assert all(_alive(p, n) for n, p in ours.items()), "stop ended another cluster's daemon"
+        assert cluster.cmd("sinfo", "-h", "-o", "%t").stdout.strip() in ("idle", "mix", "alloc")
+    finally:
+        subprocess.run([str(STOP)], capture_output=True, text=True, timeout=120, env=env)
+        shutil.rmtree(slurm_dir, ignore_errors=True)
 
 
 def test_mpi_under_srun_pmi2_two_ranks_thread_multiple(cluster, tmp_path):
