@@ -20,7 +20,7 @@ INPUT_NAMES = ("x", "input")
 # type -> parameters it accepts (besides name, type, parents); unknown keys are refused so that typos surface
 LAYER_PARAMS: dict[str, tuple[str, ...]] = {
     "conv": ("filters", "kernel", "stride", "padding", "dilation", "groups", "bias"),
-    "batchnorm": ("eps", "momentum", "aggregate"),
+    "batchnorm": ("eps", "momentum", "sync"),
     "relu": (),
     "leaky_relu": ("slope", "negative_slope"),
     "pool": ("mode", "kernel", "stride", "padding", "global"),
@@ -197,7 +197,7 @@ def _normalise_layers(model: str, raw: Sequence[Any]) -> list[dict[str, Any]]:
         if unknown:
             raise ShapeError(f"layer {lname!r} ({ltype}): unknown parameter(s) {sorted(unknown)}; "
                              f"a {ltype} layer takes {list(LAYER_PARAMS[ltype]) or 'no parameters'}")
-        parents = lay.get("parents", [prev])
+        parents = lay.get("parents") or [prev]
         if isinstance(parents, str):
             parents = [parents]
         if not isinstance(parents, Sequence) or not parents or not all(isinstance(p, str) for p in parents):
@@ -290,7 +290,7 @@ def _infer(lay: dict[str, Any], in_shapes: tuple[tuple[int, ...], ...]) -> Node:
         spatial_only("move the layer before the fully-connected layers")
         filters = _int_param(lay, "filters")
         groups = _int_param(lay, "groups", 1)
-        kernel = _int_param(lay, "kernel")
+        kernel = _int_param(lay, "kernel", 3)
         stride = _int_param(lay, "stride", 1)
         dilation = _int_param(lay, "dilation", 1)
         padding = p.get("padding", 0)
@@ -311,8 +311,9 @@ def _infer(lay: dict[str, Any], in_shapes: tuple[tuple[int, ...], ...]) -> Node:
         if p.get("global", False):
             kernel, stride, padding = list(x[2:]), 1, 0
         else:
-            kernel = _int_param(lay, "kernel")
-            stride = _int_param(lay, "stride", kernel)
+            kernel = _int_param(lay, "kernel", 2)
+            stride = p.get("stride") if p.get("stride") is not None else kernel
+            stride = _int_param({**lay, "params": {"stride": stride}}, "stride")
             padding = p.get("padding", 0)
         stencil = _stencil(lay, x, kernel, stride, padding, 1)
         out = stencil.output_shape(x)

@@ -1,0 +1,428 @@
+"""Pure cost model: time and memory of one layer under one distribution, and of moving tensors between two.
+
+Jia et al. (2018) eq. 1: ``t_O = Σ_layers (t_C + t_S) + Σ_edges t_X``. Here
+
+* ``t_C`` = local forward + backward-data + backward-weights compute (γ·FLOPs roofline, or a measured table)
+  plus the layer's own communication: halo exchanges (Dryden et al. 2019 §V-A), batch-norm statistics over
+  the spatial group, and the partial-sum allreduce of the error signal when output channels are split
+  (the second term of Gholami et al. 2018 eq. 8);
+* ``t_S`` = gradient allreduce over the ranks that replicate the layer's weights (Thakur et al.: recursive
+  doubling below a size threshold, ring above);
+* ``t_X`` = redistribution (all-to-all shuffle, Dryden §III-C) of the activation forward and of the error
+  signal backward, volumes from box intersections of :mod:`lbannpy.dist` distributions.
+
+A layer's distribution is the distribution of its *output* (Jia: a configuration partitions the output
+tensor). Its input must be in :func:`required_input` of it: the same split, with the channel axis
+replicated where the layer reduces over input channels (conv, fc).
+
+Units: seconds, bytes, elements; every time is the slowest rank's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+from typing import Sequence
+
+import numpy as np
+
+from ..dist import Distribution, block_range
+from .graph import Node
+from .machine_model import Link, MachineModel
+
+REDUCES_CHANNELS = ("conv", "fc")  # layers whose outputs sum over all input channels
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_local_shape(shape: Sequence[int], dist: Distribution) -> tuple[int, ...]:
+    """Shape of the largest block of ``shape`` under ``dist`` (the slowest rank's share)."""
+    return tuple(ceil_div(n, p) for n, p in zip(shape, dist.parts))
+
+
+def nbytes(shape: Sequence[int], machine: MachineModel) -> int:
+    return math.prod(shape) * machine.dtype_bytes
+
+
+# --------------------------------------------------------------------------------------------------------
+# distributions of a layer's tensors
+
+
+def required_input(node: Node, dist: Distribution, in_shape: Sequence[int]) -> Distribution:
+    """Distribution the layer needs its input (of ``in_shape``) in, given its output distribution ``dist``.
+
+    Pointwise layers (and pool, concat, sum) use the same split. Conv and fc need every input channel for
+    their block of outputs, so their input's channel axis is replicated over the output-channel split; an fc
+    layer flattens (C, spatial...) into features, so its input is split along samples only.
+    """
+    return _required(node.type, dist, len(in_shape))
+
+
+@lru_cache(maxsize=65536)
+def _required(typ: str, dist: Distribution, ndim_in: int) -> Distribution:
+    P = dist.ranks
+    if typ == "fc":
+        pn, pc = dist.split[0], dist.split[1]
+        return Distribution((pn, pc) + (1,) * (ndim_in - 2), P, (1,) if pc > 1 else ())
+    if typ == "flatten":
+        return Distribution((dist.split[0],) + (1,) * (ndim_in - 1), P)
+    if typ == "conv":
+        return Distribution(dist.split, P, (1,) if dist.split[1] > 1 else ())
+    return dist
+
+
+def weight_split(node: Node, dist: Distribution) -> int:
+    """Number of pieces the layer's weights are cut into (output-channel split for conv, fc, batchnorm)."""
+    return dist.split[1] if node.type in ("conv", "fc", "batchnorm") else 1
+
+
+def _group_span(dist: Distribution, dims: Sequence[str]) -> int:
+    """Consecutive ranks spanned by the group of ranks that differ only along ``dims`` (C-order grid)."""
+    idx = [dist.dim_names.index(d) for d in dims]
+    if not idx:
+        return 1
+    first = min(idx)
+    return math.prod(dist.split[first:])
+
+
+# --------------------------------------------------------------------------------------------------------
+# collectives (Thakur, Rabenseifner & Gropp 2005)
+
+
+def allreduce_time(nbytes_: float, p: int, link: Link, machine: MachineModel) -> float:
+    """Seconds to allreduce ``nbytes_`` bytes over ``p`` ranks: recursive doubling ``⌈log2 p⌉(α + nβ)`` below
+    the machine's threshold, ring ``2(p-1)α + 2(p-1)/p·nβ`` at or above it."""
+    if p <= 1 or nbytes_ <= 0:
+        return 0.0
+    link = machine.allreduce_link or link
+    algo = machine.allreduce_algorithm
+    if algo == "auto":
+        algo = "recursive_doubling" if nbytes_ < machine.allreduce_threshold_bytes else "ring"
+    if algo == "recursive_doubling":
+        return math.ceil(math.log2(p)) * (link.alpha_s + nbytes_ * link.beta_s_per_byte)
+    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes_ * link.beta_s_per_byte
+
+
+def allgather_time(nbytes_total: float, p: int, link: Link) -> float:
+    """Bruck allgather of ``nbytes_total`` bytes in all: ``⌈log2 p⌉α + (p-1)/p·nβ``."""
+    if p <= 1:
+        return 0.0
+    return math.ceil(math.log2(p)) * link.alpha_s + (p - 1) / p * nbytes_total * link.beta_s_per_byte
+
+
+# --------------------------------------------------------------------------------------------------------
+# per-layer costs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Predicted cost of one layer under one distribution (seconds; bytes per rank)."""
+
+    fwd_s: float  # local forward compute
+    bwd_data_s: float  # local dL/dx compute
+    bwd_weights_s: float  # local dL/dw compute
+    halo_s: float  # halo exchanges, forward (x) and backward (dL/dy)
+    internal_comm_s: float  # BN statistics, partial-sum reduction of dL/dx over the channel split
+    allreduce_s: float  # gradient allreduce over the ranks replicating the weights (t_S)
+    mem_persistent_bytes: int  # kept from forward to backward: activations, weights, gradients, optimizer
+    mem_transient_bytes: int  # alive only while this layer runs: error signals, halo buffers
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_s + self.bwd_data_s + self.bwd_weights_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.halo_s + self.internal_comm_s + self.allreduce_s
+
+    @property
+    def t_c(self) -> float:
+        """Jia's t_C: compute plus the layer's own communication."""
+        return self.compute_s + self.halo_s + self.internal_comm_s
+
+    @property
+    def t_s(self) -> float:
+        return self.allreduce_s
+
+    @property
+    def total_s(self) -> float:
+        return self.t_c + self.t_s
+
+    @property
+    def mem_bytes(self) -> int:
+        return self.mem_persistent_bytes + self.mem_transient_bytes
+
+
+def compute_times(node: Node, dist: Distribution, machine: MachineModel,
+                  needs_dx: bool = True) -> tuple[float, float, float]:
+    """(forward, backward-data, backward-weights) seconds of the local kernels of the slowest rank.
+
+    A measured entry keyed by (type, local input shape, local output shape) wins; otherwise the roofline
+    ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a forward each;
+    pointwise layers: backward costs what forward does and there is no dL/dw.
+    """
+    out_local = max_local_shape(node.out_shape, dist)
+    in_dist = required_input(node, dist, node.in_shape)
+    in_local = max_local_shape(node.in_shape, in_dist)
+    key = (node.type, in_local, out_local)
+    if key in machine.measured:
+        f, bd, bw = machine.measured[key]
+        return f, (bd if needs_dx else 0.0), bw
+    frac = math.prod(out_local) / math.prod(node.out_shape)
+    flops = node.flops_fwd * frac
+    moved = (math.prod(in_local) * len(node.in_shapes) + math.prod(out_local)) * machine.dtype_bytes
+    if node.type in ("conv", "fc"):
+        moved += node.n_params / weight_split(node, dist) * machine.dtype_bytes
+
+    def kernel(fl: float, by: float) -> float:
+        if fl == 0 and by == 0:
+            return 0.0
+        return max(fl * machine.gamma_s_per_flop, by * machine.mem_s_per_byte) + machine.kernel_overhead_s
+
+    fwd = kernel(flops, moved)
+    if node.type in REDUCES_CHANNELS:
+        return fwd, (fwd if needs_dx else 0.0), fwd
+    if node.type in ("flatten",):
+        return 0.0, 0.0, 0.0
+    return fwd, (fwd if needs_dx else 0.0), 0.0
+
+
+@lru_cache(maxsize=None)
+def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Largest (lo, hi) halo, in input elements, over all blocks of each dimension when input and output are
+    split alike into ``parts``; elements in the padding are not exchanged."""
+    out = []
+    for w, n, p in zip(stencil_dims, in_shape, parts):
+        if p == 1:
+            out.append((0, 0))
+            continue
+        n_out = w.output_size(n)
+        lo_max = hi_max = 0
+        for j in range(p):
+            o0, o1 = block_range(n_out, p, j)
+            if o1 <= o0:
+                continue
+            i0, i1 = block_range(n, p, j)
+            lo, hi = w.input_window(o0, o1)
+            lo_max = max(lo_max, i0 - max(lo, 0))
+            hi_max = max(hi_max, min(hi, n) - i1)
+        out.append((max(lo_max, 0), max(hi_max, 0)))
+    return tuple(out)
+
+
+def _halo_exchange_time(widths: Sequence[tuple[int, int]], local: Sequence[int], link: Link,
+                        dtype_bytes: int) -> float:
+    """Dryden's FP_ℓ halo terms generalised to any number of split dimensions: for each non-empty subset S of
+    the dimensions with a halo, one send/recv per side combination, of volume Π_{S} width · Π_{rest} extent
+    (2SR(O·I_N·I_C·I_H) + 2SR(O·I_N·I_C·I_W) + 4SR(O²·I_N·I_C) for 2-D)."""
+    dims = [i for i, (lo, hi) in enumerate(widths) if lo or hi]
+    total = 0.0
+    for r in range(1, len(dims) + 1):
+        for subset in _subsets(dims, r):
+            for sides in product((0, 1), repeat=len(subset)):
+                vol = 1
+                for i in range(len(local)):
+                    if i in subset:
+                        vol *= widths[i][sides[subset.index(i)]]
+                    else:
+                        vol *= local[i]
+                if vol:
+                    total += link.time(vol * dtype_bytes)
+    return total
+
+
+def _subsets(items: list[int], r: int) -> list[tuple[int, ...]]:
+    from itertools import combinations
+    return list(combinations(items, r))
+
+
+def halo_time(node: Node, dist: Distribution, machine: MachineModel, needs_dx: bool = True) -> float:
+    """Forward halo of x plus backward halo of dL/dy (the same widths, on output-shaped blocks)."""
+    if node.stencil is None or all(p == 1 for p in dist.split[2:]):
+        return 0.0
+    in_dist = required_input(node, dist, node.in_shape)
+    widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
+    link = machine.link(_group_span(dist, dist.dim_names[2:]))
+    fp = _halo_exchange_time(widths, max_local_shape(node.in_shape, in_dist), link, machine.dtype_bytes)
+    bp = 0.0
+    if needs_dx:
+        out_local = list(max_local_shape(node.out_shape, dist))
+        bp = _halo_exchange_time(widths, out_local, link, machine.dtype_bytes)
+    return fp + bp
+
+
+def internal_comm_time(node: Node, dist: Distribution, machine: MachineModel, needs_dx: bool = True) -> float:
+    """Communication inside the layer: batch-norm statistics over the spatial group (forward and backward),
+    and for conv/fc with split output channels the allreduce of the partial sums of dL/dx over that split."""
+    t = 0.0
+    spatial = dist.dim_names[2:]
+    if node.type == "batchnorm" and any(dist.split[2:][i] > 1 for i in range(len(spatial))):
+        p = math.prod(dist.split[2:])
+        c_local = ceil_div(node.out_shape[1], dist.split[1])
+        link = machine.link(_group_span(dist, spatial))
+        t += 2 * allreduce_time(2 * c_local * machine.dtype_bytes, p, link, machine)
+    if node.type in REDUCES_CHANNELS and dist.split[1] > 1 and needs_dx:
+        in_dist = required_input(node, dist, node.in_shape)
+        dx_bytes = nbytes(max_local_shape(node.in_shape, in_dist), machine)
+        link = machine.link(_group_span(dist, ["c"]))
+        t += allreduce_time(dx_bytes, dist.split[1], link, machine)
+    return t
+
+
+def gradient_allreduce_time(node: Node, dist: Distribution, machine: MachineModel) -> float:
+    """t_S: allreduce of the local weight gradients over the ranks holding the same weight block
+    (Dryden's BPa = AR(|P(D_C, D_F)|, I_F·I_C·K²))."""
+    if node.n_params == 0:
+        return 0.0
+    ws = weight_split(node, dist)
+    group = dist.ranks // ws
+    link = machine.link(dist.ranks if group > 1 else 1)
+    return allreduce_time(ceil_div(node.n_params, ws) * machine.dtype_bytes, group, link, machine)
+
+
+def optimizer_slots(optimizer: str | None) -> int:
+    """Per-parameter state of the optimizer (momentum: 1, Adam: 2, plain SGD: 0)."""
+    return {"adam": 2, "adamw": 2, "sgd": 1, "momentum": 1, "sgd_plain": 0}.get(str(optimizer or "sgd"), 1)
+
+
+def layer_memory(node: Node, dist: Distribution, machine: MachineModel, reads_input: bool = False,
+                 optimizer: str | None = "sgd") -> tuple[int, int]:
+    """(persistent, transient) bytes per rank.
+
+    Persistent: the output block (kept for backprop), a gathered input copy where the input's channel axis is
+    replicated (conv/fc with split output channels, fc), the model input block for layers reading it, and
+    weights + gradients + optimizer state of the local weight block. Transient: the error signals dL/dy and
+    dL/dx of this layer and the input block with its halo.
+    """
+    b = machine.dtype_bytes
+    out_local = max_local_shape(node.out_shape, dist)
+    in_dist = required_input(node, dist, node.in_shape)
+    in_local = max_local_shape(node.in_shape, in_dist)
+    persistent = math.prod(out_local) * b
+    if in_dist.replicate or reads_input:
+        persistent += math.prod(in_local) * b * len(node.in_shapes)
+    if node.n_params:
+        w = ceil_div(node.n_params, weight_split(node, dist)) * b
+        persistent += w * (2 + optimizer_slots(optimizer))
+    transient = (math.prod(out_local) + math.prod(in_local) * len(node.in_shapes)) * b
+    if node.stencil is not None and any(p > 1 for p in dist.split[2:]):
+        widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
+        padded = [e + lo + hi for e, (lo, hi) in zip(in_local, widths)]
+        transient += (math.prod(padded) - math.prod(in_local)) * b
+    return int(persistent), int(transient)
+
+
+def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_input: bool = False,
+               optimizer: str | None = "sgd") -> LayerCost:
+    """All per-layer terms for ``node`` with output distribution ``dist``. ``reads_input``: the layer reads the
+    model input, which needs no dL/dx."""
+    needs_dx = not reads_input
+    f, bd, bw = compute_times(node, dist, machine, needs_dx)
+    halo = halo_time(node, dist, machine, needs_dx)
+    internal = internal_comm_time(node, dist, machine, needs_dx)
+    ar = gradient_allreduce_time(node, dist, machine)
+    pers, trans = layer_memory(node, dist, machine, reads_input, optimizer)
+    return LayerCost(f, bd, bw, halo, internal, ar, pers, trans)
+
+
+# --------------------------------------------------------------------------------------------------------
+# redistribution
+
+
+@lru_cache(maxsize=8192)
+def _boxes(dist: Distribution, shape: tuple[int, ...]) -> np.ndarray:
+    """(ranks, ndim, 2) array of every rank's owned box (replicated axes: the whole extent), computed with
+    the rank layout of :class:`lbannpy.dist.Distribution` (outer replica, then C-order grid coordinates)."""
+    r = np.arange(dist.ranks) % math.prod(dist.split)
+    coords = np.stack(np.unravel_index(r, dist.split), axis=1) if dist.ranks else np.zeros((0, dist.ndim))
+    parts = np.array(dist.parts)
+    coords = np.where(parts[None, :] == 1, 0, coords)
+    n = np.array(shape)
+    q, rem = n // parts, n % parts
+    start = coords * q + np.minimum(coords, rem)
+    stop = start + q + (coords < rem)
+    return np.stack([start, stop], axis=2).astype(np.int64)
+
+
+def shuffle_volume(shape: tuple[int, ...], src: Distribution, dst: Distribution) -> np.ndarray:
+    """Elements each rank must receive to hold its ``dst`` box, given it holds its ``src`` box."""
+    return _shuffle_arrays(shape, [src], [dst])[0][0, 0]
+
+
+def _shuffle_arrays(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Sequence[Distribution]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """For every (src, dst) pair and rank: elements received and source blocks met (messages, own included).
+    Arrays of shape (len(srcs), len(dsts), ranks)."""
+    a = np.stack([_boxes(d, shape) for d in srcs])[:, None]  # (S, 1, P, nd, 2)
+    b = np.stack([_boxes(d, shape) for d in dsts])[None, :]  # (1, D, P, nd, 2)
+    lo = np.maximum(a[..., 0], b[..., 0])
+    hi = np.minimum(a[..., 1], b[..., 1])
+    overlap = np.clip(hi - lo, 0, None).prod(axis=-1)
+    need = (b[..., 1] - b[..., 0]).prod(axis=-1)
+    n = np.array(shape)
+    q = np.stack([-(-n // np.array(d.parts)) for d in srcs])[:, None, None, :]  # (S, 1, 1, nd) block size
+    peers = ((b[..., 1] - 1) // q - b[..., 0] // q + 1).prod(axis=-1)
+    return need - overlap, peers
+
+
+def shuffle_times(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Sequence[Distribution],
+                  machine: MachineModel) -> np.ndarray:
+    """One-way all-to-all time for every (src, dst) pair: slowest rank's ``⌈log2(peers)⌉·α + received
+    bytes·β`` (Bruck-style; an allgather is the case of ``dst`` replicating an axis of ``src``)."""
+    vol, peers = _shuffle_arrays(shape, srcs, dsts)
+    link = machine.link(srcs[0].ranks)
+    msgs = np.ceil(np.log2(np.maximum(peers, 2)))
+    t = np.where(vol > 0, msgs * link.alpha_s + vol * (machine.dtype_bytes * link.beta_s_per_byte), 0.0)
+    return t.max(axis=-1)
+
+
+def shuffle_time(shape: tuple[int, ...], src: Distribution, dst: Distribution, machine: MachineModel) -> float:
+    """One-way all-to-all from ``src`` to ``dst`` (see :func:`shuffle_times`)."""
+    if src == dst:
+        return 0.0
+    return float(shuffle_times(shape, [src], [dst], machine)[0, 0])
+
+
+def redistribution_matrix(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Sequence[Distribution],
+                          machine: MachineModel) -> np.ndarray:
+    """t_X for every (src, dst) pair: forward shuffle plus the backward shuffle of the error signal."""
+    return _redistribution_matrix(tuple(shape), tuple(srcs), tuple(dsts), machine).copy()
+
+
+@lru_cache(maxsize=4096)
+def _redistribution_matrix(shape, srcs, dsts, machine) -> np.ndarray:
+    return shuffle_times(shape, srcs, dsts, machine) + shuffle_times(shape, dsts, srcs, machine).T
+
+
+def redistribution_time(shape: tuple[int, ...], src: Distribution, dst: Distribution,
+                        machine: MachineModel) -> float:
+    """t_X of an edge: the activation from ``src`` to ``dst`` forward, the error signal back from ``dst`` to
+    ``src`` backward (partial sums are already reduced by the consumer)."""
+    return shuffle_time(shape, src, dst, machine) + shuffle_time(shape, dst, src, machine)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Gholami et al. (2018) eq. 8: 1.5D model+batch parallel fully-connected layers
+
+
+def fc_15d_comm_time(batch: int, dims: Sequence[int], p_r: int, p_c: int, link: Link,
+                     dtype_bytes: int = 4) -> float:
+    """Communication of ``len(dims)-1`` fully-connected layers ``d_0 -> d_1 -> ... -> d_L`` on a ``P = Pr×Pc``
+    grid (weights split Pr ways, the batch Pc ways), eq. 8 of Gholami et al.::
+
+        Σ_{i=1..L} (α⌈log Pr⌉ + β B/Pc (Pr-1)/Pr d_i)               forward all-gather of the outputs
+      + 2 Σ_{i=2..L} (α⌈log Pr⌉ + β B/Pc (Pr-1)/Pr d_{i-1})         all-reduce of dL/dx
+      + 2 Σ_{i=2..L} (α⌈log Pc⌉ + β (Pc-1)/Pc |W_i|/Pr)             all-reduce of dL/dW
+
+    Sizes in elements, converted with ``dtype_bytes``; ``|W_i| = d_{i-1}·d_i``.
+    """
+    a, bb = link.alpha_s, link.beta_s_per_byte * dtype_bytes
+    lr, lc = math.ceil(math.log2(p_r)) if p_r > 1 else 0, math.ceil(math.log2(p_c)) if p_c > 1 else 0
+    L = len(dims) - 1
+    t = sum(a * lr + bb * batch / p_c * (p_r - 1) / p_r * dims[i] for i in range(1, L + 1))
+    t += 2 * sum(a * lr + bb * batch / p_c * (p_r - 1) / p_r * dims[i - 1] for i in range(2, L + 1))
+    t += 2 * sum(a * lc + bb * (p_c - 1) / p_c * dims[i - 1] * dims[i] / p_r for i in range(2, L + 1))
+    return t

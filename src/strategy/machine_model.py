@@ -1,0 +1,193 @@
+"""The machine as the cost model sees it: α-β links, allreduce choice, γ per FLOP, memory per device.
+
+A machine file is YAML (read with ``yaml.safe_load``)::
+
+    name: p100
+    ranks_per_node: 4
+    memory_per_device_gib: 16
+    intra: {alpha_s: 1.0e-5, beta_s_per_byte: 5.0e-11}    # NVLink within a node
+    inter: {alpha_s: 2.0e-5, beta_s_per_byte: 1.0e-10}    # InfiniBand between nodes
+    allreduce: {threshold_bytes: 65536}                    # recursive doubling below, ring at or above
+    compute:
+      gamma_s_per_flop: 1.8e-13                            # sustained, not peak
+      mem_s_per_byte: 1.9e-12                              # roofline: bytes moved / memory bandwidth
+      kernel_overhead_s: 1.0e-5                            # launch + setup per local kernel
+      measured:                                            # optional, from the calibration benchmark
+        - {type: conv, in: [32, 64, 56, 56], out: [32, 64, 56, 56], fwd_s: 0.004, bwd_data_s: 0.004,
+           bwd_weights_s: 0.005}
+
+``load_machine_model(NAME_OR_PATH)`` reads a file, or ``src/machines/NAME.yaml``, or one of the presets below
+(P100 as in Jia et al. 2018, Lassen V100 as in Dryden et al. 2019, H100), in that order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class MachineError(ValueError):
+    """A machine file or name that cannot be used; the message says which key is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float  # seconds per message (latency)
+    beta_s_per_byte: float  # seconds per byte (inverse bandwidth)
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        """Seconds to move ``nbytes`` in ``messages`` messages (α-β model, full duplex, no contention)."""
+        return messages * self.alpha_s + nbytes * self.beta_s_per_byte
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    name: str
+    intra: Link
+    inter: Link
+    ranks_per_node: int
+    memory_per_device_gib: float
+    gamma_s_per_flop: float  # seconds per floating-point operation, sustained
+    mem_s_per_byte: float = 0.0  # seconds per byte of local memory traffic (roofline); 0 = compute bound
+    kernel_overhead_s: float = 0.0  # seconds of fixed cost per local kernel call
+    allreduce_threshold_bytes: int = 65536  # Thakur et al.: recursive doubling below, ring at or above
+    allreduce_algorithm: str = "auto"  # auto | ring | recursive_doubling
+    allreduce_link: Link | None = None  # overrides the link α/β for allreduces (e.g. NCCL measured)
+    dtype_bytes: int = 4  # bytes per tensor element (float32)
+    measured: Mapping[tuple, tuple[float, float, float]] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, tree: Mapping[str, Any], name: str | None = None) -> "MachineModel":
+        """Build from the YAML tree described in the module docstring."""
+        if not isinstance(tree, Mapping):
+            raise MachineError(f"a machine file must hold a mapping, got {type(tree).__name__}")
+        name = str(tree.get("name", name or "machine"))
+
+        def link(key: str) -> Link:
+            sub = tree.get(key)
+            if not isinstance(sub, Mapping) or "alpha_s" not in sub or "beta_s_per_byte" not in sub:
+                raise MachineError(f"machine {name!r}: '{key}' must be a mapping with alpha_s (seconds per "
+                                   f"message) and beta_s_per_byte (seconds per byte)")
+            return Link(_pos(name, f"{key}.alpha_s", sub["alpha_s"], zero=True),
+                        _pos(name, f"{key}.beta_s_per_byte", sub["beta_s_per_byte"], zero=True))
+
+        comp = tree.get("compute")
+        if not isinstance(comp, Mapping) or "gamma_s_per_flop" not in comp:
+            raise MachineError(f"machine {name!r}: 'compute' must be a mapping with gamma_s_per_flop (seconds per "
+                               f"floating-point operation)")
+        ar = tree.get("allreduce") or {}
+        if not isinstance(ar, Mapping):
+            raise MachineError(f"machine {name!r}: 'allreduce' must be a mapping")
+        algo = str(ar.get("algorithm", "auto"))
+        if algo not in ("auto", "ring", "recursive_doubling"):
+            raise MachineError(f"machine {name!r}: allreduce.algorithm must be auto, ring or recursive_doubling")
+        ar_link = None
+        if "alpha_s" in ar or "beta_s_per_byte" in ar:
+            ar_link = Link(_pos(name, "allreduce.alpha_s", ar.get("alpha_s", 0.0), zero=True),
+                           _pos(name, "allreduce.beta_s_per_byte", ar.get("beta_s_per_byte", 0.0), zero=True))
+        measured = {}
+        for i, row in enumerate(comp.get("measured") or []):
+            try:
+                key = (str(row["type"]), tuple(int(s) for s in row["in"]), tuple(int(s) for s in row["out"]))
+                measured[key] = (float(row["fwd_s"]), float(row.get("bwd_data_s", 0.0)),
+                                 float(row.get("bwd_weights_s", 0.0)))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise MachineError(f"machine {name!r}: compute.measured[{i}] needs type, in, out, fwd_s "
+                                   f"(and bwd_data_s, bwd_weights_s): {exc!r}") from None
+        rpn = tree.get("ranks_per_node", 1)
+        if not isinstance(rpn, int) or rpn < 1:
+            raise MachineError(f"machine {name!r}: ranks_per_node must be a positive integer, got {rpn!r}")
+        return cls(
+            name=name, intra=link("intra"), inter=link("inter"), ranks_per_node=rpn,
+            memory_per_device_gib=_pos(name, "memory_per_device_gib", tree.get("memory_per_device_gib", 16)),
+            gamma_s_per_flop=_pos(name, "compute.gamma_s_per_flop", comp["gamma_s_per_flop"]),
+            mem_s_per_byte=_pos(name, "compute.mem_s_per_byte", comp.get("mem_s_per_byte", 0.0), zero=True),
+            kernel_overhead_s=_pos(name, "compute.kernel_overhead_s", comp.get("kernel_overhead_s", 0.0),
+                                   zero=True),
+            allreduce_threshold_bytes=int(ar.get("threshold_bytes", 65536)), allreduce_algorithm=algo,
+            allreduce_link=ar_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured)
+
+    def with_memory(self, gib: float) -> "MachineModel":
+        from dataclasses import replace
+        return replace(self, memory_per_device_gib=float(gib))
+
+    def link(self, span_ranks: int) -> Link:
+        """Link used by a group whose ranks lie within ``span_ranks`` consecutive ranks (nodes are filled in
+        rank order, ``ranks_per_node`` each)."""
+        return self.intra if span_ranks <= self.ranks_per_node else self.inter
+
+
+def _pos(machine: str, key: str, v: Any, zero: bool = False) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise MachineError(f"machine {machine!r}: {key} must be a number, got {v!r}") from None
+    if f < 0 or (f == 0 and not zero):
+        raise MachineError(f"machine {machine!r}: {key} must be {'>= 0' if zero else '> 0'}, got {v!r}")
+    return f
+
+
+# Presets: sustained (not peak) rates. γ uses ~60% of peak FP32; β the per-GPU share of the link.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Jia et al. (2018): 4 nodes x 4 P100 (16 GB), NVLink within a node, 100 Gb/s EDR InfiniBand between.
+    "p100": {
+        "name": "p100", "ranks_per_node": 4, "memory_per_device_gib": 16,
+        "intra": {"alpha_s": 1.0e-5, "beta_s_per_byte": 1 / 18e9},
+        "inter": {"alpha_s": 2.5e-5, "beta_s_per_byte": 1 / 10e9},
+        "allreduce": {"threshold_bytes": 65536},
+        "compute": {"gamma_s_per_flop": 1 / (0.6 * 9.3e12), "mem_s_per_byte": 1 / (0.7 * 732e9),
+                    "kernel_overhead_s": 1.0e-5},
+    },
+    # Dryden et al. (2019): Lassen, 4 V100 (16 GB) per node, NVLink2, dual-rail EDR InfiniBand.
+    "lassen": {
+        "name": "lassen", "ranks_per_node": 4, "memory_per_device_gib": 16,
+        "intra": {"alpha_s": 8.0e-6, "beta_s_per_byte": 1 / 60e9},
+        "inter": {"alpha_s": 2.0e-5, "beta_s_per_byte": 1 / 12e9},
+        "allreduce": {"threshold_bytes": 65536},
+        "compute": {"gamma_s_per_flop": 1 / (0.6 * 15.7e12), "mem_s_per_byte": 1 / (0.7 * 900e9),
+                    "kernel_overhead_s": 8.0e-6},
+    },
+    # One HGX H100 node type: 8 GPUs (80 GB) with NVLink4, one 400 Gb/s NDR port per GPU.
+    "h100": {
+        "name": "h100", "ranks_per_node": 8, "memory_per_device_gib": 80,
+        "intra": {"alpha_s": 5.0e-6, "beta_s_per_byte": 1 / 300e9},
+        "inter": {"alpha_s": 1.5e-5, "beta_s_per_byte": 1 / 45e9},
+        "allreduce": {"threshold_bytes": 262144},
+        "compute": {"gamma_s_per_flop": 1 / (0.6 * 67e12), "mem_s_per_byte": 1 / (0.7 * 3.35e12),
+                    "kernel_overhead_s": 5.0e-6},
+    },
+}
+
+
+def machines_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "machines"
+
+
+def load_machine_model(name_or_path: str | Path | Mapping[str, Any] | MachineModel = "p100") -> MachineModel:
+    """A :class:`MachineModel` from a mapping, a YAML path, ``src/machines/NAME.yaml`` or a preset name."""
+    if isinstance(name_or_path, MachineModel):
+        return name_or_path
+    if isinstance(name_or_path, Mapping):
+        return MachineModel.from_dict(name_or_path)
+    s = str(name_or_path)
+    p = Path(s)
+    candidates = [p] if (p.suffix in (".yaml", ".yml") or p.exists()) else [machines_dir() / f"{s}.yaml"]
+    for f in candidates:
+        if f.is_file():
+            try:
+                tree = yaml.safe_load(f.read_text())
+            except yaml.YAMLError as exc:
+                raise MachineError(f"machine file {f}: not valid YAML ({exc})") from None
+            try:
+                return MachineModel.from_dict(tree, name=f.stem)
+            except MachineError:
+                if s in PRESETS:
+                    break  # a machine file of another schema: the preset of that name describes it for us
+                raise
+    if s in PRESETS:
+        return MachineModel.from_dict(PRESETS[s])
+    if p.suffix in (".yaml", ".yml"):
+        raise MachineError(f"machine file {s} does not exist")
+    raise MachineError(f"unknown machine {s!r}: give a YAML file or one of {sorted(PRESETS)}")
