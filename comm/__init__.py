@@ -10,12 +10,12 @@ Nothing here touches MPI at import time; the backends are imported when first us
 from __future__ import annotations
 
 from .base import REDUCE_OPS, CommError, Communicator, Handle, wait_all
-from .runtime import Runtime, install_abort_hook, make_communicator
+from .runtime import Runtime, install_abort_hook, launched_size, make_communicator
 from .single import SingleCommunicator
 
 __all__ = [
     "REDUCE_OPS", "CommError", "Communicator", "Handle", "wait_all", "Runtime", "install_abort_hook",
-    "make_communicator", "SingleCommunicator", "MPICommunicator", "NCCLCommunicator",
+    "make_communicator", "launched_size", "SingleCommunicator", "MPICommunicator", "NCCLCommunicator",
 ]
 
 

@@ -171,18 +171,28 @@ class MPICommunicator(Communicator):
             raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
 
     def _request(self, what: str, req: "MPI.Request", finish=None, buffers=(), status=None) -> Handle:
+        # Once Test() has completed the request, MPI has freed it: a later Wait() would see a null request
+        # and overwrite ``status`` with an empty one, so completion is remembered here.
+        completed = [False]
+
         def wait():
+            if completed[0]:
+                return
             try:
                 req.Wait(status)
             except MPI.Exception as exc:
                 raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}; "
                                 f"the ranks probably passed inconsistent sizes") from exc
+            completed[0] = True
 
         def test():
+            if completed[0]:
+                return True
             try:
-                return req.Test()
+                completed[0] = req.Test(status)
             except MPI.Exception as exc:
                 raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
+            return completed[0]
 
         return Handle(wait, test, finish, buffers, what)
 

@@ -44,6 +44,23 @@ def _env_local_rank() -> int | None:
     return None
 
 
+# launcher variables that carry the number of ranks of the job
+_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_size() -> int | None:
+    """Number of ranks the launcher (mpiexec, srun) started, read from its environment without starting
+    MPI; ``None`` when this process was not started by a known launcher."""
+    if "PMI_RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
+            and "PMIX_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        return None
+    for var in _WORLD_SIZE_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def failure_message(rank: int, size: int, exc: BaseException) -> str:
     return f"lbannpy: rank {rank} of {size} failed: {type(exc).__name__}: {exc}"
 

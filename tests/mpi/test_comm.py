@@ -200,6 +200,20 @@ def test_ring_isend_irecv_both_directions(comm, xp):
     assert_allclose_all(comm, from_right, np.full(6, 10.0 * right), what="from right (tag 2)")
 
 
+def test_recv_after_test_keeps_its_status(comm, xp):
+    # test() completing a receive must not lose the message size that wait() checks afterwards
+    p, me = comm.size, comm.rank
+    r = comm.irecv(xp.empty(4), (me - 1) % p, tag=8)
+    s = comm.isend(as_xp(xp, np.full(4, float(me))), (me + 1) % p, tag=8)
+    for _ in range(1_000_000):
+        if r.test():
+            break
+    s.wait()
+    with collective_check(comm, "wait after a successful test"):
+        got = r.wait()
+        np.testing.assert_array_equal(got, np.full(4, float((me - 1) % p)))
+
+
 def test_sendrecv_noncontiguous_send(comm, xp):
     p, me = comm.size, comm.rank
     base = as_xp(xp, np.arange(12.0).reshape(3, 4) + 100 * me)

@@ -1,0 +1,48 @@
+"""``python -m lbannpy.bench SUBCOMMAND [args]``: calibration and performance benchmarks.
+
+Each subcommand is a module with ``main(argv) -> int``. To add one, add a line to ``SUBCOMMANDS`` (or
+call :func:`register` from a plugin); its module is imported only when it runs.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line description)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "calibrate": ("lbannpy.bench.calibrate",
+                  "measure point-to-point and allreduce alpha-beta and GEMM gamma; write a machine YAML"),
+    "halo": ("lbannpy.bench.halo",
+             "halo exchange and allreduce bandwidth against the alpha-beta model; overlap fraction"),
+    "layers": ("lbannpy.bench.layers", "local conv/pool/batch-norm kernels against PyTorch CPU"),
+}
+
+
+def register(name: str, module: str, description: str) -> None:
+    """Add a subcommand: ``module`` must define ``main(argv) -> int``."""
+    SUBCOMMANDS[name] = (module, description)
+
+
+def usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = ["usage: python -m lbannpy.bench SUBCOMMAND [args]   (SUBCOMMAND -h for its options)", "",
+             "subcommands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in sorted(SUBCOMMANDS.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"lbannpy.bench: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

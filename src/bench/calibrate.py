@@ -1,0 +1,309 @@
+"""``python -m lbannpy.bench calibrate [-o machine.yaml]``: measure this machine for the cost model.
+
+* point to point: ping-pong between rank 0 and one partner on the same node (``intra``) and, when the job
+  spans nodes, one on another node (``inter``); one-way time = round trip / 2;
+* allreduce of float32 buffers over all ranks;
+* compute: a float32 GEMM on every rank at once (the rate a rank gets while the others compute too).
+
+Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
+point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
+model :meth:`lbannpy.machine.Machine.allreduce_time` uses), whatever algorithm the MPI picks underneath;
+small-message allreduce in MPI is usually recursive doubling, so the fitted α is an effective per-step
+latency. γ = GEMM time / (2 m n k) seconds per FLOP.
+
+Needs at least 2 ranks; started alone it relaunches itself under ``mpiexec -n 2``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from importlib import resources
+
+import numpy as np
+
+from lbannpy.comm import Runtime
+
+from .launch import relaunch_if_needed
+
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+# -------------------------------------------------------------------------------------------------------
+# timing
+
+
+def message_sizes(max_bytes: int, min_bytes: int = 8, factor: int = 4) -> list[int]:
+    out, n = [], min_bytes
+    while n < max_bytes:
+        out.append(n)
+        n *= factor
+    out.append(max_bytes)
+    return out
+
+
+def _sync(xp) -> None:
+    if xp.__name__ == "cupy":
+        xp.cuda.get_current_stream().synchronize()
+
+
+def timed_calls(comm, op, target_s: float, batches: int, participants=None) -> float:
+    """Seconds per call of ``op()``: every call is timed on its own, each rank keeps the median of its
+    calls (robust to the process being descheduled now and then on a shared machine), and the slowest
+    participant's median is returned. Rank 0 picks the number of calls (about ``target_s * batches`` in
+    all) and every rank makes that many (``participants``: ranks that call ``op``; the others only join
+    the agreement)."""
+    me_in = participants is None or comm.rank in participants
+    if me_in:
+        op()  # warm-up (connections, allocations)
+    comm.barrier()
+    t0 = time.perf_counter()
+    if me_in:
+        op()
+    single = comm.allreduce_obj(time.perf_counter() - t0, "max")
+    reps = int(min(max(target_s * batches / max(single, 1e-7), 5), 20000))
+    reps = comm.bcast_obj(reps, root=0)
+    times = np.empty(reps)
+    comm.barrier()
+    if me_in:
+        clock = time.perf_counter
+        for i in range(reps):
+            t0 = clock()
+            op()
+            times[i] = clock() - t0
+    return comm.allreduce_obj(float(np.median(times)) if me_in else 0.0, "max")
+
+
+def pingpong(comm, xp, peer_of_0: int, sizes, target_s, batches) -> list[tuple[int, float]]:
+    """One-way seconds per message size between rank 0 and ``peer_of_0``."""
+    out = []
+    me = comm.rank
+    for n in sizes:
+        sbuf = xp.ones(n, dtype=xp.uint8)
+        rbuf = xp.empty(n, dtype=xp.uint8)
+        if me == 0:
+            def op():
+                comm.isend(sbuf, peer_of_0, tag=11).wait()
+                comm.irecv(rbuf, peer_of_0, tag=12).wait()
+        elif me == peer_of_0:
+            def op():
+                comm.irecv(rbuf, 0, tag=11).wait()
+                comm.isend(sbuf, 0, tag=12).wait()
+        else:
+            def op():
+                return None
+        t = timed_calls(comm, op, target_s, batches, participants=(0, peer_of_0))
+        out.append((n, t / 2))
+    return out
+
+
+def allreduce_times(comm, xp, sizes, target_s, batches) -> list[tuple[int, float]]:
+    out = []
+    for n in sizes:
+        count = max(n // 4, 1)
+        buf = xp.ones(count, dtype=xp.float32)
+        res = xp.empty_like(buf)
+
+        def op():
+            comm.allreduce(buf, "sum", out=res)
+            _sync(xp)
+
+        out.append((count * 4, timed_calls(comm, op, target_s, batches)))
+    return out
+
+
+def gemm_gamma(comm, xp, n: int, reps: int = 5) -> tuple[float, list[float]]:
+    """Seconds per FLOP of an n×n×n float32 GEMM, median over ranks (all ranks compute at once)."""
+    rng = np.random.default_rng(comm.rank)
+    a = xp.asarray(rng.standard_normal((n, n), dtype=np.float32))
+    b = xp.asarray(rng.standard_normal((n, n), dtype=np.float32))
+    c = a @ b  # warm-up
+    _sync(xp)
+    times = []
+    comm.barrier()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c = a @ b
+        _sync(xp)
+        times.append(time.perf_counter() - t0)
+    del c
+    mine = float(np.median(times)) / (2.0 * n ** 3)
+    every = comm.allgather_obj(mine)
+    return float(np.median(every)), every
+
+
+# -------------------------------------------------------------------------------------------------------
+# fitting
+
+
+def fit_alpha_beta(points) -> tuple[float, float, float]:
+    """Least squares of ``t = a + b n`` on relative residuals; ``a, b >= 0``. Returns (a, b, max relative
+    error of the fit over the points)."""
+    n = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    A = np.stack([1 / t, n / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if a < 0:  # latency below resolution: fit bandwidth alone
+        a = 0.0
+        b = float(np.linalg.lstsq((n / t)[:, None], np.ones_like(t), rcond=None)[0][0])
+    if b <= 0:  # bandwidth term lost in noise (sizes too small): fit latency alone
+        b = 1e-15
+        a = float(np.median(t))
+    err = float(np.max(np.abs(a + b * n - t) / t))
+    return float(a), float(b), err
+
+
+def ring_from_fit(a: float, b: float, p: int) -> tuple[float, float]:
+    """α, β of the ring model ``2(p-1) α + 2(p-1)/p n β`` from a fitted ``a + b n``."""
+    return a / (2 * (p - 1)), b * p / (2 * (p - 1))
+
+
+# -------------------------------------------------------------------------------------------------------
+# machine file
+
+
+def _package_machines_dir() -> str:
+    return os.path.realpath(str(resources.files("lbannpy").joinpath("machines")))
+
+
+def check_output(path: str) -> None:
+    """Refuse to overwrite the presets shipped in the package, and unwritable places, before measuring."""
+    target = os.path.realpath(os.path.abspath(path))
+    if os.path.dirname(target) == _package_machines_dir():
+        raise SystemExit(f"lbannpy.bench calibrate: refusing to write {path} into the package's machine "
+                         f"presets; write to ./machine.yaml (default) or another -o path")
+    if not os.access(os.path.dirname(target), os.W_OK):
+        raise SystemExit(f"lbannpy.bench calibrate: cannot write {path}: directory not writable")
+
+
+def write_machine(path: str, data: dict, header: str) -> None:
+    import yaml
+    target = os.path.realpath(os.path.abspath(path))
+    tmp = target + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(header)
+        yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None, width=100)
+    os.replace(tmp, target)
+
+
+def _memory_gib(xp, ranks_per_node: int) -> float:
+    if xp.__name__ == "cupy":
+        return round(xp.cuda.runtime.memGetInfo()[1] / 2 ** 30, 2)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return round(total / max(ranks_per_node, 1) / 2 ** 30, 2)
+
+
+# -------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("-o", "--output", default="machine.yaml", help="machine file to write (default ./machine.yaml)")
+    ap.add_argument("--name", default=None, help="machine name in the file (default: the host name)")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--backend", choices=("auto", "mpi", "nccl"), default="auto")
+    ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest message (default 64 MiB)")
+    ap.add_argument("--gemm", type=int, default=1024, help="GEMM size n for gamma (n×n×n, default 1024)")
+    ap.add_argument("--target-ms", type=float, default=20.0, help="length of one timed batch (default 20 ms)")
+    ap.add_argument("--batches", type=int, default=5, help="the calls per size last about batches x target-ms")
+    ap.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 3 batches, GEMM 512")
+    ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
+    return ap.parse_args(argv)
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:10.2f}"
+
+
+def _table(title: str, rows, model) -> str:
+    lines = [title, f"{'bytes':>10} {'time (us)':>10} {'model (us)':>10} {'GB/s':>8}"]
+    for n, t in rows:
+        lines.append(f"{n:>10} {_us(t)} {_us(model(n))} {n / t / 1e9:8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    check_output(args.output)
+    code = relaunch_if_needed("calibrate", argv, args.ranks)
+    if code is not None:
+        return code
+    if args.quick:
+        args.max_bytes = min(args.max_bytes, 4 << 20)
+        args.batches = min(args.batches, 3)
+        args.gemm = min(args.gemm, 512)
+    backend = "mpi" if args.device == "cpu" and args.backend == "auto" else args.backend
+    with Runtime(backend=backend, device=args.device) as rt:
+        comm, xp, p = rt.world, rt.xp, rt.size
+        if p < 2:
+            raise SystemExit("lbannpy.bench calibrate needs at least 2 ranks (mpiexec -n 2 ...)")
+        hosts = comm.allgather_obj(socket.gethostname())
+        intra_peer = next((r for r in range(1, p) if hosts[r] == hosts[0]), None)
+        inter_peer = next((r for r in range(1, p) if hosts[r] != hosts[0]), None)
+        sizes = message_sizes(args.max_bytes)
+        target = args.target_ms / 1e3
+        say = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
+        say(f"calibrating on {p} ranks ({len(set(hosts))} node(s)), backend {rt.backend}, device {rt.device}, "
+            f"messages {sizes[0]} B .. {sizes[-1]} B")
+
+        links, fits, tables = {}, {}, []
+        for kind, peer in (("intra", intra_peer), ("inter", inter_peer)):
+            if peer is None:
+                continue
+            pts = pingpong(comm, xp, peer, sizes, target, args.batches)
+            a, b, err = fit_alpha_beta(pts)
+            links[kind] = {"alpha_s": a, "beta_s_per_byte": b}
+            fits[kind] = {"max_relative_error": round(err, 3), "ranks": [0, peer]}
+            tables.append(_table(f"point to point, rank 0 <-> rank {peer} ({kind}-node), one way; "
+                                 f"fit alpha {a:.3e} s, beta {b:.3e} s/B", pts, lambda n, a=a, b=b: a + b * n))
+        note = ""
+        if "inter" not in links:
+            links["inter"] = dict(links["intra"])
+            note = "inter copied from intra: all ranks ran on one node. "
+        if "intra" not in links:
+            links["intra"] = dict(links["inter"])
+            note = "intra copied from inter: one rank per node. "
+
+        pts = allreduce_times(comm, xp, sizes, target, args.batches)
+        a, b, err = fit_alpha_beta(pts)
+        ar_alpha, ar_beta = ring_from_fit(a, b, p)
+        fits["allreduce"] = {"max_relative_error": round(err, 3), "ranks": p,
+                             "model": "ring: 2(p-1)*alpha + 2(p-1)/p*n*beta"}
+        tables.append(_table(f"allreduce over {p} ranks (float32), ring model alpha {ar_alpha:.3e} s, "
+                             f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
+
+        gamma, per_rank = gemm_gamma(comm, xp, args.gemm)
+        tables.append(f"GEMM float32 {args.gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP "
+                      f"({1 / gamma / 1e9:.2f} GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})")
+
+        if comm.rank == 0:
+            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            data = {
+                "name": args.name or hosts[0],
+                "source": (f"measured by `python -m lbannpy.bench calibrate` on {p} ranks, backend "
+                           f"{rt.backend}, device {rt.device}. {note}").strip(),
+                "ranks_per_node": rt.local_size,
+                "memory_per_device_gib": _memory_gib(xp, rt.local_size),
+                "intra": links["intra"],
+                "inter": links["inter"],
+                "allreduce": {"alpha_s": ar_alpha, "beta_s_per_byte": ar_beta},
+                "compute": {"gamma_s_per_flop": gamma},
+                "measured_on": {"date": now, "host": ",".join(sorted(set(hosts))), "ranks": str(p),
+                                "device": rt.device, "backend": rt.backend},
+                "fit": fits,
+            }
+            header = (f"# Machine file written by `python -m lbannpy.bench calibrate` ({now}).\n"
+                      f"# alpha in seconds, beta in seconds per byte, gamma in seconds per FLOP.\n")
+            print("\n\n".join(tables), flush=True)
+            write_machine(args.output, data, header)
+            print(f"\nwrote {args.output}", flush=True)
+        comm.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
