@@ -1,0 +1,107 @@
+"""Machine files (presets, validation), the α-β fitting, and the bench entry point."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lbannpy.bench.__main__ import SUBCOMMANDS, main as bench_main
+from lbannpy.bench.calibrate import fit_alpha_beta, message_sizes, ring_from_fit
+from lbannpy.machine import MachineError, load_machine, machine_from_dict, preset_names
+
+
+@pytest.mark.parametrize("name", ["lassen", "p100", "h100"])
+def test_presets_load_with_sources(name):
+    m = load_machine(name)
+    assert m.name == name and m.source and m.ranks_per_node >= 4
+    assert m.intra.beta_s_per_byte > 0 and m.inter.alpha_s > 0 and m.gamma_s_per_flop > 0
+    assert name in preset_names()
+
+
+def test_lassen_numbers_are_the_distconv_model():
+    m = load_machine("lassen")
+    assert (m.inter.alpha_s, m.inter.beta_s_per_byte) == (1.2e-6, 3.893e-11)
+    assert (m.intra.alpha_s, m.intra.beta_s_per_byte) == (8e-6, 2.661e-11)
+    assert m.gamma_s_per_flop == 1.075e-13 and m.memory_per_device_gib == 16
+
+
+def test_allreduce_ring_model():
+    m = load_machine("lassen")
+    n, p = 1e8, 8
+    want = 2 * (p - 1) * 1.2e-6 + 2 * (p - 1) / p * n * 3.893e-11
+    assert m.allreduce_time(n, p) == pytest.approx(want) and m.allreduce_time(n, 1) == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"intra": {"alpha_s": 1e-6}}, "intra.beta_s_per_byte is missing"),
+    ({"intra": {"alpha_s": -1.0, "beta_s_per_byte": 1e-9}}, "intra.alpha_s must be >= 0"),
+    ({"ranks_per_node": 0}, "ranks_per_node must be a positive integer"),
+    ({"compute": {"gamma_s_per_flop": "fast"}}, "compute.gamma_s_per_flop must be a finite number"),
+    ({"colour": "red"}, "unknown key"),
+], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key"])
+def test_bad_machine_files_are_refused(change, match):
+    d = load_machine("p100").to_dict()
+    d.update(change)
+    with pytest.raises(MachineError, match=match):
+        machine_from_dict(d, "test.yaml")
+
+
+def test_unknown_machine_and_oversized_file(tmp_path):
+    with pytest.raises(MachineError, match="presets: h100, lassen, p100"):
+        load_machine("cray-1")
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (2 << 20))
+    with pytest.raises(MachineError, match="bytes"):
+        load_machine(big)
+
+
+def test_round_trip(tmp_path):
+    import yaml
+    m = load_machine("h100")
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(m.to_dict()))
+    assert load_machine(f) == m
+
+
+def test_fit_recovers_alpha_beta():
+    a, b = 3e-6, 2e-10
+    rng = np.random.default_rng(0)
+    pts = [(n, (a + b * n) * (1 + 0.01 * rng.standard_normal())) for n in message_sizes(64 << 20)]
+    fa, fb, err = fit_alpha_beta(pts)
+    assert fa == pytest.approx(a, rel=0.05) and fb == pytest.approx(b, rel=0.05) and err < 0.05
+    alpha, beta = ring_from_fit(fa, fb, 2)
+    assert alpha == pytest.approx(fa / 2) and beta == pytest.approx(fb)
+
+
+def test_message_sizes():
+    assert message_sizes(64 << 20)[:3] == [8, 32, 128] and message_sizes(64 << 20)[-1] == 64 << 20
+
+
+def test_bench_dispatch(capsys):
+    assert {"calibrate", "halo", "layers"} <= set(SUBCOMMANDS)
+    assert bench_main(["--help"]) == 0 and "calibrate" in capsys.readouterr().out
+    assert bench_main(["nonsense"]) == 2 and "unknown subcommand" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install mpich)")
+def test_calibrate_writes_a_loadable_machine_file(tmp_path):
+    out = tmp_path / "machine.yaml"
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes", "4096",
+                        "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "point to point" in r.stdout and "allreduce over 2 ranks" in r.stdout and "GEMM" in r.stdout
+    m = load_machine(out)
+    assert m.name == "testbox" and m.measured_on["ranks"] == "2" and m.intra.beta_s_per_byte > 0
+    from lbannpy.strategy.machine_model import load_machine_model
+    assert load_machine_model(out).gamma_s_per_flop == pytest.approx(m.gamma_s_per_flop)
+
+
+def test_calibrate_refuses_to_overwrite_presets():
+    from lbannpy.bench.calibrate import check_output, _package_machines_dir
+    with pytest.raises(SystemExit, match="refusing"):
+        check_output(f"{_package_machines_dir()}/local.yaml")
