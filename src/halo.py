@@ -116,7 +116,8 @@ class HaloPlan:
             tag = zlib.crc32(repr((dist, global_shape, stencil)).encode()) % TAG_LIMIT
         if not 0 <= tag < TAG_LIMIT:
             raise DistributionError(f"halo plan: tag {tag} outside [0, {TAG_LIMIT})")
-        self.dist, self.global_shape, self.stencil, self.rank, self.tag = dist, global_shape, stencil, rank, tag
+        self.dist, self.global_shape, self.stencil = dist, global_shape, stencil
+        self.rank, self.tag = rank, tag
 
         self.input_box = dist.box(global_shape, rank)
         self.local_shape = box_shape(self.input_box)
@@ -267,7 +268,8 @@ def window_of(global_array, box: Box):
     out = xp.zeros(box_shape(box), dtype=global_array.dtype)
     inside = clip_box(box, global_array.shape)
     if inside is not None:
-        out[relative_slices(inside, [lo for lo, _ in box])] = global_array[tuple(slice(a, b) for a, b in inside)]
+        out[relative_slices(inside, [lo for lo, _ in box])] = \
+            global_array[tuple(slice(a, b) for a, b in inside)]
     return out
 
 

@@ -71,7 +71,8 @@ class ShufflePlan:
     ``recvcounts``: elements per rank for the alltoallv; ``src_local_shape`` / ``dst_local_shape``.
     """
 
-    def __init__(self, src_dist: Distribution, dst_dist: Distribution, global_shape: Sequence[int], rank: int):
+    def __init__(self, src_dist: Distribution, dst_dist: Distribution, global_shape: Sequence[int],
+                 rank: int):
         global_shape = tuple(int(n) for n in global_shape)
         check_shuffle(src_dist, dst_dist, global_shape)
         if not 0 <= rank < src_dist.ranks:
@@ -146,6 +147,7 @@ class ShufflePlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def shuffle_plan(src_dist: Distribution, dst_dist: Distribution, global_shape: tuple, rank: int) -> ShufflePlan:
+def shuffle_plan(src_dist: Distribution, dst_dist: Distribution, global_shape: tuple,
+                 rank: int) -> ShufflePlan:
     """Cached :class:`ShufflePlan` (plans hold no buffers, so sharing one is safe)."""
     return ShufflePlan(src_dist, dst_dist, tuple(global_shape), rank)

@@ -1,4 +1,4 @@
-"""Distributed tensors: a local block (NumPy or CuPy) plus the global shape and the Distribution it belongs to.
+"""Distributed tensors: a local block (NumPy or CuPy), the global shape and the Distribution it belongs to.
 
 Moving whole tensors (``scatter``, ``from_root``, ``gather``) is meant for tests, checkpoints and data
 loading; layers move data with halo plans (:mod:`lbannpy.halo`) and shuffle plans (:mod:`lbannpy.shuffle`).
@@ -95,7 +95,8 @@ def check_comm(comm: Communicator, dist: Distribution, rank: int | None, what: s
     """Refuse a communicator that does not match the distribution (or the rank a plan was built for)."""
     if comm.size != dist.ranks:
         raise DistributionError(
-            f"{what}: distribution {dist} is laid on {dist.ranks} ranks but the communicator has {comm.size}; "
+            f"{what}: distribution {dist} is laid on {dist.ranks} ranks but the communicator has "
+            f"{comm.size}; "
             f"build the distribution with ranks={comm.size} (Distribution.with_ranks)")
     if rank is not None and comm.rank != rank:
         raise DistributionError(
@@ -267,7 +268,8 @@ def vdot(comm: Communicator, a, b, counted: bool = True) -> float:
     return float(total[0])
 
 
-def adjoint_gap(comm: Communicator, fx, y, x, aty, fwd_counted: bool = True, adj_counted: bool = True) -> float:
+def adjoint_gap(comm: Communicator, fx, y, x, aty, fwd_counted: bool = True,
+                adj_counted: bool = True) -> float:
     """Collective over ``comm``: the dot-product test of a linear operator ``F`` and its adjoint ``F*``.
 
     Given ``fx = F x`` and ``aty = F* y`` (local pieces), returns the relative gap

@@ -260,7 +260,8 @@ def test_single_rank_window_and_adjoint(kernel, stride, padding, dilation):
     comm = SingleCommunicator()
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 3, 11, 13))
-    plan = HaloPlan(Distribution.replicated(4, 1), x.shape, Stencil.conv(4, kernel, stride, padding, dilation), 0)
+    stencil = Stencil.conv(4, kernel, stride, padding, dilation)
+    plan = HaloPlan(Distribution.replicated(4, 1), x.shape, stencil, 0)
     ex = plan.start(comm, x)
     win = ex.wait()
     assert win is ex.window

@@ -50,8 +50,10 @@ VOLUME = (2, 2, 9, 11, 10)
 ASYM = ((0, 2), (3, 1))
 # kernel 1: dilation and 'same' change nothing, so those duplicates are left out
 CASES = [HaloCase(IMAGE, 1, s, p, 1) for s in (1, 2) for p in (0, ASYM)]
-CASES += [HaloCase(IMAGE, k, s, p, d) for k in (3, 5, 7) for s in (1, 2) for p in (0, "same", ASYM) for d in (1, 2)]
-CASES += [HaloCase(VOLUME, k, s, p, 1) for k in (3, 5) for s in (1, 2) for p in ("same", ((1, 0), (0, 2), (2, 1)))]
+CASES += [HaloCase(IMAGE, k, s, p, d)
+          for k in (3, 5, 7) for s in (1, 2) for p in (0, "same", ASYM) for d in (1, 2)]
+CASES += [HaloCase(VOLUME, k, s, p, 1)
+          for k in (3, 5) for s in (1, 2) for p in ("same", ((1, 0), (0, 2), (2, 1)))]
 EIGHT = {"2d-k3-s1-psame-d1", "2d-k5-s2-pasym0231-d1", "2d-k7-s1-p0-d2", "3d-k3-s2-pasym100221-d1"}
 PARAMS = [pytest.param(c, marks=pytest.mark.ranks8) if c.id in EIGHT else c for c in CASES]
 
@@ -123,7 +125,8 @@ def test_exchange_and_accumulate_match_the_global_reference(comm, xp, case):
         if not np.allclose(gx, total[tuple(slice(a, b) for a, b in box)], rtol=1e-13, atol=1e-13):
             failures.append(f"{dist}: accumulated gradient differs from the global sum")
         counted = dist.replica(comm.rank) == 0
-        gap = adjoint_gap(comm, xp.asarray(win), xp.asarray(y), xp.asarray(x), xp.asarray(gx), counted, counted)
+        gap = adjoint_gap(comm, xp.asarray(win), xp.asarray(y), xp.asarray(x), xp.asarray(gx),
+                          counted, counted)
         if not gap <= ADJOINT_RTOL:
             failures.append(f"{dist}: dot-product gap {gap:.2e}")
     assert_all(comm, not failures and tried > 0, f"{tried} grids tried; " + "; ".join(failures[:8]))
@@ -227,7 +230,8 @@ class BadPlan:
         return self.name
 
 
-BAD = [BadPlan("kernel-past-padded-input", 1), BadPlan("empty-input-block", 2), BadPlan("empty-output-block", 2)]
+BAD = [BadPlan("kernel-past-padded-input", 1), BadPlan("empty-input-block", 2),
+       BadPlan("empty-output-block", 2)]
 
 
 @pytest.mark.ranks8

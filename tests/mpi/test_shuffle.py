@@ -106,7 +106,8 @@ def test_dist_tensor_redistribute_and_local_only_plans(comm, xp):
           and np.array_equal(to_numpy(back.local), g))
     # replicated -> split keeps a slice on every rank: no collective, the same decision everywhere
     local_only = [shuffle_plan(rep, split, shape, r).local_only for r in range(comm.size)]
-    ok = ok and all(local_only) and (comm.size == 1 or not shuffle_plan(split, rep, shape, comm.rank).local_only)
+    gathers = shuffle_plan(split, rep, shape, comm.rank)
+    ok = ok and all(local_only) and (comm.size == 1 or not gathers.local_only)
     assert_all(comm, ok, f"redistribute round trip or local-only planning wrong (local_only {local_only})")
 
 
@@ -131,7 +132,8 @@ def test_negative_control_dot_product_check_catches_a_wrong_reverse(comm, xp):
     gaps = {}
     for mode in ("correct", "forget_own"):
         aty = reverse_variant(plan, comm, y, mode)
-        gaps[mode] = adjoint_gap(comm, fx, y, x, aty, dst.replica(comm.rank) == 0, src.replica(comm.rank) == 0)
+        gaps[mode] = adjoint_gap(comm, fx, y, x, aty, dst.replica(comm.rank) == 0,
+                                 src.replica(comm.rank) == 0)
     assert_all(comm, gaps["correct"] <= ADJOINT_RTOL and gaps["forget_own"] > 1e-3,
                f"gaps {gaps}: the rebuilt reverse must pass and 'forget_own' must fail")
 
@@ -145,7 +147,8 @@ def test_redistributions_that_cannot_work_fail_on_every_rank(comm, xp):
         shape = (2, 2, 8, p - 1)
         dst = Distribution.make(4, ranks=p, w=p)
         exc = raises_all(comm, DistributionError, ShufflePlan, a, dst, shape, comm.rank,
-                         match=f"rank {p - 1} (block (0, 0, 0, {p - 1})) would hold an empty destination block")
+                         match=f"rank {p - 1} (block (0, 0, 0, {p - 1})) would hold an empty destination "
+                               f"block")
         msgs = comm.allgather_obj(str(exc))
         assert_all(comm, len(set(msgs)) == 1 and str(dst) in msgs[0] and "2×2×8×" in msgs[0], str(msgs))
     plan = ShufflePlan(a, a, (2, 2, max(p, 3), 3), comm.rank)

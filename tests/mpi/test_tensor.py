@@ -104,8 +104,8 @@ def test_refusals(comm, xp):
     raises_all(comm, DistributionError, DistTensor.from_root, None, Distribution.replicated(4, comm.size),
                comm, match="passed no array")
     local = xp.zeros((1, 1, 1, 1))
-    raises_all(comm, DistributionError, DistTensor, local, (3, 2, 5, 4), Distribution.replicated(4, comm.size),
-               comm.rank, match="expected (3, 2, 5, 4)")
+    raises_all(comm, DistributionError, DistTensor, local, (3, 2, 5, 4),
+               Distribution.replicated(4, comm.size), comm.rank, match="expected (3, 2, 5, 4)")
     if comm.size >= 2:
         # more blocks along h than rows: every rank names the same first empty rank
         dist = Distribution.make(4, ranks=comm.size, h=comm.size)
