@@ -122,6 +122,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from lbannpy.comm import Runtime
+    from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, apply_overrides, load_config
     from lbannpy.data.reader import DataError
     from lbannpy.dist import DistributionError
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
                               quiet=args.quiet)
             trainer.setup(resume=args.resume)
             err = None
-        except (UserError, ConfigError, DataError, LayerError, DistributionError, OSError) as exc:
+        except (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError,
+                OSError) as exc:
             err = f"{exc}"
         # every rank agrees before anyone trains: a problem on any rank stops all of them cleanly
         errors = world.allgather_obj(err)
