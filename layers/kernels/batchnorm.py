@@ -7,8 +7,9 @@ them over the ranks that share its channels, turns them into mean and biased var
 also the parameter gradients: ``dgamma = sum_dy_xhat``, ``dbeta = sum_dy``. This matches
 ``torch.nn.functional.batch_norm(..., training=True)``.
 
-Statistics are accumulated in float64 whatever the input dtype: ``var = E[x^2] - E[x]^2`` loses
-``log10(mean^2 / var)`` digits, which float32 accumulators cannot afford.
+``var = E[x^2] - E[x]^2`` loses ``log10(mean^2 / var)`` digits, so each (sample, channel) row's sum of
+squares is formed about the row's own mean (two passes, pairwise sums) and rows are combined in float64;
+the backward sums are taken about the global mean.
 """
 from __future__ import annotations
 
@@ -28,12 +29,20 @@ def _per_channel(v, ndim):
 
 def bn_local_stats(x):
     """Per-channel ``(sum, sum of squares, count)`` of the local block; sums are float64 ``(C,)``."""
-    xp = array_module(x)
     xf = _flat(x)
-    s = xf.sum(axis=(0, 2), dtype=numpy.float64)
-    x64 = xf if xf.dtype == numpy.float64 else xf.astype(numpy.float64)
-    sq = xp.einsum("ncp,ncp->c", x64, x64)
-    return s, sq, x.size // x.shape[1]
+    p = xf.shape[2]
+    # per (sample, channel) row: pairwise sums in x's dtype, then the squares about the row's own mean, so
+    # float32 rows keep full relative precision in the spread; rows are combined in float64
+    row_sum = xf.sum(axis=2, keepdims=True)
+    row_mean = row_sum / xf.dtype.type(max(p, 1))
+    dev = xf - row_mean
+    dev *= dev
+    row_m2 = dev.sum(axis=2, dtype=numpy.float64)
+    row_sum = row_sum[..., 0].astype(numpy.float64)
+    m = row_mean[..., 0].astype(numpy.float64)
+    # sum x^2 = sum (x - m)^2 + 2 m sum x - p m^2 holds for the rounded m as well
+    sq = row_m2 + m * (2.0 * row_sum - p * m)
+    return row_sum.sum(axis=0), sq.sum(axis=0), x.size // x.shape[1]
 
 
 def bn_mean_var(total, total_sq, count):
@@ -65,9 +74,12 @@ def bn_backward(dy, x, mean, var, gamma, eps=1e-5):
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     dyf, xf = _flat(dy), _flat(x)
-    sum_dy = dyf.sum(axis=(0, 2), dtype=numpy.float64)
-    sum_dy_x = xp.einsum("ncp,ncp->c", dyf.astype(numpy.float64), xf.astype(numpy.float64))
-    return sum_dy, inv_std * (sum_dy_x - mean * sum_dy)
+    sum_dy = dyf.sum(axis=2).sum(axis=0, dtype=numpy.float64)
+    # sum dy * (x - mean) in x's dtype (centred, so no cancellation), pairwise along rows
+    centred = xf - mean.astype(x.dtype).reshape(1, -1, 1)
+    centred *= dyf
+    sum_dy_xc = centred.sum(axis=2).sum(axis=0, dtype=numpy.float64)
+    return sum_dy, inv_std * sum_dy_xc
 
 
 def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count):

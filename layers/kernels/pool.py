@@ -49,12 +49,17 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     taps = _taps(k)
     idx_dtype = numpy.int8 if len(taps) <= 127 else numpy.int16
     y = x_window[_at(taps[0], out, s, d)].copy()
-    arg = xp.zeros(y.shape, dtype=idx_dtype)
-    for t, tap in enumerate(taps[1:], start=1):
-        v = x_window[_at(tap, out, s, d)]
-        better = (v > y) | (xp.isnan(v) & ~xp.isnan(y))
-        xp.copyto(y, v, where=better)
-        arg[better] = t
+    for tap in taps[1:]:
+        xp.maximum(y, x_window[_at(tap, out, s, d)], out=y)  # NaN propagates
+    has_nan = bool(xp.isnan(y).any())
+    arg = xp.empty(y.shape, dtype=idx_dtype)
+    # the first tap equal to the maximum (or the first NaN) wins: walk the taps backwards, last write wins
+    for t in range(len(taps) - 1, -1, -1):
+        v = x_window[_at(taps[t], out, s, d)]
+        hit = v == y
+        if has_nan:
+            hit |= xp.isnan(v)
+        xp.copyto(arg, idx_dtype(t), where=hit)
     return y, arg
 
 
@@ -64,9 +69,8 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
     k, s, d, out = _geometry(x_window_shape, kernel, stride, dilation)
     _check(dy, x_window_shape, out)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
-    zero = dy.dtype.type(0)
     for t, tap in enumerate(_taps(k)):
-        dx[_at(tap, out, s, d)] += xp.where(argmax == t, dy, zero)
+        dx[_at(tap, out, s, d)] += dy * (argmax == t)
     return dx
 
 
