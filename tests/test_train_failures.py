@@ -170,3 +170,43 @@ def test_killed_rank_ends_the_job_and_checkpoint_stays_resumable(files, tmp_path
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"{data['step'] + 2} steps" in p.stdout
+
+
+def test_watchdog_names_the_operation_a_stuck_rank_waits_in(files, tmp_path):
+    """One rank is frozen (SIGSTOP) mid-run: the other waits in a collective that never completes; its
+    watchdog prints what it was waiting in and aborts the job."""
+    spec = yaml.safe_load(yaml.safe_dump(GOOD))
+    spec["data"]["train"]["path"] = str(files / "data.h5")
+    spec["trainer"] = {"batch_size": 4, "steps": 100000, "watchdog_s": 3}
+    spec["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_steps": 20}
+    spec["output"] = {"dir": str(tmp_path / "out")}
+    cfg = tmp_path / "wd.yaml"
+    cfg.write_text(yaml.safe_dump(spec))
+    job = subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.train", str(cfg), "--quiet"], env=ENV,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "ck").glob("ckpt-*.h5")):
+            time.sleep(0.2)
+        pids = subprocess.run(["pgrep", "-f", f"lbannpy.train {cfg}"], capture_output=True,
+                              text=True).stdout.split()
+        ranks = sorted(int(p) for p in pids if int(p) != job.pid)
+        assert len(ranks) == 2, f"rank processes not found: {pids}"
+        frozen = ranks[-1]
+        os.kill(frozen, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = job.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0
+    assert took < 30, f"took {took:.1f} s"
+    assert "no progress" in err and "waiting in:" in err, err[-3000:]
