@@ -193,3 +193,42 @@ def test_interrupted_checkpoint_write_is_never_newest(work, tmp_path):
     assert checkpoint.candidates(str(ck))[0] == good
     path, data = checkpoint.load_newest(str(ck))
     assert path == good and data["step"] == 2
+
+
+def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
+    """A process writing large checkpoints is killed at several moments; whatever it leaves, the newest
+    complete checkpoint loads and belongs to a step that was fully written."""
+    script = tmp_path / "writer.py"
+    script.write_text(
+        "import sys, numpy as np\n"
+        "from lbannpy import checkpoint\n"
+        "from lbannpy.comm import SingleCommunicator\n"
+        "from lbannpy.layers.base import Param\n"
+        "from lbannpy.optim import SGD\n"
+        "from lbannpy.dist import Distribution\n"
+        "d = Distribution.replicated(2, 1)\n"
+        "w = np.zeros((1024, 4096))\n"
+        "p = Param('w', w.shape, ((0, 1024), (0, 4096)), w, w.copy(), d, ())\n"
+        "opt = SGD([p], 0.1, momentum=0.9)\n"
+        "opt.state['w']['momentum'] = w.copy()\n"
+        "comm = SingleCommunicator()\n"
+        "for step in range(1, 1000):\n"
+        "    p.value[...] = step\n"
+        "    checkpoint.save(comm, sys.argv[1], step, [p], opt, {'step': step})\n"
+        "    print(step, flush=True)\n")
+    from lbannpy import checkpoint
+
+    ck = tmp_path / "ck"
+    loaded = 0
+    for delay in (0.6, 1.1, 1.7):
+        proc = subprocess.Popen([PY, str(script), str(ck)], env=ENV, stdout=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        path, data = checkpoint.load_newest(str(ck))
+        if path is None:
+            continue
+        w = data["tensors"]["params/w"]
+        assert data["step"] == data["meta"]["step"] and np.all(w == data["step"]), path
+        loaded += 1
+    assert loaded >= 1, "the writer never completed a checkpoint before being killed"
