@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 def did_you_mean(word: str, choices: Iterable[str], what: str = "") -> str:
     """Hint text: the closest of ``choices`` to ``word``, or the list of choices when none is close."""
     choices = [str(c) for c in choices]
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    cutoff = 0.5 if len(str(word)) <= 3 else 0.6  # 'p2' -> 'p1' is a likely slip; longer words need more
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=cutoff)
     if close:
         return f"did you mean '{close[0]}'?"
     if not choices:

@@ -27,7 +27,7 @@ FORMAT = "lbannpy-config"
 VERSION = 1
 LIST_KIND = "list"
 MAX_FILE_BYTES = 64 << 20  # a config is a few KiB; anything this large is not one
-MAX_ATTR_ELEMENTS = 1 << 16
+MAX_ATTR_ELEMENTS = 4096  # a config list holds a few entries (per-dim sizes, parents)
 MAX_DEPTH = 16
 MAX_MEMBERS = 1 << 16
 
@@ -73,7 +73,8 @@ class _FlowMap(dict):
 
 
 class _Dumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data):  # never write &anchors: parse_yaml refuses aliases
+        return True
 
 
 _Dumper.add_representer(
@@ -160,10 +161,10 @@ def write_h5(cfg: dict, path: str) -> None:
     _atomic(path, write)
 
 
-def _read_attr(group, name: str, where: str):
+def _read_attr(attrs, name: str, where: str):
     import h5py
 
-    aid = group.attrs.get_id(name)
+    aid = attrs.get_id(name)
     shape = aid.shape
     size = int(np.prod(shape)) if shape else 1
     if len(shape) > 1 or size > MAX_ATTR_ELEMENTS:
@@ -174,7 +175,7 @@ def _read_attr(group, name: str, where: str):
     if not is_str and dtype.kind not in "iufb":
         raise ConfigError(where, f"attribute of type {dtype} is not a config value",
                           "rebuild the file with python -m lbannpy.config build")
-    value = group.attrs[name]
+    value = attrs[name]
 
     def plain(x):
         if isinstance(x, bytes):
@@ -199,18 +200,19 @@ def _read_tree(group, where: str, depth: int):
 
     if depth > MAX_DEPTH:
         raise ConfigError(where, "groups nested too deeply for a config", "rebuild the file")
-    names = list(group.attrs.keys())
+    attrs = group.attrs
+    names = list(attrs.keys())
     members = list(group.keys())
     if len(names) + len(members) > MAX_MEMBERS:
         raise ConfigError(where, "too many entries for a config", "rebuild the file")
-    kind = group.attrs.get("_kind") if "_kind" in names else None
+    kind = attrs["_kind"] if "_kind" in names else None
     if isinstance(kind, bytes):
         kind = kind.decode()
     out = {}
     for n in names:
         if n == "_kind" or (depth == 0 and n in ("format", "version")):
             continue
-        out[n] = _read_attr(group, n, f"{where}/{n}" if where else n)
+        out[n] = _read_attr(attrs, n, f"{where}/{n}" if where else n)
     for n in members:
         obj = group.get(n, getlink=False)
         p = f"{where}/{n}" if where else n

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ INPUT_NAMES = ("x", "input")  # the model input, as in lbannpy.strategy.graph; n
 INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
 DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES
 MAX_SPATIAL_DIMS = 3
+INT_LIMIT = 1 << 63  # integers are stored as int64 in config.h5
 
 
 class _Missing:
@@ -74,6 +76,8 @@ class Int(Type):
             if isinstance(value, float) and value.is_integer():
                 hint = f"write {int(value)} instead of {value}"
             raise ConfigError(path, f"expected an integer, got {_type_name(value)} {value!r}", hint)
+        if not -INT_LIMIT <= value < INT_LIMIT:
+            raise ConfigError(path, f"{value} does not fit in 64 bits", "use a smaller number")
         if self.lo is not None and value < self.lo:
             what = "positive" if self.lo == 1 else f">= {self.lo}"
             raise ConfigError(path, f"must be {what}, got {value}",
@@ -86,6 +90,9 @@ class Int(Type):
         return "int" + _range_text(self.lo, self.hi)
 
 
+_EXP_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 @dataclass(frozen=True)
 class Float(Type):
     lo: float | None = None
@@ -94,6 +101,8 @@ class Float(Type):
     hi_open: bool = False
 
     def check(self, value, path):
+        if isinstance(value, str) and _EXP_FLOAT.match(value):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and users read a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}",
                               "write a plain number such as 0.01 or 1e-3, without quotes")
@@ -141,6 +150,9 @@ class Str(Type):
                               "quote the value if it looks like a number or boolean")
         if self.choices and value not in self.choices:
             raise ConfigError(path, f"unknown value {value!r}", did_you_mean(value, self.choices))
+        bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp")]
+        if bad:  # NUL ends an HDF5 string; line breaks and controls do not survive YAML or a terminal
+            raise ConfigError(path, f"{value!r} contains the control character {bad[0]!r}", "remove it")
         if self.nonempty and not value:
             raise ConfigError(path, "must not be empty", "give a non-empty string")
         if self.pattern is not None and not self.pattern.match(value):
@@ -309,7 +321,7 @@ class Section(Type):
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise ConfigError(path or self.name, f"expected a mapping of keys ({', '.join(self.names())}), "
+            raise ConfigError(path or "(top level)", f"expected a mapping of keys ({', '.join(self.names())}), "
                                                  f"got {_type_name(value)} {value!r}",
                               "write 'key: value' lines indented under the section")
         value = self._unalias(value, path)
@@ -371,7 +383,7 @@ class MapOf(Type):
             kp = join_path(path, str(k))
             Str(pattern=NAME_RE).check(k, kp)
             out[k] = self.value.check(v, kp)
-        return out
+        return {k: out[k] for k in sorted(out)}  # sorted: HDF5 lists group members by name
 
     def describe(self):
         return "{name: " + self.value.describe() + "}"
@@ -488,9 +500,8 @@ class LayerList(Type):
         for k in layer:
             if k not in accepted:
                 owners = [t for t, lt in LAYER_TYPES.items() if any(p.name == k for p in lt.params)]
-                hint = did_you_mean(str(k), names, "keys")
-                if owners and not hint.startswith("did you mean"):
-                    hint = f"{k!r} is a parameter of {', '.join(owners)}; {ltype} takes {', '.join(names)}"
+                hint = (f"{k!r} is a parameter of {', '.join(owners)}; {ltype} takes {', '.join(names)}"
+                        if owners else did_you_mean(str(k), names, "keys"))
                 raise ConfigError(join_path(path, str(k)), f"unknown key {str(k)!r} for a {ltype} layer", hint)
         section = Section(ltype, spec.doc, keys)
         out = section.check(layer, path)
