@@ -223,3 +223,16 @@ def test_exponent_floats_from_yaml(text, value):
         assert normalize(spec)["optimizer"]["lr"] == value
     with pytest.raises(ConfigError, match="expected a number"):
         normalize(dict(MINIMAL, optimizer={"lr": "fast"}))
+
+
+def test_numpy_scalars_from_other_code_normalize_to_python():
+    import numpy as np
+
+    spec = {"model": {"input": {"channels": np.int64(3), "spatial": [np.int32(8)]},
+                      "layers": [{"name": "f", "type": "fc", "units": np.int16(2)}]},
+            "optimizer": {"lr": np.float32(0.5)}, "comm": {"overlap": np.bool_(False)}}
+    cfg = normalize(spec)
+    assert type(cfg["model"]["input"]["channels"]) is int and type(cfg["model"]["input"]["spatial"][0]) is int
+    assert type(cfg["optimizer"]["lr"]) is float and cfg["comm"]["overlap"] is False
+    with pytest.raises(ConfigError, match="expected an integer"):
+        normalize(dict(spec, trainer={"batch_size": np.bool_(True)}))

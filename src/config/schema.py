@@ -15,10 +15,13 @@ schema order, every key with a default is present, and a key that is unset and h
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
+
+from numpy import bool_ as np_bool
 
 from .errors import ConfigError, did_you_mean, join_path
 
@@ -52,7 +55,9 @@ def _type_name(value) -> str:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # numbers.Integral admits NumPy integers (from other code's arrays); bool is refused, np.bool_ is not
+    # Integral
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class Type:
@@ -103,7 +108,7 @@ class Float(Type):
     def check(self, value, path):
         if isinstance(value, str) and _EXP_FLOAT.match(value):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and users read a number
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Real):
             raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}",
                               "write a plain number such as 0.01 or 1e-3, without quotes")
         value = float(value)
@@ -128,6 +133,8 @@ class Float(Type):
 @dataclass(frozen=True)
 class Bool(Type):
     def check(self, value, path):
+        if isinstance(value, np_bool):
+            value = bool(value)
         if not isinstance(value, bool):
             raise ConfigError(path, f"expected true or false, got {_type_name(value)} {value!r}",
                               "write true or false without quotes")
