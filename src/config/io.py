@@ -330,6 +330,8 @@ def _atomic(path: str, write) -> None:
     """Call ``write(tmp)`` on a temporary name beside ``path``, flush it to disk, then rename over ``path``:
     a reader sees the old file or the new one, never half of one."""
     d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise ConfigError(path, f"directory {d} does not exist", "create it first or write elsewhere")
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=d)
     os.close(fd)
     try:

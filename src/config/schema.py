@@ -272,7 +272,7 @@ class Key:
         if self.required:
             return "required"
         if self.default_from:
-            return f"= {self.default_from}"
+            return self.default_from
         if self.default is UNSET:
             return "optional"
         return _yaml_scalar(self.default)
@@ -357,7 +357,8 @@ class Section(Type):
             if k.name in given:
                 out[k.name] = k.type.check(given[k.name], kpath)
             elif k.required:
-                raise ConfigError(kpath, f"missing required key {k.name!r}", k.doc or f"add {k.name}")
+                raise ConfigError(kpath, f"missing required key {k.name!r}",
+                                  f"add {k.name}: {k.type.describe()} ({k.doc})")
             elif k.default_from is None and k.default is not UNSET:
                 out[k.name] = _copy(k.default)
         for k in self.keys:  # defaults copied from siblings, once those are normal
@@ -369,7 +370,7 @@ class Section(Type):
         return {k: out[k] for k in self.names() if k in out}  # schema order
 
     def describe(self):
-        return "section"
+        return "{" + ", ".join(self.names()) + "}"
 
 
 @dataclass(frozen=True)
@@ -662,7 +663,7 @@ def schema_text() -> str:
                 walk(k, indent + 1)
             else:
                 head = f"{pad}{k.name}: {k.type.describe()} = {k.default_text()}"
-                lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}")
+                lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}{_alias_text(k)}")
 
     walk(SCHEMA, 0)
     lines += ["", "# layer types (model.layers[i]); every layer also takes:"]
@@ -674,8 +675,12 @@ def schema_text() -> str:
         lines.append(f"{t.name}:{' ' * max(1, 38 - len(t.name))}# {t.doc}; parents: {arity}")
         for k in t.params:
             head = f"  {k.name}: {k.type.describe()} = {k.default_text()}"
-            lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}")
+            lines.append(f"{head}{' ' * max(1, 40 - len(head))}# {k.doc}{_alias_text(k)}")
     return "\n".join(lines) + "\n"
+
+
+def _alias_text(k: Key) -> str:
+    return f" (also spelled {', '.join(k.aliases)})" if k.aliases else ""
 
 
 def _copy(v):
