@@ -1,0 +1,75 @@
+"""Optimizers against torch.optim (float64) and the learning-rate schedules against their formulas."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from lbannpy.dist import Distribution
+from lbannpy.layers.base import Param
+from lbannpy.optim import ScheduleError, learning_rate, make_optimizer
+
+
+@dataclass(frozen=True)
+class OptCase:
+    name: str
+    cfg: tuple  # (key, value) pairs of the optimizer config
+
+    def config(self) -> dict:
+        return dict(self.cfg)
+
+
+CASES = [
+    OptCase("sgd", (("type", "sgd"), ("lr", 0.1))),
+    OptCase("sgd-momentum-wd", (("type", "sgd"), ("lr", 0.05), ("momentum", 0.9), ("weight_decay", 1e-2))),
+    OptCase("sgd-nesterov", (("type", "sgd"), ("lr", 0.05), ("momentum", 0.8), ("nesterov", True))),
+    OptCase("adam", (("type", "adam"), ("lr", 1e-2))),
+    OptCase("adam-wd", (("type", "adam"), ("lr", 3e-3), ("betas", (0.8, 0.99)), ("eps", 1e-6),
+                        ("weight_decay", 1e-3))),
+]
+
+
+def _torch_optimizer(cfg, params):
+    if cfg["type"] == "sgd":
+        return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0),
+                               nesterov=cfg.get("nesterov", False), weight_decay=cfg.get("weight_decay", 0.0))
+    return torch.optim.Adam(params, lr=cfg["lr"], betas=cfg.get("betas", (0.9, 0.999)),
+                            eps=cfg.get("eps", 1e-8), weight_decay=cfg.get("weight_decay", 0.0))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_optimizer_matches_torch(case):
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((4, 3))
+    d = Distribution.replicated(2, 1)
+    p = Param("w", w0.shape, ((0, 4), (0, 3)), w0.copy(), np.zeros_like(w0), d, ())
+    opt = make_optimizer(case.config(), [p], total_steps=10)
+    tw = torch.tensor(w0.copy(), requires_grad=True)
+    topt = _torch_optimizer(case.config(), [tw])
+    for step in range(6):
+        g = rng.standard_normal(w0.shape)
+        opt.zero_grad()
+        p.grad += g
+        opt.step()
+        topt.zero_grad()
+        tw.grad = torch.tensor(g)
+        topt.step()
+        np.testing.assert_allclose(p.value, tw.detach().numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_schedules():
+    assert learning_rate(0.1, 5, 100, None) == 0.1
+    warm = {"type": "none", "warmup_steps": 4}
+    assert [learning_rate(0.1, s, 100, warm) for s in range(5)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+    step = {"type": "step", "step_size": 3, "gamma": 0.5}
+    assert [learning_rate(1.0, s, 100, step) for s in range(7)] == pytest.approx([1, 1, 1, .5, .5, .5, .25])
+    cos = {"type": "cosine", "warmup_steps": 2}
+    total = 12
+    got = [learning_rate(1.0, s, total, cos) for s in range(total)]
+    want = [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 2) / 10)) for s in range(2, total)]
+    assert got == pytest.approx(want)
+    with pytest.raises(ScheduleError, match="unknown"):
+        learning_rate(1.0, 0, 10, {"type": "exp"})
