@@ -141,7 +141,8 @@ def test_channel_subset(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [{"size": 1}, {"samples": 0}, {"channels": 19}, {"channels": 0},
-                                {"steps": 1}, {"seed": -1}], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+                                {"steps": 1}, {"seed": -1}],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(MeshDataError):
         MeshParams(**kw)

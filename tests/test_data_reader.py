@@ -301,7 +301,7 @@ def test_validate_dataset_errors(tmp_path, mesh_file):
         fh.create_dataset("float_labels", data=np.zeros((4,), np.float32))
         fh.create_dataset("flat", data=np.zeros((4,), np.float32))
         fh.create_group("grp")
-    with pytest.raises(DataError, match=r"per-pixel labels must match.*expected \(4, 6, 6\), found \(4, 6, 5\)"):
+    with pytest.raises(DataError, match=r"labels must match.*expected \(4, 6, 6\), found \(4, 6, 5\)"):
         validate_dataset(bad)
     with pytest.raises(DataError, match="'short' has shape 3 but 'inputs' has 4 samples"):
         validate_dataset(bad, labels="short")

@@ -50,7 +50,8 @@ class ConvStep:
     (the gradient of ``0.5 * ||y||²``).
     """
 
-    def __init__(self, channels: int, filters: int, stride: int = 2, seed: int = 0, strip_bytes: int = 32 << 20):
+    def __init__(self, channels: int, filters: int, stride: int = 2, seed: int = 0,
+                 strip_bytes: int = 32 << 20):
         self.stride = stride
         rng = np.random.default_rng(seed)
         self.w = (rng.standard_normal((filters, channels * 9)) / np.sqrt(channels * 9)).astype(np.float32)
@@ -71,14 +72,16 @@ class ConvStep:
                 cols = np.empty((c, 9, r1 - r0, wo), dtype=np.float32)
                 for k in range(9):
                     dy, dx = divmod(k, 3)
-                    cols[:, k] = xp[i, :, r0 * st + dy:(r1 - 1) * st + dy + 1:st, dx:dx + (wo - 1) * st + 1:st]
+                    rows_k = slice(r0 * st + dy, (r1 - 1) * st + dy + 1, st)
+                    cols[:, k] = xp[i, :, rows_k, dx:dx + (wo - 1) * st + 1:st]
                 cols = cols.reshape(c * 9, -1)
                 y = self.w @ cols                    # forward
                 dw += y @ cols.T                     # weight gradient (upstream gradient = y)
                 dcols = (self.w.T @ y).reshape(c, 9, r1 - r0, wo)   # input gradient, columns
                 for k in range(9):                   # col2im
                     dy, dx = divmod(k, 3)
-                    dxp[i, :, r0 * st + dy:(r1 - 1) * st + dy + 1:st, dx:dx + (wo - 1) * st + 1:st] += dcols[:, k]
+                    rows_k = slice(r0 * st + dy, (r1 - 1) * st + dy + 1, st)
+                    dxp[i, :, rows_k, dx:dx + (wo - 1) * st + 1:st] += dcols[:, k]
         return float(dw[0, 0] + dxp[0, 0, 1, 1])
 
 
@@ -175,7 +178,8 @@ def _worker_mpi(args) -> int:
         times = hyperslab_read(args.file, dist, comm.rank, args.batch, args.steps)
         every = comm.allgather_obj(times)
         if comm.rank == 0:
-            print("RESULT " + json.dumps({"launcher": f"mpiexec ({comm.backend})", "times": every}), flush=True)
+            res = {"launcher": f"mpiexec ({comm.backend})", "times": every}
+            print("RESULT " + json.dumps(res), flush=True)
     return 0
 
 
@@ -185,7 +189,8 @@ def _worker_process(path, split, ranks, rank, batch, steps, barrier, out):
     out.put((rank, hyperslab_read(path, dist, rank, batch, steps)))
 
 
-def two_rank_read(path: str, batch: int, steps: int, split: str, launcher: str) -> tuple[str, list[list[float]]]:
+def two_rank_read(path: str, batch: int, steps: int, split: str,
+                  launcher: str) -> tuple[str, list[list[float]]]:
     """Per-rank read times of 2 ranks reading their halves of the same batches at once."""
     if launcher in ("auto", "mpiexec") and shutil.which("mpiexec"):
         cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "lbannpy.bench.data", "--hyperslab-worker",
@@ -298,17 +303,18 @@ def _bench(args, path: str) -> int:
                   f"{r['step_mean_s'] * 1e3:7.1f}ms {r['wait_pct']:8.1f} % {r['wait_first_s'] * 1e3:9.1f}ms")
         off, on = rows
         verdict = "meets" if on["wait_pct"] < 5.0 else "misses"
-        print(f"  with prefetch the I/O wait is {on['wait_pct']:.1f} % of the step ({verdict} the < 5 % target; "
-              f"{off['wait_pct']:.1f} % without); compute step {on['compute_mean_s'] * 1e3:.0f} ms with the "
-              f"reader thread beside it vs {off['compute_mean_s'] * 1e3:.0f} ms without")
+        print(f"  with prefetch the I/O wait is {on['wait_pct']:.1f} % of the step ({verdict} the < 5 % "
+              f"target; {off['wait_pct']:.1f} % without); compute step "
+              f"{on['compute_mean_s'] * 1e3:.0f} ms with the reader thread beside it vs "
+              f"{off['compute_mean_s'] * 1e3:.0f} ms without")
 
     stall_big, read_big = gil_stall(path, 1 << 40)
     stall_piece, _ = gil_stall(path, piece)
     results["gil"] = {"stall_whole_sample_s": stall_big, "read_sample_s": read_big,
                       "stall_pieces_s": stall_piece, "piece_bytes": piece}
-    print(f"\nGIL: a pure-Python thread stalls up to {stall_big * 1e3:.1f} ms while one {read_big * 1e3:.1f} ms "
-          f"whole-sample H5Dread runs (h5py holds the GIL during the read); with {args.piece_mb:g} MiB "
-          f"pieces the longest stall is {stall_piece * 1e3:.1f} ms")
+    print(f"\nGIL: a pure-Python thread stalls up to {stall_big * 1e3:.1f} ms while one "
+          f"{read_big * 1e3:.1f} ms whole-sample H5Dread runs (h5py holds the GIL during the read); "
+          f"with {args.piece_mb:g} MiB pieces the longest stall is {stall_piece * 1e3:.1f} ms")
 
     one = hyperslab_read(path, Distribution.make(4, ranks=1), 0, args.batch, args.steps)
     launcher, two = two_rank_read(path, args.batch, args.steps, args.split, args.launcher)

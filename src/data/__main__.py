@@ -9,7 +9,7 @@ import time
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.data", description=__doc__)
     sub = ap.add_subparsers(dest="kind", required=True)
-    m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, per-cell labels)")
+    m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, cell labels)")
     m.add_argument("--size", type=int, required=True, help="cells per side (N; the sample is N×N)")
     m.add_argument("--samples", type=int, required=True, help="number of samples (M)")
     m.add_argument("-o", "--output", required=True, help="HDF5 file to write")

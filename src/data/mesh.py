@@ -106,8 +106,8 @@ class MeshParams:
             raise MeshDataError(f"--samples must be at least 1, got {self.samples}")
         if not 1 <= self.channels <= NUM_CHANNELS:
             raise MeshDataError(
-                f"--channels must be between 1 and {NUM_CHANNELS} (the first C of {', '.join(CHANNEL_NAMES)}),"
-                f" got {self.channels}")
+                f"--channels must be between 1 and {NUM_CHANNELS} (the first C of "
+                f"{', '.join(CHANNEL_NAMES)}), got {self.channels}")
         if self.steps < 2:
             raise MeshDataError(f"steps must be at least 2 (the Jacobian trend needs two), got {self.steps}")
         if self.seed < 0:
@@ -385,4 +385,5 @@ def write_mesh(path: str, p: MeshParams, progress=None) -> dict:
         dy.attrs["positive_fraction"] = frac
         fh.create_dataset("positive_fraction_per_sample", data=per_sample, track_times=False)
     return {"path": path, "samples": m, "size": n, "channels": c, "positive_fraction": frac,
-            "positive_fraction_min": float(per_sample.min()), "positive_fraction_max": float(per_sample.max())}
+            "positive_fraction_min": float(per_sample.min()),
+            "positive_fraction_max": float(per_sample.max())}

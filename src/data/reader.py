@@ -1,4 +1,4 @@
-"""Distributed HDF5 reader: every rank reads only its own hyperslab of each mini-batch, straight from the file.
+"""Distributed HDF5 reader: each rank reads only its own hyperslab of each mini-batch, straight from the file.
 
 A mini-batch of ``B`` samples is a tensor of global shape ``(B, C, *spatial)`` laid out by a
 :class:`~lbannpy.dist.Distribution`. Rank ``r`` owns the box ``dist.box((B, C, *spatial), r)``: a range of
@@ -27,10 +27,14 @@ file and in the batch, each into its final slot of the output buffer (no gather 
 Prefetch
 --------
 With ``prefetch=True`` a background thread reads the following batches into a bounded queue (``depth``,
-default 2) while the caller computes. h5py serialises every HDF5 call behind one lock, but the time spent
-inside HDF5 (``H5Dread``) is spent with the GIL released (measured by ``python -m lbannpy.bench data``, which
-prints the overlap it obtains against a NumPy compute step and against a pure-Python one), so a read
-overlaps computation that releases the GIL too (NumPy/BLAS kernels, CuPy, MPI waits). The time the caller
+default 2) while the caller computes. h5py (3.16 measured) holds the GIL for the whole of one ``H5Dread``:
+a pure-Python thread stalls for most of a read (17 to 32 ms beside a 45 to 82 ms read of a 72 MiB
+sample in ``python -m lbannpy.bench data``). The reader therefore reads in pieces of ``piece_bytes``
+(4 MiB: stalls of a few ms), and the read overlaps work that runs without the GIL: GPU kernels, MPI
+waits, sleeps, BLAS. NumPy code that takes the GIL between operations is slowed while a read runs
+beside it (measured on two shared cores: a 404 ms NumPy conv step took 472 ms with the reader thread
+running, CPU contention included; on a loaded machine the spread is larger than this effect), so the
+prefetch pays where the compute step runs on a GPU or in long GIL-free kernels. The time the caller
 blocks on the queue is recorded per step (:attr:`HDF5Reader.wait_times`, :meth:`HDF5Reader.io_stats`).
 The thread stops on :meth:`HDF5Reader.close` (stop flag, queue drained, joined); an exception in the thread
 is re-raised in the caller at the next :meth:`HDF5Reader.next`.
@@ -54,7 +58,7 @@ STATE_KEYS = ("epoch", "step", "seed", "shuffle", "batch_size", "num_samples")
 
 
 class DataError(ValueError):
-    """A data file, dataset, shape or reader setting that cannot work; the message names file, dataset and fix."""
+    """A data file, dataset, shape or reader setting that cannot work (the message names file and dataset)."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -141,8 +145,8 @@ def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
         want = tuple(int(s) for s in expected_spatial)
         if xs[2:] != want:
             raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}, spatial {xs[2:]}; the "
-                            f"model expects spatial {want} (expected shape (M, C, {', '.join(map(str, want))}),"
-                            f" found {xs})")
+                            f"model expects spatial {want} (expected shape "
+                            f"(M, C, {', '.join(map(str, want))}), found {xs})")
     if ydt.kind not in "iu":
         raise DataError(f"{path}: dataset '{labels}' has dtype {ydt}; expected integer class labels")
     if ys[:1] != xs[:1]:
@@ -168,7 +172,8 @@ def epoch_order(indices: np.ndarray, seed: int, epoch: int, shuffle: bool = True
     return indices[rng.permutation(len(indices))]
 
 
-def split_indices(num_samples: int, validation_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_indices(num_samples: int, validation_fraction: float,
+                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic train/validation split: ``round(fraction * M)`` samples (at least one when the fraction
     is positive) chosen by a permutation drawn from ``seed``; both parts sorted."""
     if not 0.0 <= validation_fraction < 1.0:
@@ -351,8 +356,8 @@ class HDF5Reader:
             self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial)
             self._setup(dist, label_dist, indices)
             if comm is not None and (comm.size != self.dist.ranks or comm.rank != self.rank):
-                raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but runs "
-                                f"on rank {comm.rank} of a communicator of {comm.size}")
+                raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but "
+                                f"runs on rank {comm.rank} of a communicator of {comm.size}")
             self._file()
         except (DataError, DistributionError, OSError) as exc:
             error = exc
@@ -372,7 +377,8 @@ class HDF5Reader:
                             f"(B, {', '.join(map(str, info.sample_shape))}) but the distribution {self.dist} "
                             f"has {self.dist.ndim} dimensions")
         if not 0 <= self.rank < self.dist.ranks:
-            raise DataError(f"rank {self.rank} outside the {self.dist.ranks} ranks of distribution {self.dist}")
+            raise DataError(f"rank {self.rank} outside the {self.dist.ranks} ranks of distribution "
+                            f"{self.dist}")
         self.global_shape = (self.batch_size,) + info.sample_shape
         self.dist.check_shape(self.global_shape, f"input mini-batch of {self.path}:{info.inputs}")
         self.box = self.dist.box(self.global_shape, self.rank)
@@ -385,9 +391,9 @@ class HDF5Reader:
         ld = self.label_dist
         if info.per_pixel:
             if ld.ndim != ndim:
-                raise DataError(f"{self.path}: per-pixel labels '{info.labels}' need a label distribution over "
-                                f"(n, c, {', '.join(ld.dim_names[2:]) or 'spatial'}) with {ndim} dimensions; "
-                                f"got {ld} with {ld.ndim}")
+                raise DataError(f"{self.path}: per-pixel labels '{info.labels}' need a label distribution "
+                                f"over (n, c, {', '.join(ld.dim_names[2:]) or 'spatial'}) with {ndim} "
+                                f"dimensions; got {ld} with {ld.ndim}")
             lshape = (self.batch_size, ld.split[1]) + info.label_shape
             ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
             lbox = ld.box(lshape, self.rank)
@@ -404,18 +410,19 @@ class HDF5Reader:
         else:
             idx = np.asarray(indices)
             if idx.ndim != 1 or idx.dtype.kind not in "iu":
-                raise DataError(f"indices must be a 1-D array of sample ids, got shape {idx.shape} dtype {idx.dtype}")
+                raise DataError(f"indices must be a 1-D array of sample ids, got shape {idx.shape} "
+                                f"dtype {idx.dtype}")
             idx = idx.astype(np.int64)
             if idx.size and (idx.min() < 0 or idx.max() >= m):
-                raise DataError(f"{self.path}: indices must lie in [0, {m}) (the file has {m} samples); found "
-                                f"[{idx.min()}, {idx.max()}]")
+                raise DataError(f"{self.path}: indices must lie in [0, {m}) (the file has {m} samples); "
+                                f"found [{idx.min()}, {idx.max()}]")
             if np.unique(idx).size != idx.size:
                 raise DataError("indices contain duplicates; each sample may appear once per epoch")
             self.indices = idx
         self.steps_per_epoch = len(self.indices) // self.batch_size
         if self.steps_per_epoch < 1:
-            raise DataError(f"{self.path}: batch size {self.batch_size} exceeds the {len(self.indices)} samples "
-                            f"available; lower trainer.batch_size")
+            raise DataError(f"{self.path}: batch size {self.batch_size} exceeds the {len(self.indices)} "
+                            f"samples available; lower trainer.batch_size")
 
         # refuse blocks that cannot fit before anything is allocated: depth queued + one in use + one read
         block = math.prod(self.local_shape) * info.input_dtype.itemsize
