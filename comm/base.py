@@ -97,6 +97,11 @@ class Communicator(abc.ABC):
     def free(self) -> None:
         """Collective: release the communicator (idempotent)."""
 
+    def flush(self) -> None:
+        """Not collective: start point-to-point operations a backend may defer to batch them (NCCL groups
+        its sends and receives). Call after posting a set of ``isend``/``irecv`` that should progress while
+        the caller computes. Backends that start every operation when it is posted do nothing."""
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Collective: returns when every rank has entered."""

@@ -203,6 +203,7 @@ class HaloPlan:
         def finish():
             return unpack(recvbuf, self.recvs, window)
 
+        comm.flush()  # backends that batch point-to-point operations start them now, before interior work
         return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
                             f"halo rank {self.rank}")
 
@@ -229,6 +230,7 @@ class HaloPlan:
         def finish():
             return unpack(recvbuf, self.sends, grad, add=True)
 
+        comm.flush()
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, sendbuf, grad, grad_window), f"halo accumulate rank {self.rank}")
 
