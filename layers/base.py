@@ -232,6 +232,14 @@ class Layer:
                 ctx.timer.add((self.name, "shuffle_bp"), t0, time.perf_counter(), "comm")
         return out
 
+    def state(self) -> dict:
+        """Collective over the world: non-parameter state (running statistics, counters) in a
+        distribution-independent form of plain numbers and lists, for checkpoints."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore :meth:`state`, possibly written under another distribution or rank count."""
+
     def fp_compute(self, xs: list) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 

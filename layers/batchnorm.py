@@ -38,8 +38,21 @@ class BatchNorm(Layer):
         self.gamma = self.new_param("scale", (c,), np.ones(c), (cbox,), dist, reduce_dims)
         self.beta = self.new_param("bias", (c,), None, (cbox,), dist, reduce_dims)
         xp = self.ctx.xp
+        self.cbox = cbox
         self.running_mean = xp.zeros(cbox[1] - cbox[0])
         self.running_var = xp.ones(cbox[1] - cbox[0])
+
+    def state(self) -> dict:
+        from lbannpy.checkpoint import assemble
+
+        c = self.in_shapes[0][1]
+        return {k: assemble(self.ctx.comm, (c,), (self.cbox,), getattr(self, k)).tolist()
+                for k in ("running_mean", "running_var")}
+
+    def load_state(self, state: dict) -> None:
+        a, b = self.cbox
+        for k in ("running_mean", "running_var"):
+            setattr(self, k, self.ctx.xp.asarray(np.asarray(state[k], dtype=np.float64)[a:b]))
 
     def fp_compute(self, xs):
         (x,) = xs

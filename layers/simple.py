@@ -50,6 +50,12 @@ class Dropout(Layer):
         self.step = 0
         self.layer_id = stable_seed(self.name)
 
+    def state(self) -> dict:
+        return {"step": self.step}
+
+    def load_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+
     def fp_compute(self, xs):
         (x,) = xs
         if not self.train or self.p == 0.0:

@@ -275,7 +275,7 @@ class Trainer:
         for layer in self.model.layers:  # running statistics and step counters that live in layers
             st = meta.get("layers", {}).get(layer.name)
             if st:
-                _set_layer_state(layer, st, self.rt.xp)
+                layer.load_state(st)
         self.resumed_from = path
 
     # -- one step --------------------------------------------------------------------------------------
@@ -385,7 +385,11 @@ class Trainer:
 
         self.watchdog.progress("checkpoint")
         meta = {"reader": self.reader.state(), "rows": self.rows, "evals": self.evals,
-                "layers": {l.name: _layer_state(l) for l in self.model.layers if _layer_state(l)}}
+                "layers": {}}
+        for layer in self.model.layers:  # collective: every rank walks the layers in the same order
+            st = layer.state()
+            if st:
+                meta["layers"][layer.name] = st
         checkpoint.save(self.world, self.ckpt_dir, self.step, self.model.params, self.optimizer, meta)
 
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
@@ -456,25 +460,6 @@ class Trainer:
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"trace-rank{pid}.json"), "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-
-def _layer_state(layer) -> dict:
-    st = {}
-    for attr in ("running_mean", "running_var"):
-        if hasattr(layer, attr):
-            from lbannpy.backend import to_numpy
-            st[attr] = to_numpy(getattr(layer, attr)).tolist()
-    if hasattr(layer, "step") and isinstance(getattr(layer, "step"), int):
-        st["step"] = layer.step
-    return st
-
-
-def _set_layer_state(layer, st: dict, xp) -> None:
-    for attr in ("running_mean", "running_var"):
-        if attr in st:
-            setattr(layer, attr, xp.asarray(np.asarray(st[attr], dtype=np.float64)))
-    if "step" in st:
-        layer.step = int(st["step"])
 
 
 if __name__ == "__main__":
