@@ -205,6 +205,8 @@ class Trainer:
         mspec = cfg["model"]
         data = cfg["data"]
         train = data["train"]
+        if cfg["parallel"].get("strategy") == "auto":
+            cfg["parallel"] = self._auto_strategy(cfg)
         self.model = Model(mspec, self.batch_size, self.ctx, cfg.get("parallel"))
         in_shape = self.model.input_shape
         loss_kind = mspec.get("loss", "cross_entropy")
@@ -258,6 +260,28 @@ class Trainer:
             self._resume()
         if world.rank == 0:
             os.makedirs(self.out_dir, exist_ok=True)
+
+    def _auto_strategy(self, cfg: dict) -> dict:
+        """``parallel.strategy: auto``: rank 0 runs the selector (its search has a time budget, so ranks
+        could disagree if each ran it) and broadcasts the per-layer degrees to every rank."""
+        world = self.world
+        par = cfg["parallel"]
+        layers, err = None, None
+        if world.rank == 0:
+            from lbannpy.strategy.planner import PlanError, plan
+
+            try:
+                chosen = plan(cfg, world.size, par.get("machine") or "lassen", memory_gib=par.get("memory_gib"),
+                              batch_size=self.batch_size, compare=False)
+                layers = chosen.parallel_layers()
+                sys.stderr.write(f"lbannpy.train: strategy auto on {world.size} rank(s), machine "
+                                 f"{par.get('machine')}: predicted step {chosen.chosen.step_s * 1e3:.1f} ms\n")
+            except (PlanError, ValueError, OSError) as exc:
+                err = f"parallel.strategy auto: {exc}"
+        layers, err = world.bcast_obj((layers, err))
+        if err:
+            raise UserError(err)
+        return dict(par, layers=layers, strategy="manual")
 
     def _resume(self) -> None:
         from lbannpy import checkpoint

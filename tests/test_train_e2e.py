@@ -232,3 +232,12 @@ def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
         assert data["step"] == data["meta"]["step"] and np.all(w == data["step"]), path
         loaded += 1
     assert loaded >= 1, "the writer never completed a checkpoint before being killed"
+
+
+def test_strategy_auto_runs_the_selector_at_start_up(work):
+    cfg = spec(work, "cls", 2, {"strategy": "auto", "machine": "p100"}, tag="auto")
+    p = train(2, cfg)
+    assert "strategy auto on 2 rank(s)" in p.stderr
+    summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
+    assert set(summary["distributions"]) == {layer["name"] for layer in CLS_LAYERS}
+    assert any(d != "1" and not d.startswith("r") for d in summary["distributions"].values()), summary

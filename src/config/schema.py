@@ -582,6 +582,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
                                           "default, its unset dimensions are 1"),
         Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
                                                             "strategy selector at start-up"),
+        Key("machine", Str(), "lassen", "machine model for strategy: auto (a preset name, or a file from "
+                                        "python -m lbannpy.bench calibrate)"),
+        Key("memory_gib", Float(0.0, lo_open=True), None, "device memory limit for strategy: auto "
+                                                         "(default: the machine file's)"),
     )),
     Section("comm", "gradient communication", (
         Key("bucket_mb", Float(0.0, lo_open=True), 25.0, "gradient bucket size (MiB)"),
