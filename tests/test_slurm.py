@@ -149,7 +149,7 @@ def assert_completed(cluster: Cluster, result: JobResult) -> None:
 
 
 def require_cli(*modules: str) -> None:
-    """Skip (naming it) while a command of another part of lbannpy does not exist yet."""
+    """Fail (naming it) when a command a template runs does not exist: the template could not work."""
     missing = []
     for mod in modules:
         try:
@@ -161,7 +161,7 @@ def require_cli(*modules: str) -> None:
         if spec is None:
             missing.append(f"python -m {mod}")
     if missing:
-        pytest.skip(f"not in lbannpy yet: {', '.join(missing)}")
+        pytest.fail(f"the template needs {', '.join(missing)}, which lbannpy does not provide")
 
 
 MPI_PY = (
