@@ -70,20 +70,22 @@ class LayerContext:
         return self.comm.size
 
     def block_comm(self, dist: Distribution, dims: Sequence[str] | None = None):
-        """Collective over the world (on first use of a key): the communicator of ``dist.block_group``."""
-        key = ("block", dist, None if dims is None else tuple(dims))
-        if key not in self._groups:
-            members = dist.block_group(self.rank, dims)
-            self._groups[key] = (self.comm.split(min(members), self.rank), members)
-        return self._groups[key][0]
+        """Collective over the world (on first use of a partition): the communicator of
+        ``dist.block_group``. Distributions that cut the ranks into the same groups share it."""
+        return self._group_comm([tuple(dist.block_group(r, dims)) for r in range(self.size)])
 
     def grid_comm(self, dist: Distribution, dims: Sequence[str]):
-        """Collective over the world (on first use of a key): the communicator of ``dist.group``."""
-        key = ("grid", dist, tuple(dims))
+        """Collective over the world (on first use of a partition): the communicator of ``dist.group``."""
+        return self._group_comm([tuple(dist.group(r, dims)) for r in range(self.size)])
+
+    def _group_comm(self, groups: list[tuple]):
+        # the key is the whole partition of the ranks, the same on every rank, so every rank splits (or
+        # reuses) at the same moments
+        key = tuple(sorted(set(groups)))
         if key not in self._groups:
-            members = dist.group(self.rank, dims)
-            self._groups[key] = (self.comm.split(min(members), self.rank), members)
-        return self._groups[key][0]
+            members = groups[self.rank]
+            self._groups[key] = self.comm.split(min(members), self.rank)
+        return self._groups[key]
 
     def new_tag(self, count: int = 1) -> int:
         """Message tags for a layer's halo plans (identical on all ranks: layers are set up in order)."""

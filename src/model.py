@@ -102,13 +102,17 @@ class Model:
         self._acts = acts
         return acts[self.output.name]
 
-    def backward(self, dy: DistTensor) -> DistTensor | None:
+    def backward(self, dy: DistTensor, on_layer=None) -> DistTensor | None:
+        """Backprop from the loss gradient ``dy``; ``on_layer(name)`` is called after each layer's backward
+        (its weight gradients are then final on this rank: the overlap engine posts their bucket)."""
         grads: dict[str, DistTensor] = {self.output.name: dy}
         for layer in reversed(self.layers):
             g = grads.pop(layer.name, None)
             if g is None:
                 raise ModelError(f"layer '{layer.name}' does not reach the loss; remove it or connect it")
             dxs = layer.backward(g)
+            if on_layer is not None:
+                on_layer(layer.name)
             for p, dx in zip(self.parents[layer.name], dxs):
                 key = INPUT_NAMES[0] if p in INPUT_NAMES else p
                 if key in grads:

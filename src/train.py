@@ -196,7 +196,7 @@ class Trainer:
         out = cfg["output"]
         self.out_dir = out.get("dir", "run")
         self.log_every = int(out.get("log_every", 1))
-        self.timer = Timer(events=[] if self.trace else None)
+        self.timer = Timer(events=[])  # cleared every step unless tracing
         self.ctx = LayerContext(world, self.rt.xp, self.dtype, self.seed,
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
         self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort)
@@ -248,8 +248,19 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch
         self.eval_every = int(tr.get("eval_every", 0) or 0) or steps_per_epoch
         self.optimizer = make_optimizer(cfg["optimizer"], self.model.params, self.total_steps)
-        # gradient reduction groups (collective: created in parameter order on every rank)
+        # gradient reduction groups (collective: created in parameter order on every rank), and the
+        # overlap engine that reduces them in fixed-order buckets during backprop
+        from lbannpy.comm.overlap import OverlapEngine
+
         self.grad_comms = [self.ctx.block_comm(p.dist, p.reduce_dims) for p in self.model.params]
+        cc = cfg["comm"]
+        k = int((cc.get("chunks") or {}).get("k", 0) or 0)
+        self.engine = OverlapEngine(
+            self.model.params, self.grad_comms, bucket_bytes=int(float(cc["bucket_mb"]) * 2**20),
+            first_bucket_bytes=int(float(cc["first_bucket_mb"]) * 2**20), overlap=bool(cc["overlap"]),
+            chunk_layers=k or None, thread_multiple=getattr(self.rt, "thread_multiple", True), xp=self.rt.xp)
+        self.step_comm: list[float] = []
+        self.step_hidden: list[float] = []
         ck = cfg.get("checkpoint") or {}
         self.ckpt_dir = ck.get("dir", "ckpt")
         self.ckpt_every = int(ck.get("every_steps", 0) or 0)
@@ -311,16 +322,6 @@ class Trainer:
                        self.model.input_dist, self.world.rank)
         return x, batch.labels
 
-    def sync_gradients(self) -> float:
-        t0 = time.perf_counter()
-        for p, comm in zip(self.model.params, self.grad_comms):
-            if comm.size > 1:
-                self.watchdog.progress(f"gradient allreduce of {p.name}")
-                comm.allreduce(p.grad, out=p.grad)
-        t1 = time.perf_counter()
-        self.timer.add(("grad_sync", "allreduce"), t0, t1, "comm")
-        return t1 - t0
-
     def train_step(self):
         wd = self.watchdog
         t0 = time.perf_counter()
@@ -335,17 +336,32 @@ class Trainer:
         wd.progress("loss")
         loss, metrics = self.loss.forward(logits, labels)
         wd.progress("backward")
-        self.model.backward(self.loss.backward())
-        t_comm = self.sync_gradients()
-        wd.progress("optimizer")
+        engine = self.engine
+        engine.start_step()
+        nrec = len(engine.records)
+        t_bp = time.perf_counter()
+        self.model.backward(self.loss.backward(), on_layer=engine.layer_done)
+        t_bp_end = time.perf_counter()
+        wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr
-        self.optimizer.step()
+        engine.finish(on_bucket=self.optimizer.step_params)  # each bucket updated as soon as it is reduced
+        self.optimizer.finish_step()
+        recs = engine.records[nrec:]
+        comm_iv = [(s, e) for _, _, _, s, e in recs]
+        t_comm = sum(e - s for s, e in comm_iv)
+        from lbannpy.comm.overlap import hidden_fraction
+
+        hidden = hidden_fraction(comm_iv, [(t_bp, t_bp_end)])
+        for b, nbytes, _, s, e in recs:
+            self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
         self.step += 1
         dt = time.perf_counter() - t0
         wd.progress(f"step {self.step} done")
         row = {"step": self.step, "epoch": (self.step - 1) // max(self.steps_per_epoch, 1), **metrics,
                "lr": lr, "step_time_s": dt, "io_wait_s": t_io, "comm_time_s": t_comm,
-               "samples_per_s": self.batch_size / dt}
+               "hidden_comm_fraction": hidden, "samples_per_s": self.batch_size / dt}
+        if not self.trace and self.timer.events is not None:
+            self.timer.events.clear()
         return row
 
     def evaluate(self) -> dict:
@@ -398,6 +414,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             self.watchdog.stop()
+            self.engine.close()
             self.reader.close()
             if self.val_reader is not None:
                 self.val_reader.close()
@@ -448,6 +465,9 @@ class Trainer:
             "io_wait_s": float(np.median(io)) if io else None,
             "io_wait_fraction": float(np.sum(io) / np.sum(times)) if times else None,
             "comm_time_s": float(np.median(comm)) if comm else None,
+            "hidden_comm_fraction": (float(np.mean([r["hidden_comm_fraction"] for r in self.rows[-steps_run:]]))
+                                     if steps_run else None),
+            "buckets": _bucket_summary(self.engine),
             "wall_s": wall,
             "layers": merged,
             "distributions": {l.name: str(l.out_dist) for l in self.model.layers},
@@ -479,11 +499,23 @@ class Trainer:
         events = []
         pid = self.world.rank
         for track, key, t0, t1 in self.timer.events or []:
-            events.append({"name": "/".join(map(str, key)), "ph": "X", "pid": pid,
-                           "tid": 0 if track == "compute" else 1, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
+            tid = {"compute": 0, "comm": 1, "gradcomm": 2}.get(track, 1)
+            events.append({"name": "/".join(map(str, key)), "ph": "X", "pid": pid, "tid": tid,
+                           "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
+        for tid, name in ((0, "main: layers"), (1, "main: halo and shuffles"), (2, "gradient communication")):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"trace-rank{pid}.json"), "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _bucket_summary(engine) -> list[dict]:
+    out = []
+    for b in engine.buckets:
+        times = [e - s for i, _, _, s, e in engine.records if i == b.index]
+        out.append({"index": b.index, "bytes": int(b.nbytes), "params": [p.name for p in b.params],
+                    "median_s": float(np.median(times)) if times else None})
+    return out
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ DEFAULTS = {
     "parallel.default.n": 1, "parallel.default.c": 1, "parallel.default.d": 1, "parallel.default.h": 1,
     "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual", "parallel.machine": "lassen",
     "comm.bucket_mb": 25.0, "comm.first_bucket_mb": 1.0, "comm.overlap": True, "comm.replicate_fc": 0,
-    "comm.chunks.k": 1,
+    "comm.chunks.k": 0,
     "checkpoint.dir": "ckpt", "checkpoint.every_steps": 0,
     "output.dir": "run", "output.log_every": 1, "output.trace": False,
     "runtime.backend": "auto", "runtime.device": "cpu",

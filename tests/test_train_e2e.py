@@ -66,7 +66,8 @@ def work(tmp_path_factory):
     return d
 
 
-def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run", lr=0.05, opt="sgd"):
+def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run", lr=0.05, opt="sgd",
+         comm=None):
     if kind == "cls":
         model = {"name": "cls", "input": {"channels": 3, "spatial": [12, 12]}, "layers": CLS_LAYERS,
                  "loss": "cross_entropy"}
@@ -81,6 +82,7 @@ def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run"
                          else {"type": "adam", "lr": lr}),
            "parallel": parallel,
            "checkpoint": {"dir": str(work / tag / "ckpt"), "every_steps": 0},
+           "comm": comm or {},
            "output": {"dir": str(work / tag / "out")}}
     path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -241,3 +243,34 @@ def test_strategy_auto_runs_the_selector_at_start_up(work):
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert set(summary["distributions"]) == {layer["name"] for layer in CLS_LAYERS}
     assert any(d != "1" and not d.startswith("r") for d in summary["distributions"].values()), summary
+
+
+COMM_MODES = [
+    ("blocking", {"overlap": False}),
+    ("buckets-tiny", {"overlap": True, "bucket_mb": 0.001, "first_bucket_mb": 0.0005}),
+    ("buckets-default", {"overlap": True}),
+    ("two-chunk-k2", {"overlap": True, "chunks": {"k": 2}}),
+]
+
+
+@pytest.mark.parametrize("ranks,parallel", [
+    (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}),
+    (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 4}}}),
+], ids=["2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
+def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
+    """Blocking sync, overlapped buckets of several sizes and the two-chunk mode end with the weights of
+    the single-rank run (float64, 1e-10); the summary reports buckets and the hidden fraction."""
+    ref = spec(work, "cls", 3, {}, tag="sync-ref")
+    train(1, ref)
+    want = final_params(work / "sync-ref" / "ckpt")
+    for name, comm in COMM_MODES:
+        tag = f"sync-{ranks}-{name}"
+        train(ranks, spec(work, "cls", 3, parallel, tag=tag, comm=comm))
+        assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{name} on {ranks} ranks")
+        summary = json.loads((work / tag / "out" / "summary.json").read_text())
+        assert summary["buckets"] and 0.0 <= summary["hidden_comm_fraction"] <= 1.0
+        if name == "buckets-tiny":
+            assert len(summary["buckets"]) > 2, summary["buckets"]
+        if name == "two-chunk-k2":
+            first = summary["buckets"][0]["params"]
+            assert {p.split(".")[0] for p in first} <= {"f1", "f2", "r3"}, first

@@ -590,11 +590,13 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
     Section("comm", "gradient communication", (
         Key("bucket_mb", Float(0.0, lo_open=True), 25.0, "gradient bucket size (MiB)"),
         Key("first_bucket_mb", Float(0.0, lo_open=True), 1.0, "size of the first bucket (MiB)"),
-        Key("overlap", Bool(), True, "reduce gradients on a background thread during backprop"),
+        Key("overlap", Bool(), True, "reduce gradients on a background thread during backprop (and compute "
+                                     "a conv's interior while its halo exchange is in flight)"),
         Key("replicate_fc", Int(0), 0, "number of final fc layers whose gradients are computed replicated "
                                        "from gathered activations and errors (Lee et al. f)"),
-        Section("chunks", "pipelining of each bucket's reduction", (
-            Key("k", _POS, 1, "chunks per bucket (Lee et al. k)"),
+        Section("chunks", "two-chunk mode (Lee et al. k)", (
+            Key("k", Int(0), 0, "post the gradients of the last k layers (the first k of backprop) as one "
+                                "chunk, the rest at the end; 0: buckets of bucket_mb instead"),
         )),
     )),
     Section("checkpoint", "checkpoints (written atomically)", (

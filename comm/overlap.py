@@ -1,0 +1,232 @@
+"""The overlap engine: gradient buckets reduced on a background thread while backprop continues.
+
+Set-up (collective, identical on every rank): parameters are taken in *reverse layer order* (the order
+backprop produces their gradients), grouped by the communicator that reduces them, and cut into buckets
+of at most ``bucket_bytes`` (the first one ``first_bucket_bytes``, so communication starts early). With
+``chunk_layers=k`` (Lee et al.'s two-chunk mode) the cut is instead: the parameters of the last ``k``
+layers, then everything else. The bucket order is fixed here and is the order in which buckets are
+posted, so no collective is ever issued in a different order on different ranks.
+
+Each group communicator is duplicated for the engine's thread, so its messages never mix with the
+main thread's (halo exchanges, shuffles, batch-norm statistics). The MPI library must provide
+``MPI_THREAD_MULTIPLE`` for that; the engine refuses to start a thread without it.
+
+During backprop the trainer calls :meth:`OverlapEngine.layer_done` after each layer's backward. Once
+every parameter of a bucket is done, the bucket's gradients are packed into its flat buffer and the
+bucket is queued; the communication thread reduces queued buckets in order (one allreduce each). The
+trainer then calls :meth:`OverlapEngine.finish`, which waits for the buckets in completion order and hands
+each to ``on_bucket`` (the optimizer updates that bucket's parameters) as soon as it is reduced.
+
+Intervals of every reduction are recorded (``records``) for the overlap report.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .base import CommError
+
+_STOP = object()
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together by one allreduce over ``comm``; ``buffer`` is packed in ``params`` order."""
+
+    index: int
+    comm: object
+    params: list
+    offsets: list = field(default_factory=list)
+    nbytes: int = 0
+    buffer: object = None
+    pending: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    t_post: float = 0.0
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+
+def plan_buckets(params: Sequence, comms: Sequence, bucket_bytes: int, first_bucket_bytes: int,
+                 layer_of: Callable | None = None, chunk_layers: int | None = None) -> list[list[int]]:
+    """Indices of ``params`` per bucket, in posting order. Pure: the same on every rank.
+
+    ``params`` are given in forward order; buckets are cut in reverse order. A bucket never mixes
+    communicators. With ``chunk_layers=k`` the cut is by layers: the last ``k`` layers (in forward order),
+    then the rest (per communicator).
+    """
+    order = list(range(len(params)))[::-1]
+    buckets: list[list[int]] = []
+    if chunk_layers:
+        layers = []
+        for i in order:
+            name = layer_of(params[i])
+            if name not in layers:
+                layers.append(name)
+        first = set(layers[:chunk_layers])
+        groups = ([i for i in order if layer_of(params[i]) in first],
+                  [i for i in order if layer_of(params[i]) not in first])
+        for g in groups:
+            by_comm: dict[int, list[int]] = {}
+            for i in g:
+                by_comm.setdefault(id(comms[i]), []).append(i)
+            buckets += [b for b in by_comm.values() if b]
+        return buckets
+    current: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    for i in order:
+        key = id(comms[i])
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        nbytes = params[i].grad.nbytes
+        if key in current and size[key] + nbytes > cap and current[key]:
+            buckets.append(current.pop(key))
+            size[key] = 0
+        current.setdefault(key, []).append(i)
+        size[key] = size.get(key, 0) + nbytes
+    # flush the open buckets in the order their first parameter appeared (fixed on every rank)
+    buckets += sorted(current.values(), key=lambda b: order.index(b[0]))
+    return buckets
+
+
+class OverlapEngine:
+    """Collective set-up over every communicator in ``comms``: see the module docstring."""
+
+    def __init__(self, params: Sequence, comms: Sequence, *, bucket_bytes: int = 25 << 20,
+                 first_bucket_bytes: int = 1 << 20, overlap: bool = True, chunk_layers: int | None = None,
+                 layer_of: Callable | None = None, thread_multiple: bool = True, xp=None):
+        self.params = list(params)
+        self.overlap = bool(overlap)
+        if self.overlap and not thread_multiple:
+            raise CommError("the overlap engine reduces gradients on a background thread, which needs "
+                            "MPI_THREAD_MULTIPLE; this MPI gives less. Set comm.overlap: false")
+        layer_of = layer_of or (lambda p: p.name.rsplit(".", 1)[0])
+        plan = plan_buckets(self.params, comms, bucket_bytes, first_bucket_bytes, layer_of, chunk_layers)
+        # one duplicate per distinct group communicator, created in plan order (collective, same everywhere)
+        dups: dict[int, object] = {}
+        self.buckets: list[Bucket] = []
+        for b, idx in enumerate(plan):
+            comm = comms[idx[0]]
+            if id(comm) not in dups:
+                dups[id(comm)] = comm.dup() if (self.overlap and comm.size > 1) else comm
+            bucket = Bucket(b, dups[id(comm)], [self.params[i] for i in idx])
+            off = 0
+            for p in bucket.params:
+                bucket.offsets.append(off)
+                off += p.grad.size
+            first = bucket.params[0].grad
+            mod = xp if xp is not None else __import__("numpy")
+            bucket.buffer = mod.empty(off, dtype=first.dtype)
+            bucket.nbytes = bucket.buffer.nbytes
+            self.buckets.append(bucket)
+        self._owned = [c for c in dups.values() if self.overlap and c.size > 1]
+        self._bucket_of = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+        self._layer_params: dict[str, list] = {}
+        for p in self.params:
+            self._layer_params.setdefault(layer_of(p), []).append(p)
+        self.records: list[tuple[int, int, float, float, float]] = []  # bucket, bytes, post, start, end
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        self._completed: queue.Queue = queue.Queue()
+        if self.overlap:
+            self._thread = threading.Thread(target=self._run, name="lbannpy-grad-comm", daemon=True)
+            self._thread.start()
+
+    # -- the communication thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            bucket = self._queue.get()
+            if bucket is _STOP:
+                return
+            self._reduce(bucket)
+            self._completed.put(bucket)
+
+    def _reduce(self, bucket: Bucket) -> None:
+        bucket.t_start = time.perf_counter()
+        try:
+            if bucket.comm.size > 1:
+                bucket.comm.allreduce(bucket.buffer, out=bucket.buffer)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            bucket.error = exc
+        bucket.t_end = time.perf_counter()
+        bucket.done.set()
+
+    # -- the main thread ------------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.done.clear()
+            bucket.error = None
+
+    def layer_done(self, layer_name: str) -> None:
+        """Backprop finished ``layer_name``: its parameters' gradients are final on this rank."""
+        for p in self._layer_params.get(layer_name, ()):
+            bucket = self._bucket_of[id(p)]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._post(bucket)
+
+    def _post(self, bucket: Bucket) -> None:
+        for p, off in zip(bucket.params, bucket.offsets):
+            bucket.buffer[off:off + p.grad.size] = p.grad.reshape(-1)
+        bucket.t_post = time.perf_counter()
+        if self.overlap:
+            self._queue.put(bucket)
+        else:
+            self._reduce(bucket)
+            self._completed.put(bucket)
+
+    def finish(self, on_bucket: Callable[[list], None] | None = None) -> None:
+        """Post what is left (in plan order), then wait for every bucket; unpack each reduced bucket into
+        its parameters' gradients and call ``on_bucket(params)`` as soon as it completes."""
+        for bucket in self.buckets:
+            if bucket.pending > 0:  # parameters that backprop never reached (unused layers): post as is
+                bucket.pending = 0
+                self._post(bucket)
+        for _ in self.buckets:
+            bucket = self._completed.get()
+            if bucket.error is not None:
+                raise CommError(f"gradient reduction of bucket {bucket.index} failed: {bucket.error}") \
+                    from bucket.error
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.grad.reshape(-1)[...] = bucket.buffer[off:off + p.grad.size]
+            self.records.append((bucket.index, bucket.nbytes, bucket.t_post, bucket.t_start, bucket.t_end))
+            if on_bucket is not None:
+                on_bucket(bucket.params)
+
+    def close(self) -> None:
+        """Stop the thread (sentinel, join) and free the duplicated communicators. Idempotent; safe after
+        an exception elsewhere (a thread stuck in a collective is left to the job's abort)."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        for c in self._owned:
+            try:
+                c.free()
+            except Exception:
+                pass
+        self._owned = []
+
+
+def hidden_fraction(comm_intervals: Sequence[tuple[float, float]],
+                    compute_intervals: Sequence[tuple[float, float]]) -> float:
+    """Share of communication time that overlapped computation (Lee et al.'s R as a fraction)."""
+    total = sum(max(0.0, e - s) for s, e in comm_intervals)
+    if total <= 0:
+        return 0.0
+    comp = sorted(compute_intervals)
+    hidden = 0.0
+    for s, e in comm_intervals:
+        for cs, ce in comp:
+            if ce <= s:
+                continue
+            if cs >= e:
+                break
+            hidden += max(0.0, min(e, ce) - max(s, cs))
+    return min(1.0, hidden / total)
