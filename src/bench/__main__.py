@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "halo": ("lbannpy.bench.halo",
              "halo exchange and allreduce bandwidth against the alpha-beta model; overlap fraction"),
     "layers": ("lbannpy.bench.layers", "local conv/pool/batch-norm kernels against PyTorch CPU"),
+    "overlap": ("lbannpy.bench.overlap", "blocking vs overlapped gradient reduction (CPU and GPU-like stand-in)"),
     "memory": ("lbannpy.bench.memory", "per-rank peak memory of one sample of a zoo model, 1 rank against P"),
     "scaling": ("lbannpy.bench.scaling", "one mesh conv layer fwd+bwd: 1 rank against 2 ranks splitting height"),
     "strategy": ("lbannpy.bench.strategy", "strategy search time, Jia et al. VGG-16 structure, speedups, mesh2k"),
