@@ -274,3 +274,33 @@ def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
         if name == "two-chunk-k2":
             first = summary["buckets"][0]["params"]
             assert {p.split(".")[0] for p in first} <= {"f1", "f2", "r3"}, first
+
+
+def test_trace_shows_bucket_reductions_during_backprop(work):
+    """--trace on 2 ranks: bucket reductions on their own thread track overlap the backward of earlier
+    layers, and hidden_comm_fraction agrees with the fraction read off the trace."""
+    cfg = spec(work, "cls", 4, {"default": {"n": 2}}, tag="trace",
+               comm={"overlap": True, "bucket_mb": 0.002, "first_bucket_mb": 0.001})
+    train(2, cfg, "--trace")
+    out = work / "trace" / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for rank in range(2):
+        events = json.loads((out / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+        assert "gradient communication" in names
+        buckets = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == 2]
+        bps = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+               if e["ph"] == "X" and e["tid"] == 0 and e["name"].endswith("/bp")]
+        assert len(buckets) >= 4 * 2 and bps
+        overlapped = [b for b in buckets if any(s < b[1] and b[0] < e for s, e, _ in bps)]
+        assert overlapped, "no bucket reduction ran during backprop"
+    from lbannpy.comm.overlap import hidden_fraction
+
+    # rank 0's trace against rank 0's summary rows (the summary is written by rank 0)
+    events = json.loads((out / "trace-rank0.json").read_text())["traceEvents"]
+    buckets = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == 2]
+    bps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == 0
+           and e["name"].endswith("/bp")]
+    from_trace = hidden_fraction(buckets, bps)
+    assert abs(from_trace - summary["hidden_comm_fraction"]) <= 0.15, (from_trace,
+                                                                      summary["hidden_comm_fraction"])
