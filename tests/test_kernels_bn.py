@@ -8,16 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_util import assert_close
 from lbannpy.layers.kernels import (bn_backward, bn_backward_data, bn_backward_params, bn_forward,
                                     bn_local_stats, bn_mean_var)
-
-
-def assert_close(ours, ref, rtol=1e-10):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    scale = max(float(np.abs(ref).max()), 1e-300)
-    err = float(np.abs(ours.astype(np.float64) - ref).max())
-    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_util import assert_close
 from lbannpy.layers.kernels import conv as kconv
 from lbannpy.layers.kernels import (KernelShapeError, conv_backward_bias, conv_backward_data,
                                     conv_backward_filter, conv_forward, crop_spatial, pad_spatial)
 
 SPATIAL = {2: (17, 23), 3: (7, 9, 11)}
 BATCH, CHANNELS = 3, 5
-
-
-def assert_close(ours, ref, rtol):
-    """Max-norm relative error: ``max|ours - ref| <= rtol * max|ref|``."""
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    scale = max(float(np.abs(ref).max()), 1e-300)
-    err = float(np.abs(ours.astype(np.float64) - ref).max())
-    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_util import assert_close
 from lbannpy.layers.kernels import (KernelShapeError, accuracy_counts, cross_entropy, downsample_labels_any,
                                     iou, iou_counts, pixel_cross_entropy, softmax_cross_entropy)
-
-
-def assert_close(ours, ref, rtol=1e-10):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    scale = max(float(np.abs(ref).max()), 1e-300)
-    err = float(np.abs(ours - ref).max())
-    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_util import assert_close
 from lbannpy.layers.kernels import (dropout_backward, dropout_forward, dropout_mask, fc_backward_bias,
                                     fc_backward_data, fc_backward_filter, fc_forward, leaky_relu_backward,
                                     leaky_relu_forward, relu_backward, relu_forward)
-
-
-def assert_close(ours, ref, rtol=1e-10):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    scale = max(float(np.abs(ref).max()), 1e-300)
-    err = float(np.abs(ours - ref).max())
-    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_util import assert_close
 from lbannpy.layers.kernels import (avg_pool_backward, avg_pool_forward, max_pool_backward, max_pool_forward,
                                     pad_spatial)
 
 SPATIAL = {2: (17, 23), 3: (7, 9, 11)}
-
-
-def assert_close(ours, ref, rtol=1e-10):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    scale = max(float(np.abs(ref).max()), 1e-300)
-    err = float(np.abs(ours - ref).max())
-    assert err <= rtol * scale, f"max abs error {err:.3e} > {rtol:.0e} x {scale:.3e}"
 
 
 @dataclass(frozen=True)

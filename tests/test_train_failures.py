@@ -131,27 +131,40 @@ def test_bad_input_stops_every_rank_with_a_message(case, files):
     assert "Traceback" not in err, f"user error printed a traceback:\n{err}"
 
 
-def test_killed_rank_ends_the_job_and_checkpoint_stays_resumable(files, tmp_path):
+def _start_long_run(files, tmp_path, name: str, watchdog_s: float, every_steps: int, checkpoints: int):
+    """Start a 2-rank run that would train for hours; return once ``checkpoints`` checkpoints exist.
+    Returns (spec, config path, the mpiexec process, the two rank pids)."""
     spec = yaml.safe_load(yaml.safe_dump(GOOD))
     spec["data"]["train"]["path"] = str(files / "data.h5")
-    spec["trainer"] = {"batch_size": 4, "steps": 100000, "watchdog_s": 30}
-    spec["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_steps": 5}
+    spec["trainer"] = {"batch_size": 4, "steps": 100000, "watchdog_s": watchdog_s}
+    spec["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_steps": every_steps}
     spec["output"] = {"dir": str(tmp_path / "out")}
-    cfg = tmp_path / "long.yaml"
+    cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(spec))
     job = subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.train", str(cfg), "--quiet"], env=ENV,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list((tmp_path / "ck").glob("ckpt-*.h5"))) < 2:
+        while time.monotonic() < deadline and len(list((tmp_path / "ck").glob("ckpt-*.h5"))) < checkpoints:
             time.sleep(0.2)
-        assert len(list((tmp_path / "ck").glob("ckpt-*.h5"))) >= 2, "no checkpoints were written"
+        assert len(list((tmp_path / "ck").glob("ckpt-*.h5"))) >= checkpoints, "no checkpoints were written"
         pids = subprocess.run(["pgrep", "-f", f"lbannpy.train {cfg}"], capture_output=True,
                               text=True).stdout.split()
-        ranks = [int(p) for p in pids if int(p) != job.pid]
-        assert ranks, "rank processes not found"
+        ranks = sorted(int(p) for p in pids if int(p) != job.pid)
+        assert len(ranks) == 2, f"rank processes not found: {pids}"
+    except BaseException:
+        job.kill()
+        job.wait()
+        raise
+    return spec, cfg, job, ranks
+
+
+def test_killed_rank_ends_the_job_and_checkpoint_stays_resumable(files, tmp_path):
+    spec, cfg, job, ranks = _start_long_run(files, tmp_path, "long", watchdog_s=30, every_steps=5,
+                                            checkpoints=2)
+    try:
         t0 = time.monotonic()
-        os.kill(max(ranks), signal.SIGKILL)  # one rank dies mid-step
+        os.kill(ranks[-1], signal.SIGKILL)  # one rank dies mid-step
         job.wait(timeout=90)
         took = time.monotonic() - t0
     finally:
@@ -175,35 +188,18 @@ def test_killed_rank_ends_the_job_and_checkpoint_stays_resumable(files, tmp_path
 def test_watchdog_names_the_operation_a_stuck_rank_waits_in(files, tmp_path):
     """One rank is frozen (SIGSTOP) mid-run: the other waits in a collective that never completes; its
     watchdog prints what it was waiting in and aborts the job."""
-    spec = yaml.safe_load(yaml.safe_dump(GOOD))
-    spec["data"]["train"]["path"] = str(files / "data.h5")
-    spec["trainer"] = {"batch_size": 4, "steps": 100000, "watchdog_s": 3}
-    spec["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_steps": 20}
-    spec["output"] = {"dir": str(tmp_path / "out")}
-    cfg = tmp_path / "wd.yaml"
-    cfg.write_text(yaml.safe_dump(spec))
-    job = subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.train", str(cfg), "--quiet"], env=ENV,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    frozen = None
+    _, _, job, ranks = _start_long_run(files, tmp_path, "wd", watchdog_s=3, every_steps=20, checkpoints=1)
+    frozen = ranks[-1]
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not list((tmp_path / "ck").glob("ckpt-*.h5")):
-            time.sleep(0.2)
-        pids = subprocess.run(["pgrep", "-f", f"lbannpy.train {cfg}"], capture_output=True,
-                              text=True).stdout.split()
-        ranks = sorted(int(p) for p in pids if int(p) != job.pid)
-        assert len(ranks) == 2, f"rank processes not found: {pids}"
-        frozen = ranks[-1]
         os.kill(frozen, signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = job.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
-        if frozen is not None:
-            try:
-                os.kill(frozen, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.kill(frozen, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if job.poll() is None:
             job.kill()
             job.wait()
