@@ -38,6 +38,10 @@ class Timer:
 
     def add(self, key: tuple, t0: float, t1: float, track: str = "compute") -> None:
         self.totals[key] = self.totals.get(key, 0.0) + (t1 - t0)
+        self.span(key, t0, t1, track)
+
+    def span(self, key: tuple, t0: float, t1: float, track: str = "compute") -> None:
+        """An interval for the trace only (e.g. a span enclosing per-layer events), not counted in totals."""
         if self.events is not None:
             self.events.append((track, key, t0, t1))
 

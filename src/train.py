@@ -260,7 +260,6 @@ class Trainer:
             first_bucket_bytes=int(float(cc["first_bucket_mb"]) * 2**20), overlap=bool(cc["overlap"]),
             chunk_layers=k or None, thread_multiple=getattr(self.rt, "thread_multiple", True), xp=self.rt.xp)
         self.step_comm: list[float] = []
-        self.step_hidden: list[float] = []
         ck = cfg.get("checkpoint") or {}
         self.ckpt_dir = ck.get("dir", "ckpt")
         self.ckpt_every = int(ck.get("every_steps", 0) or 0)
@@ -352,6 +351,9 @@ class Trainer:
         from lbannpy.comm.overlap import hidden_fraction
 
         hidden = hidden_fraction(comm_iv, [(t_bp, t_bp_end)])
+        # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
+        # backward events nest inside it)
+        self.timer.span(("backward",), t_bp, t_bp_end, "compute")
         for b, nbytes, _, s, e in recs:
             self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
         self.step += 1
@@ -359,7 +361,8 @@ class Trainer:
         wd.progress(f"step {self.step} done")
         row = {"step": self.step, "epoch": (self.step - 1) // max(self.steps_per_epoch, 1), **metrics,
                "lr": lr, "step_time_s": dt, "io_wait_s": t_io, "comm_time_s": t_comm,
-               "hidden_comm_fraction": hidden, "samples_per_s": self.batch_size / dt}
+               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm,
+               "samples_per_s": self.batch_size / dt}
         if not self.trace and self.timer.events is not None:
             self.timer.events.clear()
         return row
@@ -452,6 +455,7 @@ class Trainer:
         times = [r["step_time_s"] for r in self.rows[-max(steps_run, 0):]] if steps_run else []
         io = [r["io_wait_s"] for r in self.rows[-max(steps_run, 0):]] if steps_run else []
         comm = [r["comm_time_s"] for r in self.rows[-max(steps_run, 0):]] if steps_run else []
+        hidden = [r["hidden_comm_s"] for r in self.rows[-max(steps_run, 0):]] if steps_run else []
         last = self.rows[-1] if self.rows else {}
         summary = {
             "steps": self.step,
@@ -459,14 +463,15 @@ class Trainer:
             "batch_size": self.batch_size,
             "dtype": self.dtype,
             "final": {k: v for k, v in last.items() if k not in ("step_time_s", "io_wait_s", "comm_time_s",
-                                                               "samples_per_s")},
+                                                               "hidden_comm_s", "samples_per_s")},
             "validation": final_eval,
             "median_step_s": float(np.median(times)) if times else None,
             "io_wait_s": float(np.median(io)) if io else None,
             "io_wait_fraction": float(np.sum(io) / np.sum(times)) if times else None,
             "comm_time_s": float(np.median(comm)) if comm else None,
-            "hidden_comm_fraction": (float(np.mean([r["hidden_comm_fraction"] for r in self.rows[-steps_run:]]))
-                                     if steps_run else None),
+            # over the whole run, weighted by time: the hidden part of all gradient communication
+            "hidden_comm_fraction": (float(np.sum(hidden) / np.sum(comm)) if comm and np.sum(comm) > 0
+                                     else (0.0 if comm else None)),
             "buckets": _bucket_summary(self.engine),
             "wall_s": wall,
             "layers": merged,
