@@ -1,4 +1,7 @@
-"""Local convolution kernels against PyTorch CPU (float64 to 1e-10; float32 to its own precision)."""
+"""Local convolution kernels against PyTorch CPU (float64 to 1e-10; float32 to its own precision).
+
+Every check runs on both CPU paths: the compiled kernels (``_cconv``, where the extension is built) and the
+NumPy im2col path (the fallback of an install without a C compiler)."""
 from __future__ import annotations
 
 import itertools
@@ -66,7 +69,7 @@ def _torch_pad(pads):
 
 
 def _reference(case: ConvCase, x, w, b, dy_seed):
-    conv = F.conv2d if case.nsp == 2 else F.conv3d
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[case.nsp]
     xt = torch.tensor(x, requires_grad=True)
     wt = torch.tensor(w, requires_grad=True)
     bt = torch.tensor(b, requires_grad=True) if b is not None else None
@@ -105,8 +108,20 @@ def _check(case: ConvCase, x, w, b, rtol, ref=None):
         assert_close(conv_backward_bias(dy.astype(dt)), db_ref, rtol)
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel_path(request, monkeypatch):
+    """Run the test on one CPU path: the compiled kernels or the NumPy fallback."""
+    if request.param == "compiled":
+        if kconv._cconv is None:
+            pytest.skip("the compiled conv kernels are not built in this install (no C compiler?)")
+        monkeypatch.setattr(kconv, "USE_COMPILED", True)
+    else:
+        monkeypatch.setattr(kconv, "USE_COMPILED", False)
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_conv_float64_matches_torch(case, monkeypatch):
+def test_conv_float64_matches_torch(case, kernel_path, monkeypatch):
     x, w, b = _inputs(case)
     ref = _reference(case, x, w, b, 1)
     # data gradient through the flipped convolution (per stride phase) wherever it applies, and one output
@@ -114,17 +129,66 @@ def test_conv_float64_matches_torch(case, monkeypatch):
     monkeypatch.setattr(kconv, "GATHER_DATA_GRAD_MAX_RATIO", float("inf"))
     monkeypatch.setattr(kconv, "CPU_COLUMN_BYTES", 1)
     _check(case, x, w, b, 1e-10, ref)
-    # data gradient through GEMM + col2im scatter, default blocks
-    monkeypatch.undo()
+    # data gradient through GEMM + col2im scatter (NumPy path), default blocks
+    monkeypatch.setattr(kconv, "CPU_COLUMN_BYTES", 8 * 1024 * 1024)
     monkeypatch.setattr(kconv, "GATHER_DATA_GRAD_MAX_RATIO", 0.0)
     _check(case, x, w, b, 1e-10, ref)
+
+
+# wide enough for the compiled kernels' vector blocks (32 float32 / 16 float64 outputs per row block, the
+# last block of a row overlapping the one before; 16 / 8 per filter-gradient vector plus a scalar tail),
+# filter counts that split into several register blocks (26 -> 9 + 9 + 8, 64) or none (1)
+WIDE_SPATIAL = {1: (83,), 2: (9, 77), 3: (4, 5, 45)}
+WIDE_CASES = [
+    ConvCase(2, 3, 1, 1, ((1, 1),) * 2, filters=26),
+    ConvCase(2, 3, 2, 1, ((1, 1),) * 2, filters=16),
+    ConvCase(2, 3, 1, 2, ((2, 2),) * 2, filters=1),
+    ConvCase(2, 5, 2, 2, ((4, 4),) * 2, filters=7, bias=False),
+    ConvCase(2, 4, 3, 1, ((1, 2),) * 2, filters=64),
+    ConvCase(2, 3, 1, 1, ((1, 1),) * 2, groups=5, filters=10),
+    ConvCase(1, 3, 1, 1, ((1, 1),), filters=16),
+    ConvCase(1, 5, 2, 1, ((2, 2),), filters=13),
+    ConvCase(3, 3, 1, 1, ((1, 1),) * 3, filters=16),
+    ConvCase(3, 3, 2, 1, ((1, 1),) * 3, filters=9),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: c.id)
+def test_conv_wide_rows_match_torch(case, dtype, kernel_path, monkeypatch):
+    monkeypatch.setitem(SPATIAL, case.nsp, WIDE_SPATIAL[case.nsp])
+    x, w, b = _inputs(case, seed=5)
+    ref = _reference(case, x, w, b, 4)
+    rtol = 1e-10 if dtype == np.float64 else 3e-5
+    _check(case, x.astype(dtype), w.astype(dtype), None if b is None else b.astype(dtype), rtol, ref)
+
+
+def test_conv_compiled_and_numpy_paths_agree(monkeypatch):
+    """The two CPU paths on a mesh-model-like float32 layer (18 -> 16 channels, stride 1 and 2)."""
+    if kconv._cconv is None:
+        pytest.skip("the compiled conv kernels are not built in this install (no C compiler?)")
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 18, 21, 70)).astype(np.float32)
+    w = (rng.standard_normal((16, 18, 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    xw = pad_spatial(x, 1)
+    for stride in (1, 2):
+        got = {}
+        for compiled in (True, False):
+            monkeypatch.setattr(kconv, "USE_COMPILED", compiled)
+            y = conv_forward(xw, w, b, stride)
+            dy = np.random.default_rng(8).standard_normal(y.shape).astype(np.float32)
+            got[compiled] = (y, conv_backward_data(dy, w, xw.shape, stride),
+                             conv_backward_filter(xw, dy, w.shape, stride))
+        for a, r in zip(got[True], got[False]):
+            assert_close(a, r.astype(np.float64), 2e-5)
 
 
 F32_CASES = [c for c in CASES if c.pads[0] == (c.dilation * (c.kernel - 1) // 2,) * 2 or c.groups > 1][:12]
 
 
 @pytest.mark.parametrize("case", F32_CASES, ids=lambda c: c.id)
-def test_conv_float32_matches_torch(case):
+def test_conv_float32_matches_torch(case, kernel_path):
     x, w, b = _inputs(case)
     f32 = np.float32
     _check(case, x.astype(f32), w.astype(f32), None if b is None else b.astype(f32), 2e-5)

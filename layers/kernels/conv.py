@@ -21,9 +21,13 @@ module (NumPy or CuPy) is taken from the arguments.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import os
 from dataclasses import dataclass
+
+import numpy as np
 
 from lbannpy.backend import array_module, is_gpu_array
 
@@ -37,6 +41,14 @@ CPU_COLUMN_BYTES = 8 * 1024 * 1024
 GATHER_DATA_GRAD_MAX_RATIO = 1.25
 # on a GPU, larger blocks amortise kernel launches; memory, not cache, bounds them
 GPU_COLUMN_BYTES = 64 * 1024 * 1024
+
+try:  # the compiled kernels (built by setup.py where a C compiler is present)
+    from . import _cconv
+except ImportError:  # pragma: no cover - depends on the install
+    _cconv = None
+# NumPy arrays of float32/float64 go through the compiled kernels when they are built, unless
+# LBANNPY_CONV_KERNEL=numpy; tests switch this flag to check both paths against PyTorch
+USE_COMPILED = _cconv is not None and os.environ.get("LBANNPY_CONV_KERNEL", "") != "numpy"
 
 
 @dataclass(frozen=True)
@@ -138,12 +150,151 @@ def _gather(xp, view, geo: ConvGeometry, o0: int, o1: int, buf):
     return col.reshape(geo.cg * geo.ntaps, p)
 
 
+# --------------------------------------------------------------------------------------------------------
+# compiled path (NumPy arrays): direct convolution over shifted taps, see _cconv.c
+
+
+def _compiled(*arrays) -> bool:
+    """Whether these arrays take the compiled kernels: built, enabled, NumPy, float32 or float64."""
+    return (_cconv is not None and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
+            and all(isinstance(a, np.ndarray) for a in arrays if a is not None))
+
+
+def _addr(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _elem_strides(a) -> tuple[int, ...] | None:
+    st = tuple(s // a.itemsize for s in a.strides)
+    return st if all(s * a.itemsize == b for s, b in zip(st, a.strides)) else None
+
+
+def _tap_input(xg, geo: ConvGeometry):
+    """``xg`` (``(Cg, *S)``) in a layout where every tap is a shifted read: with stride 1, ``xg`` itself
+    (contiguous rows); with stride ``s``, its phases ``(Cg, *s, *Q)``, ``[c, a, q] = xg[c, a + s*q]``,
+    ``Q = ceil(S/s)`` (entries past the window are left unset: no output reads them)."""
+    if all(s == 1 for s in geo.stride):
+        if xg.strides[-1] != xg.itemsize or _elem_strides(xg) is None:
+            xg = np.ascontiguousarray(xg)
+        return xg
+    q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
+    xs = np.empty((xg.shape[0],) + geo.stride + q, dtype=xg.dtype)
+    _phases(xg, xs, geo.stride, merge=False)
+    return xs
+
+
+def _phases(win, ph, stride, merge: bool):
+    """Split ``win`` (``(..., *S)``, ``len(stride)`` spatial dimensions) into its stride phases ``ph``
+    (``(..., *stride, *Q)``), or merge them back into ``win`` (``merge``); one pass over the window."""
+    nsp = len(stride)
+    lead = win.ndim - nsp
+    for a in itertools.product(*(range(s) for s in stride[:-1])):
+        rows = tuple(slice(ad, None, s) for ad, s in zip(a, stride[:-1]))
+        w_rows = win[(slice(None),) * lead + rows]
+        p_rows = ph[(slice(None),) * lead + a + (slice(None),)
+                    + tuple(slice(0, n) for n in w_rows.shape[lead:-1])]
+        _phase_rows(w_rows, np.moveaxis(p_rows, lead, -2), stride[-1], merge)
+
+
+def _phase_rows(win, ph, s: int, merge: bool):
+    """Rows ``win`` (``(..., W)``) against their column phases ``ph`` (``(..., s, Q)``)."""
+    ws, ps = _elem_strides(win), _elem_strides(ph)
+    if ws is None or ps is None or ws[-1] != 1 or ps[-1] != 1:
+        for b in range(s):
+            n = len(range(b, win.shape[-1], s))
+            if merge:
+                win[..., b::s] = ph[..., b, :n]
+            else:
+                ph[..., b, :n] = win[..., b::s]
+        return
+    extra = max(0, 3 - win.ndim)  # two row dimensions for the kernel: pad with unit ones
+    shape = (1,) * extra + win.shape[:-1]
+    ws, ps = (0,) * extra + ws, (0,) * extra + ps
+    r = len(shape)
+    isz = win.itemsize
+    for idx in itertools.product(*(range(n) for n in shape[:-2])):
+        wo = sum(i * st for i, st in zip(idx, ws)) * isz
+        po = sum(i * st for i, st in zip(idx, ps)) * isz
+        _cconv.phase_rows(isz, _addr(win) + wo, shape[-2], shape[-1], ws[r - 2], ws[r - 1], win.shape[-1], s,
+                          _addr(ph) + po, ps[r - 2], ps[r - 1], ps[r], int(merge))
+
+
+@functools.lru_cache(maxsize=256)
+def _tap_offsets(cg: int, est: tuple, kernel: tuple, stride: tuple, dilation: tuple):
+    """Element offsets into :func:`_tap_input`'s array of every (channel, tap), in the filter's
+    ``(Cg, *kernel)`` order, and the offsets of one output step along each spatial dimension."""
+    nsp = len(kernel)
+    split = any(s > 1 for s in stride)
+    off = (np.arange(cg, dtype=np.int64) * est[0]).reshape((cg,) + (1,) * nsp)
+    for d in range(nsp):
+        r = np.arange(kernel[d], dtype=np.int64) * dilation[d]
+        o = (r % stride[d]) * est[1 + d] + (r // stride[d]) * est[1 + nsp + d] if split else r * est[1 + d]
+        off = off + o.reshape((1,) * (1 + d) + (-1,) + (1,) * (nsp - 1 - d))
+    off = off.ravel()
+    off.flags.writeable = False
+    step = est[1 + nsp:] if split else est[1:]
+    return off, tuple(step)
+
+
+def _planes(out: tuple, xstep: tuple, ystep: tuple):
+    """Calls of a compiled kernel over the output: ``(x offset, y offset)`` of each 2-D plane (leading
+    dimensions of a 3-D output looped here), and ``(rows, cols, x row stride, y row stride)``."""
+    if len(out) == 1:
+        return [(0, 0)], (1, out[0], 0, 0)
+    lead = [(sum(o * s for o, s in zip(idx, xstep)), sum(o * s for o, s in zip(idx, ystep)))
+            for idx in itertools.product(*(range(n) for n in out[:-2]))]
+    return lead, (out[-2], out[-1], xstep[-2], ystep[-2])
+
+
+def _forward_compiled(x_window, w, b, geo: ConvGeometry, out=None):
+    """Compiled forward; ``out`` (optional) is any array of the output's shape with contiguous rows."""
+    dt = x_window.dtype
+    isz, cg, fg = dt.itemsize, geo.cg, geo.fg
+    y = np.empty(geo.out_shape, dtype=dt) if out is None else out
+    wp = np.ascontiguousarray(w.reshape(geo.groups, fg, cg * geo.ntaps).transpose(0, 2, 1))  # (G, T, Fg)
+    bias = None if b is None else np.ascontiguousarray(b)
+    ystep = y.strides[2:]
+    for n in range(geo.batch):
+        for g in range(geo.groups):
+            xs = _tap_input(x_window[n, g * cg:(g + 1) * cg], geo)
+            off, xstep = _tap_offsets(cg, _elem_strides(xs), geo.kernel, geo.stride, geo.dilation)
+            planes, (rows, cols, rsx, rsy) = _planes(geo.out, xstep, tuple(s // isz for s in ystep))
+            yg = y[n, g * fg:(g + 1) * fg]
+            bg = 0 if bias is None else _addr(bias) + g * fg * isz
+            for xo, yo in planes:
+                _cconv.conv_fwd(isz, _addr(xs) + xo * isz, _addr(off), off.size, rsx, _addr(wp[g]), fg,
+                                _addr(yg) + yo * isz, yg.strides[0] // isz, rsy, rows, cols, bg)
+    return y
+
+
+def _backward_filter_compiled(x_window, dy, w_shape, geo: ConvGeometry):
+    dt = x_window.dtype
+    isz, cg, fg = dt.itemsize, geo.cg, geo.fg
+    dw2 = np.zeros((geo.groups, fg, cg * geo.ntaps), dtype=dt)
+    for n in range(geo.batch):
+        for g in range(geo.groups):
+            xs = _tap_input(x_window[n, g * cg:(g + 1) * cg], geo)
+            off, xstep = _tap_offsets(cg, _elem_strides(xs), geo.kernel, geo.stride, geo.dilation)
+            dyg = dy[n, g * fg:(g + 1) * fg]
+            dst = _elem_strides(dyg)
+            if dst is None or dst[-1] != 1:
+                dyg = np.ascontiguousarray(dyg)
+                dst = _elem_strides(dyg)
+            planes, (rows, cols, rsx, rsdy) = _planes(geo.out, xstep, dst[1:])
+            for xo, yo in planes:
+                _cconv.conv_wgrad(isz, _addr(xs) + xo * isz, _addr(off), off.size, rsx,
+                                  _addr(dyg) + yo * isz, fg, dst[0], rsdy, rows, cols, _addr(dw2[g]))
+    return dw2.reshape(tuple(w_shape))
+
+
 def conv_forward(x_window, w, b=None, stride=1, dilation=1):
     """Valid convolution of a padded window: ``(N, C, *S)`` with ``(F, C/groups, *K)`` -> ``(N, F, *O)``,
     ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``."""
     xp = array_module(x_window)
     dt = _check_dtypes(x_window, w, b)
     geo = ConvGeometry.make(x_window.shape, w.shape, stride, dilation)
+    if _compiled(x_window, w, b):
+        return _forward_compiled(x_window, w, b, geo)
     cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
     y = xp.empty(geo.out_shape, dtype=dt)
     w2 = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps)
@@ -168,6 +319,8 @@ def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
     dt = _check_dtypes(x_window, dy)
     geo = ConvGeometry.make(x_window.shape, w_shape, stride, dilation)
     _check_dy(dy, geo)
+    if _compiled(x_window, dy):
+        return _backward_filter_compiled(x_window, dy, w_shape, geo)
     cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
     dw2 = xp.zeros((geo.groups, fg, cg * geo.ntaps), dtype=dt)
     buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
@@ -195,12 +348,14 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
     dt = _check_dtypes(dy, w)
     geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
     _check_dy(dy, geo)
-    if geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg:
+    if geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg and not _compiled(dy, w):
         # the flipped convolution would gather F*K rows per column, col2im scatters only C*K
         return _backward_data_col2im(dy, w, geo)
     if all(s == 1 for s in geo.stride):
         return _backward_data_phase(dy, w, geo, (0,) * len(geo.kernel), tuple(geo.window))
     if all(d == 1 for d in geo.dilation):
+        if _compiled(dy, w):
+            return _backward_data_phases_compiled(dy, w, geo)
         xp = array_module(dy)
         dx = xp.zeros(tuple(x_window_shape), dtype=dt)
         for phase in itertools.product(*(range(s) for s in geo.stride)):
@@ -214,19 +369,48 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
     return _backward_data_col2im(dy, w, geo)
 
 
-def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
-    """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
+def _flipped_subfilter(w, geo: ConvGeometry, phase):
+    """The adjoint's filter for phase ``phase`` of the window: taps ``w[..., phase::stride]``, flipped, with
+    input and output channels exchanged per group: ``(C, F/groups, *taps)``."""
     nsp = len(geo.kernel)
     sub = w[(slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))]
     taps = sub.shape[2:]
-    # (F, Cg, *k) per group -> (C, Fg, *k) flipped: output channels of the adjoint are the input channels
     wt = sub.reshape((geo.groups, geo.fg, geo.cg) + taps).swapaxes(1, 2)
     wt = wt[(slice(None),) * 3 + (slice(None, None, -1),) * nsp].reshape((geo.channels, geo.fg) + taps)
+    return array_module(w).ascontiguousarray(wt)
+
+
+def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
+    """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
+    wt = _flipped_subfilter(w, geo, phase)
     pads = []
-    for t, d, m, o in zip(taps, geo.dilation, extent, geo.out):
+    for t, d, m, o in zip(wt.shape[2:], geo.dilation, extent, geo.out):
         lo = d * (t - 1)
         pads.append((lo, m + d * (t - 1) - o - lo))
-    return conv_forward(pad_spatial(dy, pads), array_module(dy).ascontiguousarray(wt), None, 1, geo.dilation)
+    return conv_forward(pad_spatial(dy, pads), wt, None, 1, geo.dilation)
+
+
+def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
+    """Stride > 1, dilation 1, compiled path: ``dy`` padded once for every phase, each phase's stride-1
+    convolution written into the phase layout ``(N, C, *stride, *Q)``, merged into ``dx`` in one pass."""
+    q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
+    lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
+    dyp = pad_spatial(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
+    dxs = np.empty((geo.batch, geo.channels) + geo.stride + q, dtype=dy.dtype)
+    for phase in itertools.product(*(range(s) for s in geo.stride)):
+        taps = tuple(max(0, -(-(k - a) // s)) for k, a, s in zip(geo.kernel, phase, geo.stride))
+        extent = tuple(-(-(n - a) // s) for n, a, s in zip(geo.window, phase, geo.stride))
+        target = dxs[(slice(None), slice(None)) + phase + tuple(slice(0, m) for m in extent)]
+        if 0 in taps or 0 in extent:
+            target[...] = 0  # no tap reaches these positions: their gradient is zero
+            continue
+        view = dyp[(slice(None), slice(None))
+                   + tuple(slice(lm - t + 1, lm + m) for lm, t, m in zip(lo, taps, extent))]
+        wt = _flipped_subfilter(w, geo, phase)
+        _forward_compiled(view, wt, None, ConvGeometry.make(view.shape, wt.shape, 1, 1), out=target)
+    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype)
+    _phases(dx, dxs, geo.stride, merge=True)
+    return dx
 
 
 def _backward_data_col2im(dy, w, geo: ConvGeometry):
@@ -289,7 +473,12 @@ def pad_spatial(x, pads, value=0.0):
     xp = array_module(x)
     pp = _pads(pads, x.ndim - 2)
     shape = tuple(x.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(x.shape[2:], pp))
-    out = xp.full(shape, value, dtype=x.dtype)
+    out = xp.empty(shape, dtype=x.dtype)
+    # fill only the borders, so that every element is written once
+    for d, (n, (lo, hi)) in enumerate(zip(x.shape[2:], pp)):
+        before = (slice(None),) * (2 + d)
+        out[before + (slice(0, lo),)] = value
+        out[before + (slice(lo + n, None),)] = value
     out[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for n, (lo, _) in zip(x.shape[2:], pp))] = x
     return out
 

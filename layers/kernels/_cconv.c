@@ -1,0 +1,135 @@
+/* Compiled direct-convolution kernels behind lbannpy.layers.kernels.conv (float32 and float64).
+ *
+ * conv_fwd(itemsize, x, off, ntap, rsx, wp, F, y, fsy, rsy, rows, cols, bias):
+ *     y[k*fsy + h*rsy + w] = bias[k] + sum_t wp[t*F + k] * x[off[t] + h*rsx + w]
+ * conv_wgrad(itemsize, x, off, ntap, rsx, dy, F, fsdy, rsdy, rows, cols, dw):
+ *     dw[k*ntap + t] += sum_{h, w} dy[k*fsdy + h*rsdy + w] * x[off[t] + h*rsx + w]
+ * for 0 <= h < rows, 0 <= w < cols, 0 <= k < F;
+ * phase_rows(itemsize, win, n1, n2, r1, r2, ncols, s, ph, p1, p2, dp, merge):
+ *     rows of a window split into (merge=0) or merged from (merge=1) their s column phases; arrays are passed as addresses (integers), offsets and
+ * strides in elements, off as int64. Each tap t is a plain shifted read of the (phase-split) input, so the
+ * caller expresses kernel size, channels, dilation and stride through off. The GIL is released.
+ *
+ * Vectors are GCC vector extensions of 64 bytes; on x86-64 the entry points are compiled for AVX-512,
+ * AVX2+FMA and the baseline, picked at load time (target_clones). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define CLONES
+#endif
+
+#define MAX_FB 12          /* forward: filters per register block (x 2 vectors of outputs) */
+#define WG_FB 4            /* filter gradient: filters x taps per register block */
+#define WG_TB 6
+#define WG_TILE_PIXELS 512 /* filter gradient: outputs per cache tile */
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef double v8d __attribute__((vector_size(64)));
+typedef double v8du __attribute__((vector_size(64), aligned(8), may_alias));
+
+#define T float
+#define V v16f
+#define VU v16fu
+#define NAME(x) x##_f32
+#include "_cconv_impl.h"
+#undef T
+#undef V
+#undef VU
+#undef NAME
+
+#define T double
+#define V v8d
+#define VU v8du
+#define NAME(x) x##_f64
+#include "_cconv_impl.h"
+#undef T
+#undef V
+#undef VU
+#undef NAME
+
+static PyObject *
+py_conv_fwd(PyObject *self, PyObject *args)
+{
+    int isz;
+    Py_ssize_t x, off, ntap, rsx, wp, F, y, fsy, rsy, rows, cols, bias;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnnn", &isz, &x, &off, &ntap, &rsx, &wp, &F, &y, &fsy, &rsy,
+                          &rows, &cols, &bias))
+        return NULL;
+    if (isz != 4 && isz != 8)
+        return PyErr_Format(PyExc_ValueError, "conv_fwd: itemsize %d (need 4 or 8)", isz);
+    Py_BEGIN_ALLOW_THREADS
+    if (isz == 4)
+        conv_fwd_f32((const float *)x, (const int64_t *)off, ntap, rsx, (const float *)wp, F, (float *)y,
+                     fsy, rsy, rows, cols, (const float *)bias);
+    else
+        conv_fwd_f64((const double *)x, (const int64_t *)off, ntap, rsx, (const double *)wp, F,
+                     (double *)y, fsy, rsy, rows, cols, (const double *)bias);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_conv_wgrad(PyObject *self, PyObject *args)
+{
+    int isz, rc;
+    Py_ssize_t x, off, ntap, rsx, dy, F, fsdy, rsdy, rows, cols, dw;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnn", &isz, &x, &off, &ntap, &rsx, &dy, &F, &fsdy, &rsdy,
+                          &rows, &cols, &dw))
+        return NULL;
+    if (isz != 4 && isz != 8)
+        return PyErr_Format(PyExc_ValueError, "conv_wgrad: itemsize %d (need 4 or 8)", isz);
+    Py_BEGIN_ALLOW_THREADS
+    if (isz == 4)
+        rc = conv_wgrad_f32((const float *)x, (const int64_t *)off, ntap, rsx, (const float *)dy, F, fsdy,
+                            rsdy, rows, cols, (float *)dw);
+    else
+        rc = conv_wgrad_f64((const double *)x, (const int64_t *)off, ntap, rsx, (const double *)dy, F,
+                            fsdy, rsdy, rows, cols, (double *)dw);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_phase_rows(PyObject *self, PyObject *args)
+{
+    int isz, merge;
+    Py_ssize_t win, n1, n2, r1, r2, ncols, s, ph, p1, p2, dp;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnni", &isz, &win, &n1, &n2, &r1, &r2, &ncols, &s, &ph, &p1, &p2,
+                          &dp, &merge))
+        return NULL;
+    if ((isz != 4 && isz != 8) || s < 1)
+        return PyErr_Format(PyExc_ValueError, "phase_rows: itemsize %d, stride %zd", isz, s);
+    Py_BEGIN_ALLOW_THREADS
+    if (isz == 4)
+        phase_rows_f32((float *)win, n1, n2, r1, r2, ncols, s, (float *)ph, p1, p2, dp, merge);
+    else
+        phase_rows_f64((double *)win, n1, n2, r1, r2, ncols, s, (double *)ph, p1, p2, dp, merge);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"phase_rows", py_phase_rows, METH_VARARGS, "Rows split into / merged from column phases (see module)."},
+    {"conv_fwd", py_conv_fwd, METH_VARARGS, "Direct convolution over a list of shifted taps (see module)."},
+    {"conv_wgrad", py_conv_wgrad, METH_VARARGS, "Filter gradient over a list of shifted taps (see module)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_cconv", "Compiled direct-convolution kernels (see _cconv.c).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__cconv(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,229 @@
+/* Direct convolution micro-kernels for one element type; included by _cconv.c once per type with
+ * T (element type), V (a 64-byte vector of T), VU (the same, unaligned) and NAME(x) (suffixed name). */
+
+enum { NAME(LANES) = 64 / sizeof(T) };
+
+/* y[k, w..w+2L) = bias[k] + sum_t wp[t*F + k] * x[off[t] + w..]   for the fb filters of one block */
+static inline __attribute__((always_inline)) void
+NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, const T *wp, Py_ssize_t F, T *y,
+              Py_ssize_t fsy, Py_ssize_t cols, const T *bias, const int fb)
+{
+    const Py_ssize_t L = NAME(LANES), step = 2 * NAME(LANES);
+    Py_ssize_t w = 0;
+    if (cols >= step) {
+        for (;;) {
+            V acc[MAX_FB][2];
+#pragma GCC unroll 16
+            for (int k = 0; k < fb; k++) {
+                const T b0 = bias ? bias[k] : (T)0;
+                acc[k][0] = (V){0} + b0;
+                acc[k][1] = (V){0} + b0;
+            }
+            const T *xw = x + w;
+            for (Py_ssize_t t = 0; t < ntap; t++) {
+                const T *xp = xw + off[t];
+                const V x0 = *(const VU *)xp, x1 = *(const VU *)(xp + L);
+                const T *wt = wp + t * F;
+#pragma GCC unroll 16
+                for (int k = 0; k < fb; k++) {
+                    acc[k][0] += x0 * wt[k];
+                    acc[k][1] += x1 * wt[k];
+                }
+            }
+#pragma GCC unroll 16
+            for (int k = 0; k < fb; k++) {
+                *(VU *)(y + k * fsy + w) = acc[k][0];
+                *(VU *)(y + k * fsy + w + L) = acc[k][1];
+            }
+            if (w + step == cols)
+                break;
+            /* the last block of a row overlaps the one before when cols is not a multiple of 2L:
+             * outputs are written, not accumulated, so computing a few twice is harmless */
+            w = (w + 2 * step <= cols) ? w + step : cols - step;
+        }
+        return;
+    }
+    for (; w < cols; w++) {  /* rows narrower than one vector block */
+        for (int k = 0; k < fb; k++) {
+            T s = bias ? bias[k] : (T)0;
+            for (Py_ssize_t t = 0; t < ntap; t++)
+                s += x[off[t] + w] * wp[t * F + k];
+            y[k * fsy + w] = s;
+        }
+    }
+}
+
+static void
+NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *wp,
+               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols,
+               const T *bias) CLONES;
+
+static void
+NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *wp,
+               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols,
+               const T *bias)
+{
+    const Py_ssize_t nb = (F + MAX_FB - 1) / MAX_FB;
+    for (Py_ssize_t h = 0; h < rows; h++) {
+        Py_ssize_t f0 = 0;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            /* filters split evenly over the blocks: 16 -> 8 + 8, 18 -> 9 + 9, 64 -> 11 * 5 + 9 */
+            const int fb = (int)((F - f0 + (nb - b) - 1) / (nb - b));
+            const T *xr = x + h * rsx;
+            const T *bb = bias ? bias + f0 : NULL;
+            T *yr = y + f0 * fsy + h * rsy;
+#define FWD_CASE(n) case n: NAME(fwd_row)(xr, off, ntap, wp + f0, F, yr, fsy, cols, bb, n); break;
+            switch (fb) {
+                FWD_CASE(1) FWD_CASE(2) FWD_CASE(3) FWD_CASE(4) FWD_CASE(5) FWD_CASE(6)
+                FWD_CASE(7) FWD_CASE(8) FWD_CASE(9) FWD_CASE(10) FWD_CASE(11) FWD_CASE(12)
+            }
+#undef FWD_CASE
+            f0 += fb;
+        }
+    }
+}
+
+/* part[k*ntap + j] (vector partial sums) += sum over rows [h0, h1) and the first nvec vectors of each row
+ * of dy[k, h, :] * x[off[j] + h*rsx + :]  for a block of fb filters and tb taps */
+static inline __attribute__((always_inline)) void
+NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, Py_ssize_t fsdy,
+                  Py_ssize_t rsdy, Py_ssize_t h0, Py_ssize_t h1, Py_ssize_t nvec, V *part, Py_ssize_t ntap,
+                  const int fb, const int tb)
+{
+    const Py_ssize_t L = NAME(LANES);
+    V acc[WG_FB][WG_TB];
+    int64_t o[WG_TB];
+#pragma GCC unroll 8
+    for (int j = 0; j < tb; j++)
+        o[j] = off[j];
+#pragma GCC unroll 8
+    for (int k = 0; k < fb; k++)
+#pragma GCC unroll 8
+        for (int j = 0; j < tb; j++)
+            acc[k][j] = part[k * ntap + j];
+    for (Py_ssize_t h = h0; h < h1; h++) {
+        const T *xr = x + h * rsx, *dr = dy + h * rsdy;
+        for (Py_ssize_t i = 0; i < nvec; i++) {
+            V d[WG_FB];
+#pragma GCC unroll 8
+            for (int k = 0; k < fb; k++)
+                d[k] = *(const VU *)(dr + k * fsdy + i * L);
+#pragma GCC unroll 8
+            for (int j = 0; j < tb; j++) {
+                const V xv = *(const VU *)(xr + o[j] + i * L);
+#pragma GCC unroll 8
+                for (int k = 0; k < fb; k++)
+                    acc[k][j] += d[k] * xv;
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < fb; k++)
+#pragma GCC unroll 8
+        for (int j = 0; j < tb; j++)
+            part[k * ntap + j] = acc[k][j];
+}
+
+static int
+NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *dy,
+                 Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows, Py_ssize_t cols,
+                 T *dw) CLONES;
+
+static int
+NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *dy,
+                 Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows, Py_ssize_t cols,
+                 T *dw)
+{
+    const Py_ssize_t L = NAME(LANES), nvec = cols / NAME(LANES);
+    if (nvec > 0) {
+        V *part = aligned_alloc(64, (size_t)(F * ntap) * sizeof(V));
+        if (!part)
+            return -1;
+        memset(part, 0, (size_t)(F * ntap) * sizeof(V));
+        /* rows per tile: about WG_TILE_PIXELS outputs, so that the tile of dy and x stays in cache while
+         * every (filter block, tap block) pair sweeps it */
+        Py_ssize_t rt = WG_TILE_PIXELS / cols;
+        if (rt < 1)
+            rt = 1;
+        for (Py_ssize_t h0 = 0; h0 < rows; h0 += rt) {
+            const Py_ssize_t h1 = h0 + rt < rows ? h0 + rt : rows;
+            for (Py_ssize_t f0 = 0; f0 < F; f0 += WG_FB) {
+                const int fb = (int)(F - f0 < WG_FB ? F - f0 : WG_FB);
+                for (Py_ssize_t t0 = 0; t0 < ntap; t0 += WG_TB) {
+                    const int tb = (int)(ntap - t0 < WG_TB ? ntap - t0 : WG_TB);
+                    const T *dyf = dy + f0 * fsdy;
+                    V *pp = part + f0 * ntap + t0;
+#define WG_CASE(a, b) case (a) * 8 + (b): \
+    NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b); break;
+#define WG_ROW(a) WG_CASE(a, 1) WG_CASE(a, 2) WG_CASE(a, 3) WG_CASE(a, 4) WG_CASE(a, 5) WG_CASE(a, 6)
+                    switch (fb * 8 + tb) {
+                        WG_ROW(1) WG_ROW(2) WG_ROW(3) WG_ROW(4)
+                    }
+#undef WG_ROW
+#undef WG_CASE
+                }
+            }
+        }
+        for (Py_ssize_t i = 0; i < F * ntap; i++) {
+            T s = 0;
+            for (Py_ssize_t l = 0; l < L; l++)
+                s += part[i][l];
+            dw[i] += s;
+        }
+        free(part);
+    }
+    if (nvec * L < cols) {  /* the columns past the last whole vector */
+        for (Py_ssize_t k = 0; k < F; k++)
+            for (Py_ssize_t t = 0; t < ntap; t++) {
+                T s = 0;
+                for (Py_ssize_t h = 0; h < rows; h++)
+                    for (Py_ssize_t w = nvec * L; w < cols; w++)
+                        s += dy[k * fsdy + h * rsdy + w] * x[off[t] + h * rsx + w];
+                dw[k * ntap + t] += s;
+            }
+    }
+    return 0;
+}
+
+/* Rows i*r1 + j*r2 of a window (ncols each) against their s column phases, phase b at b*dp of the phase
+ * rows i*p1 + j*p2 (ceil((ncols - b)/s) each). merge = 0: split, window -> phases; 1: merge, phases ->
+ * window. Each window row is read or written once, with its s phases. */
+static void
+NAME(phase_rows)(T *win, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t r1, Py_ssize_t r2, Py_ssize_t ncols,
+                 Py_ssize_t s, T *ph, Py_ssize_t p1, Py_ssize_t p2, Py_ssize_t dp, int merge) CLONES;
+
+static void
+NAME(phase_rows)(T *win, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t r1, Py_ssize_t r2, Py_ssize_t ncols,
+                 Py_ssize_t s, T *ph, Py_ssize_t p1, Py_ssize_t p2, Py_ssize_t dp, int merge)
+{
+    for (Py_ssize_t i = 0; i < n1; i++)
+        for (Py_ssize_t j = 0; j < n2; j++) {
+            T *restrict a = win + i * r1 + j * r2;
+            T *restrict b = ph + i * p1 + j * p2;
+            if (s == 2 && !merge) {
+                T *restrict b1 = b + dp;
+                for (Py_ssize_t k = 0; k < ncols / 2; k++) {
+                    b[k] = a[2 * k];
+                    b1[k] = a[2 * k + 1];
+                }
+                if (ncols & 1)
+                    b[ncols / 2] = a[ncols - 1];
+            } else if (s == 2) {
+                const T *restrict b1 = b + dp;
+                for (Py_ssize_t k = 0; k < ncols / 2; k++) {
+                    a[2 * k] = b[k];
+                    a[2 * k + 1] = b1[k];
+                }
+                if (ncols & 1)
+                    a[ncols - 1] = b[ncols / 2];
+            } else {
+                for (Py_ssize_t q = 0; q < s; q++)
+                    for (Py_ssize_t k = 0; k * s + q < ncols; k++) {
+                        if (merge)
+                            a[k * s + q] = b[q * dp + k];
+                        else
+                            b[q * dp + k] = a[k * s + q];
+                    }
+            }
+        }
+}
