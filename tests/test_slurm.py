@@ -135,9 +135,9 @@ def jobcomp_line(cluster: Cluster, job_id: str) -> str:
     loc = re.search(r"^JobCompLoc\s*=\s*(\S+)", config, re.M).group(1)
     for _ in range(40):
         if Path(loc).exists():
-            for line in Path(loc).read_text().splitlines():
-                if re.search(rf"\bJobId={job_id}\b", line):
-                    return line
+            lines = [ln for ln in Path(loc).read_text().splitlines() if re.search(rf"\bJobId={job_id}\b", ln)]
+            if lines:
+                return lines[-1]  # the newest: job ids may repeat across restarts of the cluster
         time.sleep(0.25)
     raise AssertionError(f"job {job_id} not in {loc}")
 
@@ -202,8 +202,11 @@ def _daemon_pids(slurm_dir: Path) -> dict[str, int]:
 
 
 def _alive(pid: int, name: str) -> bool:
+    """Running (not a zombie: an init that reaps lazily leaves ended daemons in /proc for a while)."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == name
+        status = Path(f"/proc/{pid}/status").read_text()
+        return (Path(f"/proc/{pid}/comm").read_text().strip() == name
+                and not re.search(r"^State:\s*[ZX]", status, re.M))
     except OSError:
         return False
 
@@ -226,6 +229,63 @@ def test_second_cluster_in_own_dir_starts_and_stops_only_its_daemons(cluster):
         assert not any(_alive(p, n) for n, p in pids.items()), "a daemon survived stop"
         assert all(_alive(p, n) for n, p in ours.items()), "stop ended another cluster's daemon"
         assert cluster.cmd("sinfo", "-h", "-o", "%t").stdout.strip() in ("idle", "mix", "alloc")
+    finally:
+        subprocess.run([str(STOP)], capture_output=True, text=True, timeout=120, env=env)
+        shutil.rmtree(slurm_dir, ignore_errors=True)
+
+
+def _kill_pidfile(path: Path) -> None:
+    """SIGKILL the process named in ``path`` and wait until it is gone or a zombie (nobody may reap it)."""
+    if not (path.exists() and path.read_text().strip().isdigit()):
+        return
+    pid = int(path.read_text().strip())
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return
+        if re.search(r"^State:\s*[ZX]", status, re.M):
+            return
+        time.sleep(0.05)
+
+
+def test_start_after_daemons_died_begins_with_an_empty_queue(cluster, tmp_path):
+    # A machine that went away leaves the saved state of a job that held every CPU. Recovered, that job
+    # would keep new jobs PENDING; a fresh start must drop it and run a new job at once.
+    slurm_dir = Path(tempfile.mkdtemp(prefix="lbk-", dir="/tmp"))
+    env = dict(os.environ, LBANNPY_SLURM_DIR=str(slurm_dir), LBANNPY_SLURM_PORT="6937")
+    c2 = Cluster(conf=str(slurm_dir / "etc" / "slurm.conf"), slurm_dir=slurm_dir)
+    try:
+        proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        cpus = c2.cmd("sinfo", "-h", "-o", "%c").stdout.split()[0]
+        before = submit(c2, "", cwd=tmp_path, sbatch_opts=("--time=00:02:00", "--wrap=echo before"), timeout=60)
+        assert before.state == "COMPLETED", before.describe()
+        hog = "echo $PPID > stepd.pid; echo $$ > job.pid; sleep 600"
+        sub = c2.cmd("sbatch", "--parsable", f"--chdir={tmp_path}", "-n", cpus, f"--wrap={hog}")
+        assert sub.returncode == 0, sub.stderr
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "job.pid").exists():
+            assert time.monotonic() < deadline, "the CPU-holding job never started"
+            time.sleep(0.2)
+        time.sleep(1)  # let slurmctld save the job as running
+        for name in ("slurmd", "slurmctld", "munged"):  # no `stop`: the daemons just die
+            _kill_pidfile(slurm_dir / "run" / f"{name}.pid")
+        _kill_pidfile(tmp_path / "job.pid")
+        _kill_pidfile(tmp_path / "stepd.pid")
+        proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0 and "already running" not in proc.stderr, proc.stderr
+        assert c2.cmd("squeue", "-h").stdout.strip() == "", "a dead cluster's job survived the restart"
+        result = submit(c2, "", cwd=tmp_path, sbatch_opts=("-n", cpus, "--time=00:02:00", "--wrap=echo fresh"),
+                        timeout=60)
+        assert (result.state, result.exit_code) == ("COMPLETED", "0:0"), result.describe()
+        assert "fresh" in result.output
+        assert (slurm_dir / "log" / "jobcomp.log.1").exists(), "the previous job-completion log was not kept"
     finally:
         subprocess.run([str(STOP)], capture_output=True, text=True, timeout=120, env=env)
         shutil.rmtree(slurm_dir, ignore_errors=True)

@@ -20,7 +20,8 @@ log() { printf 'local-cluster: %s\n' "$*" >&2; }
 die() { printf 'local-cluster: error: %s\n' "$*" >&2; exit 1; }
 
 # pid_alive PIDFILE NAME: true when PIDFILE names a live process whose command is NAME.
-# Checking the command name keeps a recycled pid from being mistaken for (or killed as) our daemon.
+# Checking the command name keeps a recycled pid from being mistaken for (or killed as) our daemon. A zombie
+# counts as dead: in a container whose init does not reap, a killed daemon lingers in /proc as state Z.
 pid_alive() {
     local file="$1" name="$2" pid comm
     [[ -r "$file" ]] || return 1
@@ -28,7 +29,15 @@ pid_alive() {
     [[ -n "$pid" ]] || return 1
     [[ -r "/proc/$pid/comm" ]] || return 1
     comm="$(cat "/proc/$pid/comm" 2>/dev/null || true)"
-    [[ "$comm" == "$name" ]]
+    [[ "$comm" == "$name" ]] || return 1
+    running "$pid"
+}
+
+# running PID: the process exists and is not a zombie (or already being reaped).
+running() {
+    local state
+    state="$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null || true)"
+    [[ -n "$state" && "$state" != Z && "$state" != X ]]
 }
 
 pid_of() { tr -dc '0-9' < "$1"; }
