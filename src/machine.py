@@ -5,6 +5,7 @@ A machine file is YAML (loaded with ``yaml.safe_load``, never evaluated):
     name: lassen
     source: where the numbers come from
     ranks_per_node: 4
+    cores_per_node: 4                                       # optional: compute slots (GPUs, cores) per node
     memory_per_device_gib: 16
     intra: {alpha_s: 8.0e-6, beta_s_per_byte: 2.661e-11}     # point to point within a node
     inter: {alpha_s: 1.2e-6, beta_s_per_byte: 3.893e-11}     # point to point between nodes
@@ -55,6 +56,7 @@ class Machine:
     gamma_s_per_flop: float  # seconds per floating-point operation of one device
     source: str = ""
     measured_on: dict = field(default_factory=dict)
+    cores_per_node: int = 0  # compute slots (CPU cores, GPUs) a node's ranks share; 0 = one per rank
 
     def p2p_time(self, nbytes: float, same_node: bool = True) -> float:
         """Seconds to send ``nbytes`` from one rank to another."""
@@ -82,6 +84,8 @@ class Machine:
             "allreduce": {"alpha_s": self.allreduce.alpha_s, "beta_s_per_byte": self.allreduce.beta_s_per_byte},
             "compute": {"gamma_s_per_flop": self.gamma_s_per_flop},
         }
+        if self.cores_per_node:
+            d["cores_per_node"] = self.cores_per_node
         if self.measured_on:
             d["measured_on"] = dict(self.measured_on)
         return d
@@ -107,8 +111,8 @@ def load_machine(path_or_name: str | os.PathLike) -> Machine:
 def machine_from_dict(data: Any, where: str = "<dict>") -> Machine:
     if not isinstance(data, dict):
         raise MachineError(f"machine file {where}: expected a mapping at the top, got {type(data).__name__}")
-    known = {"name", "source", "comment", "ranks_per_node", "memory_per_device_gib", "intra", "inter",
-             "allreduce", "compute", "measured_on", "fit"}
+    known = {"name", "source", "comment", "ranks_per_node", "cores_per_node", "memory_per_device_gib", "intra",
+             "inter", "allreduce", "compute", "measured_on", "fit"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise MachineError(f"machine file {where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
@@ -140,6 +144,9 @@ def machine_from_dict(data: Any, where: str = "<dict>") -> Machine:
     rpn = data["ranks_per_node"]
     if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
         raise MachineError(f"machine file {where}: ranks_per_node must be a positive integer, got {rpn!r}")
+    cores = data.get("cores_per_node", 0)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise MachineError(f"machine file {where}: cores_per_node must be an integer >= 0, got {cores!r}")
     compute = section("compute")
     if "gamma_s_per_flop" not in compute:
         raise MachineError(f"machine file {where}: compute.gamma_s_per_flop is missing")
@@ -156,6 +163,7 @@ def machine_from_dict(data: Any, where: str = "<dict>") -> Machine:
         allreduce=link("allreduce") if _has_link(data.get("allreduce")) else link("inter"),
         gamma_s_per_flop=number(compute["gamma_s_per_flop"], "compute.gamma_s_per_flop", positive=True),
         measured_on={str(k): str(v) for k, v in measured.items()},
+        cores_per_node=cores,
     )
 
 

@@ -3,7 +3,9 @@
 * point to point: ping-pong between rank 0 and one partner on the same node (``intra``) and, when the job
   spans nodes, one on another node (``inter``); one-way time = round trip / 2;
 * allreduce of float32 buffers over all ranks;
-* compute: a float32 GEMM on every rank at once (the rate a rank gets while the others compute too).
+* compute: a float32 GEMM on every rank at once (the rate a rank gets while the others compute too);
+* compute slots of a node (``cores_per_node``): the CPU cores its ranks may run on (SLURM's allocation, else
+  the union of the ranks' CPU affinity), or its GPUs; more ranks than slots share them by time slicing.
 
 Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
 point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
@@ -189,6 +191,27 @@ def write_machine(path: str, data: dict, header: str) -> None:
     os.replace(tmp, target)
 
 
+def compute_slots(comm, xp, hosts: list[str]) -> int:
+    """Compute slots of rank 0's node. GPU: the devices it has. CPU: ``SLURM_CPUS_ON_NODE`` inside a SLURM
+    job (its allocation), else the union of the CPUs that the ranks on the node may run on (a launcher that
+    binds ranks to cores shows only those), else ``os.cpu_count()``. Collective over ``comm``."""
+    if xp.__name__ == "cupy":
+        return int(xp.cuda.runtime.getDeviceCount())
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = []
+    every = comm.allgather_obj(mine)
+    slurm = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        return int(slurm)
+    cpus = set()
+    for host, c in zip(hosts, every):
+        if host == hosts[0]:
+            cpus.update(c)
+    return len(cpus) or os.cpu_count() or 1
+
+
 def _memory_gib(xp, ranks_per_node: int) -> float:
     if xp.__name__ == "cupy":
         return round(xp.cuda.runtime.memGetInfo()[1] / 2 ** 30, 2)
@@ -277,8 +300,11 @@ def main(argv=None) -> int:
                              f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
 
         gamma, per_rank = gemm_gamma(comm, xp, args.gemm)
+        slots = compute_slots(comm, xp, hosts)
         tables.append(f"GEMM float32 {args.gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP "
                       f"({1 / gamma / 1e9:.2f} GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})")
+        tables.append(f"compute slots on {hosts[0]}: {slots} ({'GPUs' if xp.__name__ == 'cupy' else 'CPU cores'}; "
+                      f"{rt.local_size} rank(s) ran there)")
 
         if comm.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -287,6 +313,7 @@ def main(argv=None) -> int:
                 "source": (f"measured by `python -m lbannpy.bench calibrate` on {p} ranks, backend "
                            f"{rt.backend}, device {rt.device}. {note}").strip(),
                 "ranks_per_node": rt.local_size,
+                "cores_per_node": slots,
                 "memory_per_device_gib": _memory_gib(xp, rt.local_size),
                 "intra": links["intra"],
                 "inter": links["inter"],

@@ -162,15 +162,17 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
 
     A measured entry keyed by (type, local input shape, local output shape) wins; otherwise the roofline
     ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a forward each;
-    pointwise layers: backward costs what forward does and there is no dL/dw.
+    pointwise layers: backward costs what forward does and there is no dL/dw. Both are times of a rank with
+    a compute slot to itself, scaled by :meth:`MachineModel.compute_slowdown` where ranks share cores.
     """
     out_local = max_local_shape(node.out_shape, dist)
     in_dist = required_input(node, dist, node.in_shape)
     in_local = max_local_shape(node.in_shape, in_dist)
+    slow = machine.compute_slowdown(dist.ranks)
     key = (node.type, in_local, out_local)
     if key in machine.measured:
         f, bd, bw = machine.measured[key]
-        return f, (bd if needs_dx else 0.0), bw
+        return f * slow, (bd * slow if needs_dx else 0.0), bw * slow
     frac = math.prod(out_local) / math.prod(node.out_shape)
     flops = node.flops_fwd * frac
     moved = (math.prod(in_local) * len(node.in_shapes) + math.prod(out_local)) * machine.dtype_bytes
@@ -182,7 +184,7 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
             return 0.0
         return max(fl * machine.gamma_s_per_flop, by * machine.mem_s_per_byte) + machine.kernel_overhead_s
 
-    fwd = kernel(flops, moved)
+    fwd = kernel(flops, moved) * slow
     if node.type in REDUCES_CHANNELS:
         return fwd, (fwd if needs_dx else 0.0), fwd
     if node.type in ("flatten",):

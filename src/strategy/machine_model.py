@@ -4,6 +4,7 @@ A machine file is YAML (read with ``yaml.safe_load``)::
 
     name: p100
     ranks_per_node: 4
+    cores_per_node: 0                                      # compute slots per node; 0 = one per rank (GPUs)
     memory_per_device_gib: 16
     intra: {alpha_s: 1.0e-5, beta_s_per_byte: 5.0e-11}    # NVLink within a node
     inter: {alpha_s: 2.0e-5, beta_s_per_byte: 1.0e-10}    # InfiniBand between nodes
@@ -57,6 +58,9 @@ class MachineModel:
     allreduce_link: Link | None = None  # overrides the link α/β for allreduces (e.g. NCCL measured)
     dtype_bytes: int = 4  # bytes per tensor element (float32)
     measured: Mapping[tuple, tuple[float, float, float]] = field(default_factory=dict, compare=False)
+    # Compute slots (CPU cores, or devices) of one node that its ranks share; 0 = at least one per rank, the
+    # case of one rank per GPU. γ, mem_s_per_byte and measured tables are per rank with a slot to itself.
+    cores_per_node: int = 0
 
     @classmethod
     def from_dict(cls, tree: Mapping[str, Any], name: str | None = None) -> "MachineModel":
@@ -99,6 +103,10 @@ class MachineModel:
         rpn = tree.get("ranks_per_node", 1)
         if not isinstance(rpn, int) or rpn < 1:
             raise MachineError(f"machine {name!r}: ranks_per_node must be a positive integer, got {rpn!r}")
+        cores = tree.get("cores_per_node", 0)
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+            raise MachineError(f"machine {name!r}: cores_per_node must be an integer >= 0 (0: one compute slot "
+                               f"per rank), got {cores!r}")
         return cls(
             name=name, intra=link("intra"), inter=link("inter"), ranks_per_node=rpn,
             memory_per_device_gib=_pos(name, "memory_per_device_gib", tree.get("memory_per_device_gib", 16)),
@@ -107,11 +115,26 @@ class MachineModel:
             kernel_overhead_s=_pos(name, "compute.kernel_overhead_s", comp.get("kernel_overhead_s", 0.0),
                                    zero=True),
             allreduce_threshold_bytes=int(ar.get("threshold_bytes", 65536)), allreduce_algorithm=algo,
-            allreduce_link=ar_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured)
+            allreduce_link=ar_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured,
+            cores_per_node=cores)
 
     def with_memory(self, gib: float) -> "MachineModel":
         from dataclasses import replace
         return replace(self, memory_per_device_gib=float(gib))
+
+    def with_layout(self, ranks_per_node: int) -> "MachineModel":
+        """The same machine with another number of ranks started on each node (the job's layout)."""
+        from dataclasses import replace
+        return replace(self, ranks_per_node=int(ranks_per_node))
+
+    def compute_slowdown(self, ranks: int) -> float:
+        """Factor (>= 1) on every rank's compute time when the ranks of a node outnumber its compute slots:
+        ``ranks_on_node / cores_per_node`` ranks share each core by time slicing. Nodes are filled in rank
+        order, ``ranks_per_node`` each; 1 when ``cores_per_node`` is 0 (one slot per rank)."""
+        if self.cores_per_node <= 0:
+            return 1.0
+        on_node = min(int(ranks), self.ranks_per_node)
+        return max(1.0, on_node / self.cores_per_node)
 
     def link(self, span_ranks: int) -> Link:
         """Link used by a group whose ranks lie within ``span_ranks`` consecutive ranks (nodes are filled in
