@@ -1,14 +1,15 @@
 /* Compiled direct-convolution kernels behind lbannpy.layers.kernels.conv (float32 and float64).
  *
- * conv_fwd(itemsize, x, off, ntap, rsx, wp, F, y, fsy, rsy, rows, cols, bias):
- *     y[k*fsy + h*rsy + w] = bias[k] + sum_t wp[t*F + k] * x[off[t] + h*rsx + w]
- * conv_wgrad(itemsize, x, off, ntap, rsx, dy, F, fsdy, rsdy, rows, cols, dw):
- *     dw[k*ntap + t] += sum_{h, w} dy[k*fsdy + h*rsdy + w] * x[off[t] + h*rsx + w]
- * for 0 <= h < rows, 0 <= w < cols, 0 <= k < F;
+ * conv_fwd(itemsize, x, xend, off, ntap, rsx, cs, wp, F, y, fsy, rsy, rows, cols, bias):
+ *     y[k*fsy + h*rsy + w] = bias[k] + sum_t wp[t*F + k] * x[off[t] + h*rsx + cs*w]
+ * conv_wgrad(itemsize, x, xend, off, ntap, rsx, cs, dy, F, fsdy, rsdy, rows, cols, dw):
+ *     dw[k*ntap + t] += sum_{h, w} dy[k*fsdy + h*rsdy + w] * x[off[t] + h*rsx + cs*w]
+ * for 0 <= h < rows, 0 <= w < cols, 0 <= k < F, column stride cs = 1 or 2, nothing read at or past xend;
  * phase_rows(itemsize, win, n1, n2, r1, r2, ncols, s, ph, p1, p2, dp, merge):
  *     rows of a window split into (merge=0) or merged from (merge=1) their s column phases; arrays are passed as addresses (integers), offsets and
- * strides in elements, off as int64. Each tap t is a plain shifted read of the (phase-split) input, so the
- * caller expresses kernel size, channels, dilation and stride through off. The GIL is released.
+ * strides in elements, off as int64. Each tap t is a plain shifted read of the input, so the caller expresses
+ * kernel size, channels, dilation and stride through off, rsx and cs (larger column strides read a copy
+ * split into stride phases, made with phase_rows). The GIL is released.
  *
  * Vectors are GCC vector extensions of 64 bytes; on x86-64 the entry points are compiled for AVX-512,
  * AVX2+FMA and the baseline, picked at load time (target_clones). */
@@ -28,6 +29,11 @@
 #define WG_FB 4            /* filter gradient: filters x taps per register block */
 #define WG_TB 6
 #define WG_TILE_PIXELS 512 /* filter gradient: outputs per cache tile */
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int64_t v8i __attribute__((vector_size(64)));
+static const v16i EVEN_f32 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const v8i EVEN_f64 = {0, 2, 4, 6, 8, 10, 12, 14};
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16fu __attribute__((vector_size(64), aligned(4), may_alias));
@@ -58,19 +64,19 @@ static PyObject *
 py_conv_fwd(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t x, off, ntap, rsx, wp, F, y, fsy, rsy, rows, cols, bias;
-    if (!PyArg_ParseTuple(args, "innnnnnnnnnnn", &isz, &x, &off, &ntap, &rsx, &wp, &F, &y, &fsy, &rsy,
-                          &rows, &cols, &bias))
+    Py_ssize_t x, xend, off, ntap, rsx, cs, wp, F, y, fsy, rsy, rows, cols, bias;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnnnnn", &isz, &x, &xend, &off, &ntap, &rsx, &cs, &wp, &F, &y,
+                          &fsy, &rsy, &rows, &cols, &bias))
         return NULL;
-    if (isz != 4 && isz != 8)
-        return PyErr_Format(PyExc_ValueError, "conv_fwd: itemsize %d (need 4 or 8)", isz);
+    if ((isz != 4 && isz != 8) || (cs != 1 && cs != 2))
+        return PyErr_Format(PyExc_ValueError, "conv_fwd: itemsize %d, column stride %zd", isz, cs);
     Py_BEGIN_ALLOW_THREADS
     if (isz == 4)
-        conv_fwd_f32((const float *)x, (const int64_t *)off, ntap, rsx, (const float *)wp, F, (float *)y,
-                     fsy, rsy, rows, cols, (const float *)bias);
+        conv_fwd_f32((const float *)x, (const float *)xend, (const int64_t *)off, ntap, rsx, cs,
+                     (const float *)wp, F, (float *)y, fsy, rsy, rows, cols, (const float *)bias);
     else
-        conv_fwd_f64((const double *)x, (const int64_t *)off, ntap, rsx, (const double *)wp, F,
-                     (double *)y, fsy, rsy, rows, cols, (const double *)bias);
+        conv_fwd_f64((const double *)x, (const double *)xend, (const int64_t *)off, ntap, rsx, cs,
+                     (const double *)wp, F, (double *)y, fsy, rsy, rows, cols, (const double *)bias);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -79,19 +85,19 @@ static PyObject *
 py_conv_wgrad(PyObject *self, PyObject *args)
 {
     int isz, rc;
-    Py_ssize_t x, off, ntap, rsx, dy, F, fsdy, rsdy, rows, cols, dw;
-    if (!PyArg_ParseTuple(args, "innnnnnnnnnn", &isz, &x, &off, &ntap, &rsx, &dy, &F, &fsdy, &rsdy,
-                          &rows, &cols, &dw))
+    Py_ssize_t x, xend, off, ntap, rsx, cs, dy, F, fsdy, rsdy, rows, cols, dw;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnnnn", &isz, &x, &xend, &off, &ntap, &rsx, &cs, &dy, &F, &fsdy,
+                          &rsdy, &rows, &cols, &dw))
         return NULL;
-    if (isz != 4 && isz != 8)
-        return PyErr_Format(PyExc_ValueError, "conv_wgrad: itemsize %d (need 4 or 8)", isz);
+    if ((isz != 4 && isz != 8) || (cs != 1 && cs != 2))
+        return PyErr_Format(PyExc_ValueError, "conv_wgrad: itemsize %d, column stride %zd", isz, cs);
     Py_BEGIN_ALLOW_THREADS
     if (isz == 4)
-        rc = conv_wgrad_f32((const float *)x, (const int64_t *)off, ntap, rsx, (const float *)dy, F, fsdy,
-                            rsdy, rows, cols, (float *)dw);
+        rc = conv_wgrad_f32((const float *)x, (const float *)xend, (const int64_t *)off, ntap, rsx, cs,
+                            (const float *)dy, F, fsdy, rsdy, rows, cols, (float *)dw);
     else
-        rc = conv_wgrad_f64((const double *)x, (const int64_t *)off, ntap, rsx, (const double *)dy, F,
-                            fsdy, rsdy, rows, cols, (double *)dw);
+        rc = conv_wgrad_f64((const double *)x, (const double *)xend, (const int64_t *)off, ntap, rsx, cs,
+                            (const double *)dy, F, fsdy, rsdy, rows, cols, (double *)dw);
     Py_END_ALLOW_THREADS
     if (rc)
         return PyErr_NoMemory();

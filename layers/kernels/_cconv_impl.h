@@ -3,15 +3,37 @@
 
 enum { NAME(LANES) = 64 / sizeof(T) };
 
-/* y[k, w..w+2L) = bias[k] + sum_t wp[t*F + k] * x[off[t] + w..]   for the fb filters of one block */
+/* One vector of x[p], x[p + cs], ..., x[p + (L-1)*cs] for a column stride cs of 1 or 2 (stride 2: two
+ * loads and a permutation keeping the even lanes; reads x[p + 2L - 1]) */
+static inline __attribute__((always_inline)) V
+NAME(load_cols)(const T *p, const int cs)
+{
+    if (cs == 1)
+        return *(const VU *)p;
+    return __builtin_shuffle(*(const VU *)p, *(const VU *)(p + NAME(LANES)), NAME(EVEN));
+}
+
+/* y[k, w..w+2L) = bias[k] + sum_t wp[t*F + k] * x[off[t] + cs*(w..)]   for the fb filters of one block;
+ * x + xlim: the end of the readable input (stride 2 loads one element past the last one used) */
 static inline __attribute__((always_inline)) void
-NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, const T *wp, Py_ssize_t F, T *y,
-              Py_ssize_t fsy, Py_ssize_t cols, const T *bias, const int fb)
+NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t offmax, Py_ssize_t xlim,
+              const T *wp, Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t cols, const T *bias, const int fb,
+              const int cs)
 {
     const Py_ssize_t L = NAME(LANES), step = 2 * NAME(LANES);
     Py_ssize_t w = 0;
     if (cols >= step) {
         for (;;) {
+            if (offmax + cs * (w + step) > xlim) {  /* the last block would read past the input */
+                for (Py_ssize_t v = w; v < w + step; v++)
+                    for (int k = 0; k < fb; k++) {
+                        T s = bias ? bias[k] : (T)0;
+                        for (Py_ssize_t t = 0; t < ntap; t++)
+                            s += x[off[t] + cs * v] * wp[t * F + k];
+                        y[k * fsy + v] = s;
+                    }
+                goto next;
+            }
             V acc[MAX_FB][2];
 #pragma GCC unroll 16
             for (int k = 0; k < fb; k++) {
@@ -19,10 +41,10 @@ NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, const T *wp, Py_s
                 acc[k][0] = (V){0} + b0;
                 acc[k][1] = (V){0} + b0;
             }
-            const T *xw = x + w;
+            const T *xw = x + cs * w;
             for (Py_ssize_t t = 0; t < ntap; t++) {
                 const T *xp = xw + off[t];
-                const V x0 = *(const VU *)xp, x1 = *(const VU *)(xp + L);
+                const V x0 = NAME(load_cols)(xp, cs), x1 = NAME(load_cols)(xp + cs * L, cs);
                 const T *wt = wp + t * F;
 #pragma GCC unroll 16
                 for (int k = 0; k < fb; k++) {
@@ -35,6 +57,7 @@ NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, const T *wp, Py_s
                 *(VU *)(y + k * fsy + w) = acc[k][0];
                 *(VU *)(y + k * fsy + w + L) = acc[k][1];
             }
+        next:
             if (w + step == cols)
                 break;
             /* the last block of a row overlaps the one before when cols is not a multiple of 2L:
@@ -47,23 +70,26 @@ NAME(fwd_row)(const T *x, const int64_t *off, Py_ssize_t ntap, const T *wp, Py_s
         for (int k = 0; k < fb; k++) {
             T s = bias ? bias[k] : (T)0;
             for (Py_ssize_t t = 0; t < ntap; t++)
-                s += x[off[t] + w] * wp[t * F + k];
+                s += x[off[t] + cs * w] * wp[t * F + k];
             y[k * fsy + w] = s;
         }
     }
 }
 
 static void
-NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *wp,
-               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols,
-               const T *bias) CLONES;
+NAME(conv_fwd)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx,
+               Py_ssize_t cs, const T *wp, Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy,
+               Py_ssize_t rows, Py_ssize_t cols, const T *bias) CLONES;
 
 static void
-NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *wp,
-               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols,
-               const T *bias)
+NAME(conv_fwd)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx,
+               Py_ssize_t cs, const T *wp, Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t rsy,
+               Py_ssize_t rows, Py_ssize_t cols, const T *bias)
 {
     const Py_ssize_t nb = (F + MAX_FB - 1) / MAX_FB;
+    Py_ssize_t offmax = 0;
+    for (Py_ssize_t t = 0; t < ntap; t++)
+        offmax = off[t] > offmax ? off[t] : offmax;
     for (Py_ssize_t h = 0; h < rows; h++) {
         Py_ssize_t f0 = 0;
         for (Py_ssize_t b = 0; b < nb; b++) {
@@ -72,7 +98,13 @@ NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, 
             const T *xr = x + h * rsx;
             const T *bb = bias ? bias + f0 : NULL;
             T *yr = y + f0 * fsy + h * rsy;
-#define FWD_CASE(n) case n: NAME(fwd_row)(xr, off, ntap, wp + f0, F, yr, fsy, cols, bb, n); break;
+            const Py_ssize_t xlim = xend - xr;
+#define FWD_CASE(n) case n: \
+    if (cs == 1) \
+        NAME(fwd_row)(xr, off, ntap, offmax, xlim, wp + f0, F, yr, fsy, cols, bb, n, 1); \
+    else \
+        NAME(fwd_row)(xr, off, ntap, offmax, xlim, wp + f0, F, yr, fsy, cols, bb, n, 2); \
+    break;
             switch (fb) {
                 FWD_CASE(1) FWD_CASE(2) FWD_CASE(3) FWD_CASE(4) FWD_CASE(5) FWD_CASE(6)
                 FWD_CASE(7) FWD_CASE(8) FWD_CASE(9) FWD_CASE(10) FWD_CASE(11) FWD_CASE(12)
@@ -88,7 +120,7 @@ NAME(conv_fwd)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, 
 static inline __attribute__((always_inline)) void
 NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, Py_ssize_t fsdy,
                   Py_ssize_t rsdy, Py_ssize_t h0, Py_ssize_t h1, Py_ssize_t nvec, V *part, Py_ssize_t ntap,
-                  const int fb, const int tb)
+                  const int fb, const int tb, const int cs)
 {
     const Py_ssize_t L = NAME(LANES);
     V acc[WG_FB][WG_TB];
@@ -110,7 +142,7 @@ NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, P
                 d[k] = *(const VU *)(dr + k * fsdy + i * L);
 #pragma GCC unroll 8
             for (int j = 0; j < tb; j++) {
-                const V xv = *(const VU *)(xr + o[j] + i * L);
+                const V xv = NAME(load_cols)(xr + o[j] + cs * i * L, cs);
 #pragma GCC unroll 8
                 for (int k = 0; k < fb; k++)
                     acc[k][j] += d[k] * xv;
@@ -125,17 +157,23 @@ NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, P
 }
 
 static int
-NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *dy,
-                 Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows, Py_ssize_t cols,
-                 T *dw) CLONES;
+NAME(conv_wgrad)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx,
+                 Py_ssize_t cs, const T *dy, Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows,
+                 Py_ssize_t cols, T *dw) CLONES;
 
 static int
-NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx, const T *dy,
-                 Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows, Py_ssize_t cols,
-                 T *dw)
+NAME(conv_wgrad)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx,
+                 Py_ssize_t cs, const T *dy, Py_ssize_t F, Py_ssize_t fsdy, Py_ssize_t rsdy, Py_ssize_t rows,
+                 Py_ssize_t cols, T *dw)
 {
     const Py_ssize_t L = NAME(LANES), nvec = cols / NAME(LANES);
-    if (nvec > 0) {
+    Py_ssize_t offmax = 0, vrows = rows;
+    for (Py_ssize_t t = 0; t < ntap; t++)
+        offmax = off[t] > offmax ? off[t] : offmax;
+    /* rows whose vectors stay inside the input (stride 2 loads one element past the last one used) */
+    while (vrows > 0 && x + (vrows - 1) * rsx + offmax + cs * nvec * L > xend)
+        vrows--;
+    if (nvec > 0 && vrows > 0) {
         V *part = aligned_alloc(64, (size_t)(F * ntap) * sizeof(V));
         if (!part)
             return -1;
@@ -145,8 +183,8 @@ NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx
         Py_ssize_t rt = WG_TILE_PIXELS / cols;
         if (rt < 1)
             rt = 1;
-        for (Py_ssize_t h0 = 0; h0 < rows; h0 += rt) {
-            const Py_ssize_t h1 = h0 + rt < rows ? h0 + rt : rows;
+        for (Py_ssize_t h0 = 0; h0 < vrows; h0 += rt) {
+            const Py_ssize_t h1 = h0 + rt < vrows ? h0 + rt : vrows;
             for (Py_ssize_t f0 = 0; f0 < F; f0 += WG_FB) {
                 const int fb = (int)(F - f0 < WG_FB ? F - f0 : WG_FB);
                 for (Py_ssize_t t0 = 0; t0 < ntap; t0 += WG_TB) {
@@ -154,7 +192,11 @@ NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx
                     const T *dyf = dy + f0 * fsdy;
                     V *pp = part + f0 * ntap + t0;
 #define WG_CASE(a, b) case (a) * 8 + (b): \
-    NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b); break;
+    if (cs == 1) \
+        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b, 1); \
+    else \
+        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b, 2); \
+    break;
 #define WG_ROW(a) WG_CASE(a, 1) WG_CASE(a, 2) WG_CASE(a, 3) WG_CASE(a, 4) WG_CASE(a, 5) WG_CASE(a, 6)
                     switch (fb * 8 + tb) {
                         WG_ROW(1) WG_ROW(2) WG_ROW(3) WG_ROW(4)
@@ -172,13 +214,14 @@ NAME(conv_wgrad)(const T *x, const int64_t *off, Py_ssize_t ntap, Py_ssize_t rsx
         }
         free(part);
     }
-    if (nvec * L < cols) {  /* the columns past the last whole vector */
+    const Py_ssize_t done = (nvec > 0) ? nvec * L : 0;
+    if (done < cols || vrows < rows) {  /* columns past the last whole vector, rows left to scalar code */
         for (Py_ssize_t k = 0; k < F; k++)
             for (Py_ssize_t t = 0; t < ntap; t++) {
                 T s = 0;
                 for (Py_ssize_t h = 0; h < rows; h++)
-                    for (Py_ssize_t w = nvec * L; w < cols; w++)
-                        s += dy[k * fsdy + h * rsdy + w] * x[off[t] + h * rsx + w];
+                    for (Py_ssize_t w = (h < vrows ? done : 0); w < cols; w++)
+                        s += dy[k * fsdy + h * rsdy + w] * x[off[t] + h * rsx + cs * w];
                 dw[k * ntap + t] += s;
             }
     }

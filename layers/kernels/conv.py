@@ -25,6 +25,7 @@ import functools
 import itertools
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,6 +161,22 @@ def _compiled(*arrays) -> bool:
             and all(isinstance(a, np.ndarray) for a in arrays if a is not None))
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(slot: str, shape, dtype):
+    """A reused, uninitialised array for temporaries of the compiled path (phase splits, padded ``dy``),
+    one buffer per slot and thread, grown to the largest request: fresh multi-MB arrays cost a page fault
+    per 4 KiB on every call once malloc hands them back to the system."""
+    dtype = np.dtype(dtype)
+    need = math.prod(shape) * dtype.itemsize
+    buf = getattr(_SCRATCH, slot, None)
+    if buf is None or buf.nbytes < need:
+        buf = np.empty(need, dtype=np.uint8)
+        setattr(_SCRATCH, slot, buf)
+    return buf[:need].view(dtype).reshape(shape)
+
+
 def _addr(a) -> int:
     return a.__array_interface__["data"][0]
 
@@ -169,18 +186,29 @@ def _elem_strides(a) -> tuple[int, ...] | None:
     return st if all(s * a.itemsize == b for s, b in zip(st, a.strides)) else None
 
 
+def _split_columns(geo: ConvGeometry) -> bool:
+    """Whether the compiled kernels read a phase-split copy: they stride rows freely and columns by 1 or 2."""
+    return geo.stride[-1] > 2
+
+
 def _tap_input(xg, geo: ConvGeometry):
-    """``xg`` (``(Cg, *S)``) in a layout where every tap is a shifted read: with stride 1, ``xg`` itself
-    (contiguous rows); with stride ``s``, its phases ``(Cg, *s, *Q)``, ``[c, a, q] = xg[c, a + s*q]``,
-    ``Q = ceil(S/s)`` (entries past the window are left unset: no output reads them)."""
-    if all(s == 1 for s in geo.stride):
+    """``xg`` (``(Cg, *S)``) in a layout where every tap is a shifted read: ``xg`` itself (contiguous
+    rows) for column strides 1 and 2; for larger ones its stride phases ``(Cg, *s, *Q)``,
+    ``[c, a, q] = xg[c, a + s*q]``, ``Q = ceil(S/s)`` (entries past the window are left unset: no output
+    reads them)."""
+    if not _split_columns(geo):
         if xg.strides[-1] != xg.itemsize or _elem_strides(xg) is None:
             xg = np.ascontiguousarray(xg)
         return xg
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
-    xs = np.empty((xg.shape[0],) + geo.stride + q, dtype=xg.dtype)
+    xs = _scratch("input phases", (xg.shape[0],) + geo.stride + q, xg.dtype)
     _phases(xg, xs, geo.stride, merge=False)
     return xs
+
+
+def _end(a) -> int:
+    """Address one past the last element of ``a``."""
+    return _addr(a) + a.itemsize * (1 + sum((n - 1) * st for n, st in zip(a.shape, _elem_strides(a)) if st > 0))
 
 
 def _phases(win, ph, stride, merge: bool):
@@ -224,7 +252,7 @@ def _tap_offsets(cg: int, est: tuple, kernel: tuple, stride: tuple, dilation: tu
     """Element offsets into :func:`_tap_input`'s array of every (channel, tap), in the filter's
     ``(Cg, *kernel)`` order, and the offsets of one output step along each spatial dimension."""
     nsp = len(kernel)
-    split = any(s > 1 for s in stride)
+    split = stride[-1] > 2  # as _split_columns
     off = (np.arange(cg, dtype=np.int64) * est[0]).reshape((cg,) + (1,) * nsp)
     for d in range(nsp):
         r = np.arange(kernel[d], dtype=np.int64) * dilation[d]
@@ -232,18 +260,19 @@ def _tap_offsets(cg: int, est: tuple, kernel: tuple, stride: tuple, dilation: tu
         off = off + o.reshape((1,) * (1 + d) + (-1,) + (1,) * (nsp - 1 - d))
     off = off.ravel()
     off.flags.writeable = False
-    step = est[1 + nsp:] if split else est[1:]
+    step = est[1 + nsp:] if split else tuple(s * e for s, e in zip(stride, est[1:]))
     return off, tuple(step)
 
 
 def _planes(out: tuple, xstep: tuple, ystep: tuple):
     """Calls of a compiled kernel over the output: ``(x offset, y offset)`` of each 2-D plane (leading
-    dimensions of a 3-D output looped here), and ``(rows, cols, x row stride, y row stride)``."""
+    dimensions of a 3-D output looped here), and ``(rows, cols, x row stride, x column stride, y row
+    stride)``."""
     if len(out) == 1:
-        return [(0, 0)], (1, out[0], 0, 0)
+        return [(0, 0)], (1, out[0], 0, xstep[-1], 0)
     lead = [(sum(o * s for o, s in zip(idx, xstep)), sum(o * s for o, s in zip(idx, ystep)))
             for idx in itertools.product(*(range(n) for n in out[:-2]))]
-    return lead, (out[-2], out[-1], xstep[-2], ystep[-2])
+    return lead, (out[-2], out[-1], xstep[-2], xstep[-1], ystep[-2])
 
 
 def _forward_compiled(x_window, w, b, geo: ConvGeometry, out=None):
@@ -258,12 +287,13 @@ def _forward_compiled(x_window, w, b, geo: ConvGeometry, out=None):
         for g in range(geo.groups):
             xs = _tap_input(x_window[n, g * cg:(g + 1) * cg], geo)
             off, xstep = _tap_offsets(cg, _elem_strides(xs), geo.kernel, geo.stride, geo.dilation)
-            planes, (rows, cols, rsx, rsy) = _planes(geo.out, xstep, tuple(s // isz for s in ystep))
+            planes, (rows, cols, rsx, cs, rsy) = _planes(geo.out, xstep, tuple(s // isz for s in ystep))
             yg = y[n, g * fg:(g + 1) * fg]
             bg = 0 if bias is None else _addr(bias) + g * fg * isz
             for xo, yo in planes:
-                _cconv.conv_fwd(isz, _addr(xs) + xo * isz, _addr(off), off.size, rsx, _addr(wp[g]), fg,
-                                _addr(yg) + yo * isz, yg.strides[0] // isz, rsy, rows, cols, bg)
+                _cconv.conv_fwd(isz, _addr(xs) + xo * isz, _end(xs), _addr(off), off.size, rsx, cs,
+                                _addr(wp[g]), fg, _addr(yg) + yo * isz, yg.strides[0] // isz, rsy, rows, cols,
+                                bg)
     return y
 
 
@@ -280,9 +310,9 @@ def _backward_filter_compiled(x_window, dy, w_shape, geo: ConvGeometry):
             if dst is None or dst[-1] != 1:
                 dyg = np.ascontiguousarray(dyg)
                 dst = _elem_strides(dyg)
-            planes, (rows, cols, rsx, rsdy) = _planes(geo.out, xstep, dst[1:])
+            planes, (rows, cols, rsx, cs, rsdy) = _planes(geo.out, xstep, dst[1:])
             for xo, yo in planes:
-                _cconv.conv_wgrad(isz, _addr(xs) + xo * isz, _addr(off), off.size, rsx,
+                _cconv.conv_wgrad(isz, _addr(xs) + xo * isz, _end(xs), _addr(off), off.size, rsx, cs,
                                   _addr(dyg) + yo * isz, fg, dst[0], rsdy, rows, cols, _addr(dw2[g]))
     return dw2.reshape(tuple(w_shape))
 
@@ -387,7 +417,8 @@ def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
     for t, d, m, o in zip(wt.shape[2:], geo.dilation, extent, geo.out):
         lo = d * (t - 1)
         pads.append((lo, m + d * (t - 1) - o - lo))
-    return conv_forward(pad_spatial(dy, pads), wt, None, 1, geo.dilation)
+    dyp = _pad_into(dy, pads) if _compiled(dy, wt) else pad_spatial(dy, pads)
+    return conv_forward(dyp, wt, None, 1, geo.dilation)
 
 
 def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
@@ -395,8 +426,8 @@ def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
     convolution written into the phase layout ``(N, C, *stride, *Q)``, merged into ``dx`` in one pass."""
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
     lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
-    dyp = pad_spatial(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
-    dxs = np.empty((geo.batch, geo.channels) + geo.stride + q, dtype=dy.dtype)
+    dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
+    dxs = _scratch("gradient phases", (geo.batch, geo.channels) + geo.stride + q, dy.dtype)
     for phase in itertools.product(*(range(s) for s in geo.stride)):
         taps = tuple(max(0, -(-(k - a) // s)) for k, a, s in zip(geo.kernel, phase, geo.stride))
         extent = tuple(-(-(n - a) // s) for n, a, s in zip(geo.window, phase, geo.stride))
@@ -467,13 +498,23 @@ def _pads(pads, nsp: int) -> tuple[tuple[int, int], ...]:
     return out
 
 
-def pad_spatial(x, pads, value=0.0):
+def _pad_into(dy, pads):
+    """``pad_spatial(dy, pads)`` (zeros) in a reused scratch buffer, for the compiled data gradient."""
+    shape = tuple(dy.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(dy.shape[2:], pads))
+    return pad_spatial(dy, pads, out=_scratch("padded dy", shape, dy.dtype))
+
+
+def pad_spatial(x, pads, value=0.0, out=None):
     """``x`` (``(N, C, *spatial)``) padded by ``pads`` — an int, or one int or ``(lo, hi)`` per spatial
-    dimension — filled with ``value`` (0 for convolution, ``-inf`` for max pooling)."""
+    dimension — filled with ``value`` (0 for convolution, ``-inf`` for max pooling); written into ``out``
+    (of the padded shape) when given."""
     xp = array_module(x)
     pp = _pads(pads, x.ndim - 2)
     shape = tuple(x.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(x.shape[2:], pp))
-    out = xp.empty(shape, dtype=x.dtype)
+    if out is None:
+        out = xp.empty(shape, dtype=x.dtype)
+    elif tuple(out.shape) != shape:
+        raise KernelShapeError(f"pad_spatial: out has shape {tuple(out.shape)}, the padded shape is {shape}")
     # fill only the borders, so that every element is written once
     for d, (n, (lo, hi)) in enumerate(zip(x.shape[2:], pp)):
         before = (slice(None),) * (2 + d)
