@@ -10,6 +10,14 @@ holds its samples' whole feature vectors.
 forward   y[nb, cb]  = x[nb, :] · W[cb, :]ᵀ + b[cb]                     (local GEMM)
 backward  dx[nb, :]  = Σ_cb dy[nb, cb] · W[cb, :]                        (allreduce over the row, Pr ranks)
           dW[cb, :]  = Σ_nb dy[nb, cb]ᵀ · x[nb, :]                       (partial; summed over n by grad sync)
+
+Replicated gradients (Lee et al., §III-C, the trainer's ``comm.replicate_fc``): instead of a partial ``dW``
+that the gradient sync allreduces over the ``Pc`` sample groups (``units/Pr × features`` numbers), the
+layer allgathers its input rows in the forward and its error rows ``dy`` in the backward over those groups
+(``(features + units/Pr) × batch`` numbers) and every rank computes ``dW`` and ``db`` for the whole
+mini-batch. Both gathers are posted non-blocking; :meth:`FullyConnected.replicated_grads` waits for them
+and sets the gradients, which the trainer applies just before the layer's next forward, so the gather of
+the errors overlaps the end of this step and the start of the next.
 """
 from __future__ import annotations
 
@@ -47,11 +55,54 @@ class FullyConnected(Layer):
         self.w = self.new_param("weight", (units, self.features), w0, (cbox, (0, self.features)), dist, ("n",))
         self.b = self.new_param("bias", (units,), None, (cbox,), dist, ("n",)) if self.use_bias else None
         self.row = self.ctx.grid_comm(self.in_dists[0], ["c"]) if pr > 1 else None
+        self.gather = None  # the sample-group communicator, once replicated gradients are enabled
+        self._gx = self._gdy = None
+
+    # -- replicated gradients --------------------------------------------------------------------------
+    def replicate_gradients(self) -> None:
+        """Compute ``dW``/``db`` for the whole mini-batch on every rank of the sample group from gathered
+        inputs and errors (collective over the world: it may create the group's communicator)."""
+        dist = self.out_dist
+        group = sorted(dist.block_group(self.ctx.rank, ("n",)))  # the ranks that hold copies of W[cb]
+        self.gather = self.ctx.block_comm(dist, ("n",))
+        # rows each member contributes, in the communicator's rank order (split keyed by world rank)
+        self._rows = [dist.local_shape(self.out_shape, r)[0] for r in group]
+
+    @property
+    def replicated(self) -> bool:
+        return self.gather is not None
+
+    def _post_gather(self, a):
+        a = self.ctx.xp.ascontiguousarray(a)
+        return self.gather.iallgatherv(a, [r * a.shape[1] for r in self._rows]), a.shape[1]
+
+    def replicated_grads(self) -> list:
+        """Wait for the gathers of the last training step and set this layer's gradients from the whole
+        mini-batch; returns the parameters to update (none when no step is pending)."""
+        if self._gx is None or self._gdy is None:
+            return []
+        (hx, nx), (hdy, ndy) = self._gx, self._gdy
+        self._gx = self._gdy = None
+        x = hx.wait().reshape(-1, nx)
+        dy = hdy.wait().reshape(-1, ndy)
+        self.w.grad[...] = K.fc_backward_filter(x, dy)
+        if self.b is not None:
+            self.b.grad[...] = K.fc_backward_bias(dy)
+        return self.params
+
+    @property
+    def pending(self) -> bool:
+        return self._gdy is not None
 
     def fp_compute(self, xs):
         (x,) = xs
         self._xshape = x.shape
         x2 = x.reshape(x.shape[0], -1)
+        if self.replicated and self.train:
+            if self.pending:
+                raise LayerError(f"layer '{self.name}' (fc): the replicated gradients of the previous step "
+                                 f"were not applied before this forward")
+            self._gx = self._post_gather(x2)
         self._x = x2
         return K.fc_forward(x2, self.w.value, None if self.b is None else self.b.value)
 
@@ -59,8 +110,11 @@ class FullyConnected(Layer):
         dx = K.fc_backward_data(dy, self.w.value)
         if self.row is not None:
             dx = self.row.allreduce(dx)
-        self.w.grad += K.fc_backward_filter(self._x, dy)
-        if self.b is not None:
-            self.b.grad += K.fc_backward_bias(dy)
+        if self.replicated:
+            self._gdy = self._post_gather(dy)  # dW for the whole batch in replicated_grads()
+        else:
+            self.w.grad += K.fc_backward_filter(self._x, dy)
+            if self.b is not None:
+                self.b.grad += K.fc_backward_bias(dy)
         self._x = None
         return [dx.reshape(self._xshape)]

@@ -95,9 +95,13 @@ class Model:
         for layer in self.layers:
             layer.train = train
 
-    def forward(self, x: DistTensor) -> DistTensor:
+    def forward(self, x: DistTensor, before_layer=None) -> DistTensor:
+        """Forward pass; ``before_layer(layer)`` is called just before each layer's forward (the trainer
+        applies a layer's late, replicated gradient update there)."""
         acts: dict[str, Any] = {n: x for n in INPUT_NAMES}
         for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer)
             acts[layer.name] = layer.forward([acts[p] for p in self.parents[layer.name]])
         self._acts = acts
         return acts[self.output.name]

@@ -3,7 +3,8 @@
 They update each parameter's local piece from its (already synchronised) gradient; the state (momentum,
 moments) has the shape of the local piece and is saved in checkpoints in global form by the trainer.
 ``step_params`` updates a subset, so the overlap engine can update a bucket as soon as its reduction
-completes.
+completes; its ``t`` lets an update that is applied late (replicated fully-connected gradients, applied
+just before the layer's next forward) use the learning rate and moments of the step it belongs to.
 """
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ class Optimizer:
         self.step_params(self.params)
         self.finish_step()
 
-    def step_params(self, params) -> None:
-        lr = self.lr
+    def step_params(self, params, t: int | None = None) -> None:
+        """Update ``params`` from their gradients as optimizer step ``t`` (default: the current step)."""
+        t = self.t if t is None else int(t)
+        lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
         for p in params:
             g = p.grad
             if self.weight_decay:
                 g = g + self.weight_decay * p.value
-            self._update(p, g, lr, self.state[p.name])
+            self._update(p, g, lr, self.state[p.name], t)
 
     def finish_step(self) -> None:
         self.t += 1
@@ -75,7 +78,7 @@ class SGD(Optimizer):
         self.momentum = float(momentum)
         self.nesterov = nesterov
 
-    def _update(self, p, g, lr, st):
+    def _update(self, p, g, lr, st, t):
         if self.momentum:
             buf = st.get("momentum")
             if buf is None:
@@ -93,7 +96,7 @@ class Adam(Optimizer):
         self.b1, self.b2 = (float(b) for b in betas)
         self.eps = float(eps)
 
-    def _update(self, p, g, lr, st):
+    def _update(self, p, g, lr, st, t):
         if "m" not in st:
             st["m"] = g * 0
             st["v"] = g * 0
@@ -102,9 +105,8 @@ class Adam(Optimizer):
         m += (1 - self.b1) * g
         v *= self.b2
         v += (1 - self.b2) * g * g
-        t = self.t + 1
-        mhat = m / (1 - self.b1 ** t)
-        vhat = v / (1 - self.b2 ** t)
+        mhat = m / (1 - self.b1 ** (t + 1))
+        vhat = v / (1 - self.b2 ** (t + 1))
         p.value -= lr * mhat / (vhat ** 0.5 + self.eps)
 
 

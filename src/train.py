@@ -252,11 +252,24 @@ class Trainer:
         # overlap engine that reduces them in fixed-order buckets during backprop
         from lbannpy.comm.overlap import OverlapEngine
 
-        self.grad_comms = [self.ctx.block_comm(p.dist, p.reduce_dims) for p in self.model.params]
         cc = cfg["comm"]
+        # replicated gradients (Lee et al.'s f) for the first replicate_fc fully-connected layers: their
+        # weights are not in the buckets; each is updated just before its next forward
+        fcs = [layer for layer in self.model.layers if layer.type == "fc"]
+        f = int(cc.get("replicate_fc", 0) or 0)
+        if f > len(fcs):
+            raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
+                            f"({', '.join(l.name for l in fcs) or 'none'}); use at most {len(fcs)}")
+        self.replicated = fcs[:f]
+        for layer in self.replicated:  # collective: the same layers in the same order on every rank
+            layer.replicate_gradients()
+        self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
+        skip = {id(p) for layer in self.replicated for p in layer.params}
+        synced = [p for p in self.model.params if id(p) not in skip]
+        self.grad_comms = [self.ctx.block_comm(p.dist, p.reduce_dims) for p in synced]
         k = int((cc.get("chunks") or {}).get("k", 0) or 0)
         self.engine = OverlapEngine(
-            self.model.params, self.grad_comms, bucket_bytes=int(float(cc["bucket_mb"]) * 2**20),
+            synced, self.grad_comms, bucket_bytes=int(float(cc["bucket_mb"]) * 2**20),
             first_bucket_bytes=int(float(cc["first_bucket_mb"]) * 2**20), overlap=bool(cc["overlap"]),
             chunk_layers=k or None, thread_multiple=getattr(self.rt, "thread_multiple", True), xp=self.rt.xp)
         self.step_comm: list[float] = []
@@ -331,7 +344,7 @@ class Trainer:
         self.model.set_train(True)
         self.optimizer.zero_grad()
         wd.progress("forward")
-        logits = self.model.forward(x)
+        logits = self.model.forward(x, before_layer=self._apply_replicated)
         wd.progress("loss")
         loss, metrics = self.loss.forward(logits, labels)
         wd.progress("backward")
@@ -344,6 +357,8 @@ class Trainer:
         wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr
         engine.finish(on_bucket=self.optimizer.step_params)  # each bucket updated as soon as it is reduced
+        for layer in self.replicated:  # their errors are still being gathered: updated before next forward
+            self._pending_t[layer.name] = self.optimizer.t
         self.optimizer.finish_step()
         recs = engine.records[nrec:]
         comm_iv = [(s, e) for _, _, _, s, e in recs]
@@ -367,9 +382,27 @@ class Trainer:
             self.timer.events.clear()
         return row
 
+    def _apply_replicated(self, layer) -> None:
+        """Apply the late update of a replicated fully-connected layer (Lee et al., Algorithm 2, line 7)."""
+        t = self._pending_t.pop(layer.name, None)
+        if t is None:
+            return
+        self.watchdog.progress(f"replicated gradients of {layer.name}")
+        t0 = time.perf_counter()
+        params = layer.replicated_grads()
+        self.timer.add((layer.name, "replicated_grad"), t0, time.perf_counter())
+        self.optimizer.step_params(params, t=t)
+
+    def flush_replicated(self) -> None:
+        """Apply every pending replicated update now (before evaluation, checkpoints and the end of the
+        run, which must see the weights of the steps taken so far)."""
+        for layer in self.replicated:
+            self._apply_replicated(layer)
+
     def evaluate(self) -> dict:
         if self.val_reader is None:
             return {}
+        self.flush_replicated()
         self.model.set_train(False)
         totals, n = {}, 0
         for _ in range(self.val_reader.steps_per_epoch):  # unshuffled: every pass reads the same batches
@@ -408,6 +441,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{row['loss']:.4f}", sps=f"{row['samples_per_s']:.1f}")
                 if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.total_steps:
                     self.save_checkpoint()
+            self.flush_replicated()
             final_eval = self.evaluate()
             if final_eval:
                 self.evals.append({"step": self.step, **final_eval})
@@ -427,6 +461,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         from lbannpy import checkpoint
 
+        self.flush_replicated()
         self.watchdog.progress("checkpoint")
         meta = {"reader": self.reader.state(), "rows": self.rows, "evals": self.evals,
                 "layers": {}}

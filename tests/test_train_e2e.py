@@ -250,13 +250,16 @@ COMM_MODES = [
     ("buckets-tiny", {"overlap": True, "bucket_mb": 0.001, "first_bucket_mb": 0.0005}),
     ("buckets-default", {"overlap": True}),
     ("two-chunk-k2", {"overlap": True, "chunks": {"k": 2}}),
+    ("replicate-fc-1", {"overlap": True, "replicate_fc": 1}),
+    ("replicate-fc-2", {"overlap": True, "bucket_mb": 0.001, "first_bucket_mb": 0.0005, "replicate_fc": 2}),
 ]
 
 
 @pytest.mark.parametrize("ranks,parallel", [
+    (2, {"default": {"n": 2}}),
     (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}),
     (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 4}}}),
-], ids=["2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
+], ids=["2-sample", "2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
 def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
     """Blocking sync, overlapped buckets of several sizes and the two-chunk mode end with the weights of
     the single-rank run (float64, 1e-10); the summary reports buckets and the hidden fraction."""
@@ -274,6 +277,35 @@ def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
         if name == "two-chunk-k2":
             first = summary["buckets"][0]["params"]
             assert {p.split(".")[0] for p in first} <= {"f1", "f2", "r3"}, first
+        if name.startswith("replicate-fc-"):  # no allreduce for them: gathered, computed whole, applied late
+            f = int(name[-1])
+            in_buckets = {p.split(".")[0] for b in summary["buckets"] for p in b["params"]}
+            assert not in_buckets & set(["f1", "f2"][:f]), summary["buckets"]
+            assert all("replicated_grad" in summary["layers"][n] for n in ["f1", "f2"][:f]), summary["layers"]
+
+
+def test_replicated_fc_with_adam_and_a_schedule_equals_single_rank(work):
+    """The late update of replicated layers uses the learning rate and Adam moments of its own step."""
+    opt = {"type": "adam", "lr": 0.01, "schedule": {"type": "cosine", "warmup_steps": 2}}
+    runs = {}
+    for ranks, comm in ((1, {}), (2, {"replicate_fc": 2}), (4, {"replicate_fc": 1})):
+        tag = f"rep-adam-{ranks}"
+        cfg = spec(work, "cls", 4, {"default": {"n": ranks}} if ranks > 1 else {}, tag=tag, comm=comm)
+        text = yaml.safe_load((work / f"{tag}.yaml").read_text())
+        text["optimizer"] = opt
+        (work / f"{tag}.yaml").write_text(yaml.safe_dump(text))
+        sh([PY, "-m", "lbannpy.config", "build", str(work / f"{tag}.yaml"), "-o", str(cfg)])
+        train(ranks, cfg)
+        runs[ranks] = final_params(work / tag / "ckpt")
+    assert_same_weights(runs[2], runs[1], 1e-10, "adam, replicate_fc=2 on 2 ranks")
+    assert_same_weights(runs[4], runs[1], 1e-10, "adam, replicate_fc=1 on 4 ranks")
+
+
+def test_replicate_fc_beyond_the_fc_layers_is_refused(work):
+    cfg = spec(work, "cls", 1, {"default": {"n": 2}}, tag="rep-bad", comm={"replicate_fc": 3})
+    p = train(2, cfg, check=False)
+    assert p.returncode != 0 and "comm.replicate_fc = 3 but the model has 2 fully-connected" in p.stderr, \
+        p.stderr
 
 
 def test_trace_shows_bucket_reductions_during_backprop(work):

@@ -592,8 +592,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("first_bucket_mb", Float(0.0, lo_open=True), 1.0, "size of the first bucket (MiB)"),
         Key("overlap", Bool(), True, "reduce gradients on a background thread during backprop (and compute "
                                      "a conv's interior while its halo exchange is in flight)"),
-        Key("replicate_fc", Int(0), 0, "number of final fc layers whose gradients are computed replicated "
-                                       "from gathered activations and errors (Lee et al. f)"),
+        Key("replicate_fc", Int(0), 0, "number of fc layers, from the first, whose gradients every rank "
+                                       "computes for the whole batch from gathered inputs and errors "
+                                       "instead of an allreduce (Lee et al. f)"),
         Section("chunks", "two-chunk mode (Lee et al. k)", (
             Key("k", Int(0), 0, "post the gradients of the last k layers (the first k of backprop) as one "
                                 "chunk, the rest at the end; 0: buckets of bucket_mb instead"),
