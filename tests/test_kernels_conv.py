@@ -25,7 +25,7 @@ BATCH, CHANNELS = 3, 5
 class ConvCase:
     nsp: int
     kernel: int
-    stride: int
+    stride: int | tuple
     dilation: int
     pads: tuple  # ((lo, hi), ...) per spatial dimension
     groups: int = 1
@@ -150,6 +150,14 @@ WIDE_CASES = [
     ConvCase(1, 5, 2, 1, ((2, 2),), filters=13),
     ConvCase(3, 3, 1, 1, ((1, 1),) * 3, filters=16),
     ConvCase(3, 3, 2, 1, ((1, 1),) * 3, filters=9),
+    # strides differing per dimension: rows strided through the row pitch, columns read in place (1, 2)
+    # or from a phase-split copy (3)
+    ConvCase(2, 3, (2, 1), 1, ((1, 1),) * 2, filters=16),
+    ConvCase(2, 3, (1, 2), 1, ((1, 1),) * 2, filters=16),
+    ConvCase(2, 5, (3, 2), 1, ((2, 2),) * 2, filters=12),
+    ConvCase(2, 3, (2, 3), 1, ((1, 1),) * 2, filters=5),
+    ConvCase(3, 3, (1, 2, 3), 1, ((1, 1),) * 3, filters=6),
+    ConvCase(3, 3, (2, 1, 2), 1, ((1, 1),) * 3, filters=6),
 ]
 
 

@@ -270,3 +270,85 @@ NAME(phase_rows)(T *win, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t r1, Py_ssize_t
             }
         }
 }
+
+/* Both column phases of a stride-2 data gradient at once, interleaved on the store:
+ *   y[k*fsy + h*rsy + 2r + b] = sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]    (b = 0, 1)
+ * for output columns 0 <= 2r + b < cols. Each 2L-column block holds L columns of either phase. */
+static inline __attribute__((always_inline)) void
+NAME(pair_row)(const T *x, const int64_t *const off[2], const Py_ssize_t ntap[2], const T *const wp[2],
+               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t cols, const int fb)
+{
+    const Py_ssize_t L = NAME(LANES), step = 2 * NAME(LANES);
+    if (cols < step) {
+        for (Py_ssize_t q = 0; q < cols; q++) {
+            const int b = (int)(q & 1);
+            for (int k = 0; k < fb; k++) {
+                T s = 0;
+                for (Py_ssize_t t = 0; t < ntap[b]; t++)
+                    s += x[off[b][t] + q / 2] * wp[b][t * F + k];
+                y[k * fsy + q] = s;
+            }
+        }
+        return;
+    }
+    Py_ssize_t q0 = 0;
+    for (;;) {
+        /* columns q0, q0+2, ... are phase b0 from column (q0 - b0)/2 on; the others phase 1 - b0 */
+        const int b0 = (int)(q0 & 1);
+        V acc[2][MAX_FB];
+        for (int p = 0; p < 2; p++) {
+            const int b = p ? 1 - b0 : b0;
+            const Py_ssize_t r = p ? (q0 + b0) / 2 : (q0 - b0) / 2;
+#pragma GCC unroll 16
+            for (int k = 0; k < fb; k++)
+                acc[p][k] = (V){0};
+            const T *xr = x + r;
+            for (Py_ssize_t t = 0; t < ntap[b]; t++) {
+                const V xv = *(const VU *)(xr + off[b][t]);
+                const T *wt = wp[b] + t * F;
+#pragma GCC unroll 16
+                for (int k = 0; k < fb; k++)
+                    acc[p][k] += xv * wt[k];
+            }
+        }
+#pragma GCC unroll 16
+        for (int k = 0; k < fb; k++) {
+            *(VU *)(y + k * fsy + q0) = __builtin_shuffle(acc[0][k], acc[1][k], NAME(ZIP_LO));
+            *(VU *)(y + k * fsy + q0 + L) = __builtin_shuffle(acc[0][k], acc[1][k], NAME(ZIP_HI));
+        }
+        if (q0 + step == cols)
+            break;
+        q0 = (q0 + 2 * step <= cols) ? q0 + step : cols - step;  /* last block overlaps, as in fwd_row */
+    }
+}
+
+static void
+NAME(conv_pair)(const T *x, const int64_t *off0, Py_ssize_t ntap0, const int64_t *off1, Py_ssize_t ntap1,
+                Py_ssize_t rsx, const T *wp0, const T *wp1, Py_ssize_t F, T *y, Py_ssize_t fsy,
+                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols) CLONES;
+
+static void
+NAME(conv_pair)(const T *x, const int64_t *off0, Py_ssize_t ntap0, const int64_t *off1, Py_ssize_t ntap1,
+                Py_ssize_t rsx, const T *wp0, const T *wp1, Py_ssize_t F, T *y, Py_ssize_t fsy,
+                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols)
+{
+    const Py_ssize_t nb = (F + MAX_FB - 1) / MAX_FB;
+    const int64_t *const off[2] = {off0, off1};
+    const Py_ssize_t ntap[2] = {ntap0, ntap1};
+    for (Py_ssize_t h = 0; h < rows; h++) {
+        Py_ssize_t f0 = 0;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const int fb = (int)((F - f0 + (nb - b) - 1) / (nb - b));
+            const T *const wp[2] = {wp0 + f0, wp1 + f0};
+            const T *xr = x + h * rsx;
+            T *yr = y + f0 * fsy + h * rsy;
+#define PAIR_CASE(n) case n: NAME(pair_row)(xr, off, ntap, wp, F, yr, fsy, cols, n); break;
+            switch (fb) {
+                PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6)
+                PAIR_CASE(7) PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)
+            }
+#undef PAIR_CASE
+            f0 += fb;
+        }
+    }
+}

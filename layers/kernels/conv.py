@@ -385,6 +385,8 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
         return _backward_data_phase(dy, w, geo, (0,) * len(geo.kernel), tuple(geo.window))
     if all(d == 1 for d in geo.dilation):
         if _compiled(dy, w):
+            if geo.stride[-1] == 2:
+                return _backward_data_pairs_compiled(dy, w, geo)
             return _backward_data_phases_compiled(dy, w, geo)
         xp = array_module(dy)
         dx = xp.zeros(tuple(x_window_shape), dtype=dt)
@@ -441,6 +443,46 @@ def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
         _forward_compiled(view, wt, None, ConvGeometry.make(view.shape, wt.shape, 1, 1), out=target)
     dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype)
     _phases(dx, dxs, geo.stride, merge=True)
+    return dx
+
+
+def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry):
+    """Column stride 2, dilation 1, compiled path: for each phase of the leading dimensions, both column
+    phases of the window gradient come from one kernel call that writes them interleaved into ``dx``,
+    each a stride-1 convolution of ``dy`` (padded once for all phases) with its flipped sub-filter."""
+    nsp, dt = len(geo.kernel), dy.dtype
+    isz, cg, fg = dt.itemsize, geo.cg, geo.fg
+    q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
+    lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
+    dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
+    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dt)
+    est = _elem_strides(dyp)
+    none = np.zeros(1, dtype=dt)  # the weights of a phase without taps (never read)
+    for a in itertools.product(*(range(s) for s in geo.stride[:-1])):
+        rows = tuple(-(-(n - ad) // s) for n, ad, s in zip(geo.window[:-1], a, geo.stride[:-1]))
+        pair = []
+        for b in (0, 1):
+            phase = a + (b,)
+            taps = tuple(max(0, -(-(k - p) // s)) for k, p, s in zip(geo.kernel, phase, geo.stride))
+            if 0 in taps:
+                pair.append((np.zeros(0, dtype=np.int64), np.zeros((geo.groups, 1, cg), dtype=dt)))
+                continue
+            wt = _flipped_subfilter(w, geo, phase)  # (C, Fg, *taps)
+            off, _ = _tap_offsets(fg, est[1:], taps, (1,) * nsp, (1,) * nsp)
+            origin = sum((lm - t + 1) * e for lm, t, e in zip(lo, taps, est[2:]))
+            wp = np.ascontiguousarray(wt.reshape(geo.groups, cg, -1).transpose(0, 2, 1))  # (G, Fg*T, Cg)
+            pair.append((off + origin, wp))
+        (off0, wp0), (off1, wp1) = pair
+        dxa = dx[(slice(None), slice(None)) + tuple(slice(ad, None, s) for ad, s in zip(a, geo.stride[:-1]))]
+        ystep = tuple(s // isz for s in dxa.strides[2:])
+        planes, (nrows, _, rsx, _, rsy) = _planes(rows + (geo.window[-1],), est[2:], ystep)
+        for n in range(geo.batch):
+            for g in range(geo.groups):
+                xg, yg = dyp[n, g * fg:(g + 1) * fg], dxa[n, g * cg:(g + 1) * cg]
+                for xo, yo in planes:
+                    _cconv.conv_pair(isz, _addr(xg) + xo * isz, _addr(off0), off0.size, _addr(off1), off1.size,
+                                     rsx, _addr(wp0[g]), _addr(wp1[g]), cg, _addr(yg) + yo * isz,
+                                     yg.strides[0] // isz, rsy, nrows, geo.window[-1])
     return dx
 
 
