@@ -9,10 +9,11 @@
  *     y[k*fsy + h*rsy + 2r + b] = sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]  for 0 <= 2r + b < cols
  *     (the two column phases of a stride-2 data gradient, written interleaved);
  * phase_rows(itemsize, win, n1, n2, r1, r2, ncols, s, ph, p1, p2, dp, merge):
- *     rows of a window split into (merge=0) or merged from (merge=1) their s column phases; arrays are passed as addresses (integers), offsets and
- * strides in elements, off as int64. Each tap t is a plain shifted read of the input, so the caller expresses
- * kernel size, channels, dilation and stride through off, rsx and cs (larger column strides read a copy
- * split into stride phases, made with phase_rows). The GIL is released.
+ *     rows of a window split into (merge=0) or merged from (merge=1) their s column phases;
+ * arrays are passed as addresses (integers), offsets and strides in elements, off as int64. Each tap t is a
+ * plain shifted read of the input, so the caller expresses kernel size, channels, dilation and stride
+ * through off, rsx and cs (larger column strides read a copy split into stride phases, made with
+ * phase_rows). The GIL is released.
  *
  * Vectors are GCC vector extensions of 64 bytes; on x86-64 the entry points are compiled for AVX-512,
  * AVX2+FMA and the baseline, picked at load time (target_clones). */

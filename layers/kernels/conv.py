@@ -11,13 +11,27 @@ Eqs. 1-3)::
 with ``o``, ``j``, ``i`` multi-indices over the spatial dimensions and ``w`` in PyTorch's layout
 ``(F, C/groups, *kernel)``; ``groups = C // w.shape[1]``.
 
-Implementation: per sample and group, the outputs are taken in blocks of rows of the first spatial
-dimension; each block's columns (``Cg*prod(kernel)`` x ``rows*rest``) are gathered from a strided view of
-the window into a reused buffer, and a single GEMM (``F x Cg*K`` times ``Cg*K x P``) produces the block's
-outputs directly in NCHW order. The filter gradient is the same gather followed by ``dy_block @ cols.T``.
-The data gradient is itself a stride-1 convolution (per phase of the stride) with the flipped filter, so it
-runs on the same path. Nothing is transposed to another layout; the caller's arrays stay NCHW. The array
-module (NumPy or CuPy) is taken from the arguments.
+Two implementations, same semantics; nothing is transposed to another layout, the arrays stay NCHW.
+
+Compiled path (NumPy float32/float64 arrays, when the ``_cconv`` extension is built; set
+``LBANNPY_CONV_KERNEL=numpy`` to turn it off): a direct convolution in which every (channel, tap) pair is a
+plain shifted read of the window, ``x[off[t] + h*row_pitch + w*col_stride]`` -- dilation and row strides
+live in the offsets and the row pitch, a column stride of 2 is two vector loads and a permutation, larger
+column strides read a copy split into stride phases. Per output row, 2 vectors of outputs (32 float32)
+times up to 12 filters accumulate in registers over all taps (64-byte GCC vectors; AVX-512, AVX2 and
+baseline builds picked at load time). The filter gradient accumulates 4 filters x 6 taps of vector partial
+sums over tiles of about 512 outputs. The data gradient is a stride-1 convolution of ``dy``, zero-padded
+once into a reused buffer, with the flipped, channel-transposed filter; with strides, one such convolution
+per stride phase of the window with the matching sub-filter (column stride 2: both column phases in one
+call, written interleaved; otherwise into a phase array merged into ``dx`` afterwards). Stride and
+dilation both > 1 take the NumPy col2im path below.
+
+NumPy / CuPy path (the array module is taken from the arguments): per sample and group, the outputs are
+taken in blocks of rows of the first spatial dimension; each block's columns (``Cg*prod(kernel)`` x
+``rows*rest``) are gathered from a strided view of the window into a reused buffer, and a single GEMM
+(``F x Cg*K`` times ``Cg*K x P``) produces the block's outputs directly in NCHW order. The filter gradient
+is the same gather followed by ``dy_block @ cols.T``. The data gradient is the flipped convolution above
+on the same path, or a GEMM plus col2im scatter when F > 1.25 C or stride and dilation are both > 1.
 """
 from __future__ import annotations
 
@@ -208,7 +222,8 @@ def _tap_input(xg, geo: ConvGeometry):
 
 def _end(a) -> int:
     """Address one past the last element of ``a``."""
-    return _addr(a) + a.itemsize * (1 + sum((n - 1) * st for n, st in zip(a.shape, _elem_strides(a)) if st > 0))
+    last = sum((n - 1) * st for n, st in zip(a.shape, _elem_strides(a)) if st > 0)
+    return _addr(a) + a.itemsize * (1 + last)
 
 
 def _phases(win, ph, stride, merge: bool):
@@ -480,8 +495,8 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry):
             for g in range(geo.groups):
                 xg, yg = dyp[n, g * fg:(g + 1) * fg], dxa[n, g * cg:(g + 1) * cg]
                 for xo, yo in planes:
-                    _cconv.conv_pair(isz, _addr(xg) + xo * isz, _addr(off0), off0.size, _addr(off1), off1.size,
-                                     rsx, _addr(wp0[g]), _addr(wp1[g]), cg, _addr(yg) + yo * isz,
+                    _cconv.conv_pair(isz, _addr(xg) + xo * isz, _addr(off0), off0.size, _addr(off1),
+                                     off1.size, rsx, _addr(wp0[g]), _addr(wp1[g]), cg, _addr(yg) + yo * isz,
                                      yg.strides[0] // isz, rsy, nrows, geo.window[-1])
     return dx
 
