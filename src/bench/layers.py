@@ -4,9 +4,10 @@ next to PyTorch CPU's, at one thread, on the mesh model's layer shapes.
 Both sides get the same inputs and are timed interleaved (the order rotates every repeat) so that load from
 other processes hits them alike; each number is the median of the repeats after one warm-up call. PyTorch
 runs in NCHW and in channels-last (inputs, filters and ``dy`` converted before timing); the faster one is
-the reference. Threads: the process re-executes itself with ``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=
-MKL_NUM_THREADS=1`` before NumPy is imported (OpenBLAS reads them at load), and calls
-``torch.set_num_threads(1)``.
+the reference. Our conv runs on the compiled kernels where they are built (``--conv-kernel numpy`` times
+the NumPy fallback instead). Threads: the process re-executes itself with
+``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1`` before NumPy is imported (OpenBLAS reads them
+at load), and calls ``torch.set_num_threads(1)``.
 """
 from __future__ import annotations
 
@@ -172,9 +173,14 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"), help="run one layer kind")
     parser.add_argument("--full", action="store_true", help="add the large (1024^2, 64 filters) conv shapes")
     parser.add_argument("--quick", action="store_true", help="256^2 shapes only and 3 repeats (smoke test)")
+    parser.add_argument("--conv-kernel", choices=("default", "numpy"), default="default",
+                        help="numpy: time the NumPy im2col conv path even where the compiled kernels "
+                             "are built")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.conv_kernel == "numpy":
+        os.environ["LBANNPY_CONV_KERNEL"] = "numpy"  # read when the conv module is imported
     _one_thread_or_reexec(argv)
 
     import numpy as np
@@ -189,10 +195,15 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [c for c in cases if c.size <= 256][:6]
         repeats = min(repeats, 3)
+    from lbannpy.layers.kernels import conv as kconv
+
+    conv_path = ("compiled direct convolution (_cconv)" if kconv.USE_COMPILED
+                 else "NumPy im2col + GEMM" + ("" if kconv._cconv is not None else " (_cconv not built)"))
     print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU, {args.dtype}, forward+backward, "
           f"1 thread (torch threads {torch.get_num_threads()}, "
           + ", ".join(f"{v}={os.environ.get(v)}" for v in _THREAD_VARS)
           + f"), median of {repeats} after 1 warm-up")
+    print(f"our conv kernels: {conv_path}")
     head = (f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'torch layout':<12} "
             f"{'NCHW ms':>9} {'NHWC ms':>9}")
     print(head)
