@@ -116,7 +116,9 @@ NAME(conv_fwd)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap, P
 }
 
 /* part[k*ntap + j] (vector partial sums) += sum over rows [h0, h1) and the first nvec vectors of each row
- * of dy[k, h, :] * x[off[j] + h*rsx + :]  for a block of fb filters and tb taps */
+ * of dy[k, h, :] * x[off[j] + h*rsx + cs*(:)]  for a block of fb <= WG_FB filters and tb <= WG_TB taps.
+ * The registers always hold a full WG_FB x WG_TB block (one compiled variant per column stride): a short
+ * block repeats its last filter and tap and keeps only the real sums. */
 static inline __attribute__((always_inline)) void
 NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, Py_ssize_t fsdy,
                   Py_ssize_t rsdy, Py_ssize_t h0, Py_ssize_t h1, Py_ssize_t nvec, V *part, Py_ssize_t ntap,
@@ -125,35 +127,40 @@ NAME(wgrad_block)(const T *x, const int64_t *off, Py_ssize_t rsx, const T *dy, P
     const Py_ssize_t L = NAME(LANES);
     V acc[WG_FB][WG_TB];
     int64_t o[WG_TB];
+    Py_ssize_t dk[WG_FB];
 #pragma GCC unroll 8
-    for (int j = 0; j < tb; j++)
-        o[j] = off[j];
+    for (int j = 0; j < WG_TB; j++)
+        o[j] = off[j < tb ? j : tb - 1];
 #pragma GCC unroll 8
-    for (int k = 0; k < fb; k++)
+    for (int k = 0; k < WG_FB; k++)
+        dk[k] = (k < fb ? k : fb - 1) * fsdy;
 #pragma GCC unroll 8
-        for (int j = 0; j < tb; j++)
-            acc[k][j] = part[k * ntap + j];
+    for (int k = 0; k < WG_FB; k++)
+#pragma GCC unroll 8
+        for (int j = 0; j < WG_TB; j++)
+            acc[k][j] = (k < fb && j < tb) ? part[k * ntap + j] : (V){0};
     for (Py_ssize_t h = h0; h < h1; h++) {
         const T *xr = x + h * rsx, *dr = dy + h * rsdy;
         for (Py_ssize_t i = 0; i < nvec; i++) {
             V d[WG_FB];
 #pragma GCC unroll 8
-            for (int k = 0; k < fb; k++)
-                d[k] = *(const VU *)(dr + k * fsdy + i * L);
+            for (int k = 0; k < WG_FB; k++)
+                d[k] = *(const VU *)(dr + dk[k] + i * L);
 #pragma GCC unroll 8
-            for (int j = 0; j < tb; j++) {
+            for (int j = 0; j < WG_TB; j++) {
                 const V xv = NAME(load_cols)(xr + o[j] + cs * i * L, cs);
 #pragma GCC unroll 8
-                for (int k = 0; k < fb; k++)
+                for (int k = 0; k < WG_FB; k++)
                     acc[k][j] += d[k] * xv;
             }
         }
     }
 #pragma GCC unroll 8
-    for (int k = 0; k < fb; k++)
+    for (int k = 0; k < WG_FB; k++)
 #pragma GCC unroll 8
-        for (int j = 0; j < tb; j++)
-            part[k * ntap + j] = acc[k][j];
+        for (int j = 0; j < WG_TB; j++)
+            if (k < fb && j < tb)
+                part[k * ntap + j] = acc[k][j];
 }
 
 static int
@@ -191,18 +198,10 @@ NAME(conv_wgrad)(const T *x, const T *xend, const int64_t *off, Py_ssize_t ntap,
                     const int tb = (int)(ntap - t0 < WG_TB ? ntap - t0 : WG_TB);
                     const T *dyf = dy + f0 * fsdy;
                     V *pp = part + f0 * ntap + t0;
-#define WG_CASE(a, b) case (a) * 8 + (b): \
-    if (cs == 1) \
-        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b, 1); \
-    else \
-        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, a, b, 2); \
-    break;
-#define WG_ROW(a) WG_CASE(a, 1) WG_CASE(a, 2) WG_CASE(a, 3) WG_CASE(a, 4) WG_CASE(a, 5) WG_CASE(a, 6)
-                    switch (fb * 8 + tb) {
-                        WG_ROW(1) WG_ROW(2) WG_ROW(3) WG_ROW(4)
-                    }
-#undef WG_ROW
-#undef WG_CASE
+                    if (cs == 1)
+                        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, fb, tb, 1);
+                    else
+                        NAME(wgrad_block)(x, off + t0, rsx, dyf, fsdy, rsdy, h0, h1, nvec, pp, ntap, fb, tb, 2);
                 }
             }
         }
