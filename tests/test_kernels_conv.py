@@ -202,6 +202,27 @@ def test_conv_float32_matches_torch(case, kernel_path):
     _check(case, x.astype(f32), w.astype(f32), None if b is None else b.astype(f32), 2e-5)
 
 
+@pytest.mark.parametrize("stride", [1, 2, 3])
+def test_conv_results_do_not_alias_scratch(stride, kernel_path):
+    """Results stay valid after later calls: the compiled path reuses scratch buffers for its temporaries
+    (phase splits, padded dy) but never returns one."""
+    rng = np.random.default_rng(11)
+    xw = rng.standard_normal((2, 4, 13, 70))
+    w = rng.standard_normal((6, 4, 3, 3))
+    y1 = conv_forward(xw, w, None, stride)
+    dy1 = rng.standard_normal(y1.shape)
+    dx1 = conv_backward_data(dy1, w, xw.shape, stride)
+    dw1 = conv_backward_filter(xw, dy1, w.shape, stride)
+    keep = [a.copy() for a in (y1, dx1, dw1)]
+    y2 = conv_forward(2 * xw, w, None, stride)
+    dx2 = conv_backward_data(2 * dy1, w, xw.shape, stride)
+    conv_backward_filter(2 * xw, 2 * dy1, w.shape, stride)
+    for a, b in zip((y1, dx1, dw1), keep):
+        np.testing.assert_array_equal(a, b)
+    assert not np.shares_memory(y1, y2) and not np.shares_memory(dx1, dx2)
+    assert_close(dx2, 2 * keep[1])
+
+
 def test_padding_lost_window_gradient_is_adjoint():
     """<conv(pad(x)), dy> == <x, crop(conv_backward_data(dy))>: the data gradient is the exact adjoint."""
     rng = np.random.default_rng(3)
