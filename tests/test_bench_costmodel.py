@@ -82,3 +82,94 @@ def test_cores_per_node_in_machine_files(tmp_path):
     assert m.cores_per_node == 2 and m.to_dict()["cores_per_node"] == 2
     with pytest.raises(FileMachineError, match="cores_per_node"):
         machine_from_dict(dict(d, cores_per_node="two"), "test.yaml")
+
+
+# --------------------------------------------------------------------------------------------------------
+# python -m lbannpy.bench costmodel
+
+from lbannpy.bench import costmodel as cm  # noqa: E402
+
+
+def test_strategies_are_runnable_distributions():
+    bm = cm.classifier(size=16, batch=4, width=4)
+    g = build_graph(bm.model, bm.batch_size)
+    m = load_machine_model("p100")
+    for name in ("data", "spatial", "model", "hybrid"):
+        dists = cm.strategy_dists(name, g, 4, m)
+        assert set(dists) == {n.name for n in g}
+        assert all(d.ranks == 4 for d in dists.values())
+        layers = cm.parallel_layers(g, dists)
+        assert "x" in layers and all(v >= 1 for deg in layers.values() for v in deg.values())
+    spatial = cm.strategy_dists("spatial", g, 2, m)
+    assert spatial["c1"].split == (1, 1, 2, 1) and spatial["f1"].split == (2, 1)
+    # the model input is read in the distribution its first layer needs, channel-replicated axes whole
+    model = cm.strategy_dists("model", g, 2, m)
+    assert cm.parallel_layers(g, model)["x"] == {"n": 1}
+    assert cm.parallel_layers(g, cm.strategy_dists("data", g, 2, m))["x"] == {"n": 2}
+    with pytest.raises(ValueError, match="unknown strategy"):
+        cm.strategy_dists("diagonal", g, 2, m)
+
+
+def test_compute_table_keys_are_what_the_cost_model_looks_up():
+    bm = cm.classifier(size=16, batch=4, width=4)
+    g = build_graph(bm.model, bm.batch_size)
+    m = load_machine_model("p100")
+    dists = [cm.strategy_dists(s, g, 2, m) for s in ("data", "model")]
+    rows, notes = cm.measure_compute_table(g, dists, reps=1, optimizer=cm.OPTIMIZER)
+    assert not notes
+    keys = {r.key for r in rows}
+    assert keys == {cm.table_key(n, d[n.name]) for d in dists for n in g}
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 and math.isfinite(r.fwd_s + r.bwd_s) for r in rows)
+    tabled = cm.with_table(m, rows)
+    for d in dists:
+        for n in g:
+            f, bd, bw = compute_times(n, d[n.name], tabled)
+            row = next(r for r in rows if r.key == cm.table_key(n, d[n.name]))
+            assert (f, bd, bw) == (row.fwd_s, 0.0, row.bwd_s)  # the table, not the roofline
+    # a channel-split conv is timed with its own block of filters
+    c1 = next(r for r in rows if r.key[0] == "conv" and r.key[2][1] == 2)
+    assert c1.key[1][1] == 3
+
+
+def test_format_table_rankings_and_tolerance():
+    def case(s, p, pred, meas):
+        return cm.Case("m", s, p, pred, pred / 10, [meas], {})
+    cases = [case("data=spatial", 1, 1.0, 1.0),
+             case("data", 2, 0.50, 0.52), case("spatial", 2, 0.60, 0.70),
+             case("data", 4, 0.30, 0.40), case("spatial", 4, 0.20, 0.45)]
+    text = cm.format_table(cases)
+    assert "m      1 rank(s): one distinct strategy" in text
+    assert "2 rank(s): predicted data < spatial; measured data < spatial; match" in text
+    assert "4 rank(s): predicted spatial < data; measured data < spatial; DIFFERENT" in text
+    assert "rankings matching: 1 of 2" in text
+    assert "within 15%: 3 of 5 cases" in text  # errors 0, -4 %, -14 %, -25 %, -56 %
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)")
+def test_costmodel_quick_run(tmp_path):
+    """The whole benchmark on one tiny model at 1 and 2 ranks: calibration, table, real training runs."""
+    out = tmp_path / "cases.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "costmodel", "--quick", "--ranks", "1,2",
+                        "--work", str(tmp_path / "work"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
+    assert lines[head].split()[:4] == ["model", "strategy", "ranks", "predicted"]
+    rows = []
+    for ln in lines[head + 2:]:
+        if not ln.strip():
+            break
+        rows.append(ln.split())
+    cases = __import__("json").loads(out.read_text())
+    assert len(rows) == len(cases) >= 2
+    assert {int(row[2]) for row in rows} == {1, 2}
+    for row, c in zip(rows, cases):
+        pred, meas = float(row[3]), float(row[4])
+        assert math.isfinite(pred) and pred > 0 and math.isfinite(meas) and meas > 0
+        assert c["predicted_s"] > 0 and all(t > 0 for t in c["measured_s"])
+        assert pred == pytest.approx(c["predicted_s"] * 1e3, abs=0.01)
+    assert any(ln.startswith("ranking cls    2 rank(s): predicted ") for ln in lines)
+    assert f"within 15%: " in r.stdout and f" of {len(cases)} cases" in r.stdout
+    assert "cores_per_node" in (tmp_path / "work" / "machine.yaml").read_text()

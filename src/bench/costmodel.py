@@ -1,0 +1,631 @@
+"""``python -m lbannpy.bench costmodel``: the strategy cost model against measured training steps.
+
+For a few small models and strategies at 1, 2 and 4 ranks, the step time that
+:func:`lbannpy.strategy.evaluate_strategy` predicts for a machine file (by default one that ``python -m
+lbannpy.bench calibrate`` writes first, i.e. this machine) is printed next to the median step time of real
+training runs (``mpiexec -n P python -m lbannpy.train CONFIG.h5``, ``summary.json``), with the relative
+error and, per model and rank count, whether the predicted order of the strategies is the measured one.
+
+The model's per-layer compute t_C comes, as in Jia et al. (2018) §4, from running each layer under each
+local shape it meets (the blocks the strategies give it) several times on this machine:
+:func:`measure_compute_table` times the real layer classes on a single-rank context, forward in layer order
+and backward in reverse as a step runs them, and the rows go into the machine model's measured table
+(``compute.measured`` of a machine file). Communication is the calibrated α-β model; ranks that outnumber
+the cores of a node share them (:meth:`MachineModel.compute_slowdown`). The ``roofline`` column is the
+same prediction from the calibrated γ alone, without the table.
+
+The model adds communication to compute (Jia et al. eq. 1), so the training runs reduce gradients without
+the background overlap thread (``--overlap`` turns it on). Every rank runs single-threaded (OMP/OpenBLAS/MKL
+threads 1), so that one rank is one core's work. The step time the model leaves out: reading the input,
+the loss, the trainer's own bookkeeping.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from lbannpy.dist import Distribution
+from lbannpy.strategy import (MachineModel, baseline_strategies, build_graph, evaluate_strategy,
+                              load_machine_model, plan)
+from lbannpy.strategy.cost import max_local_shape, required_input
+from lbannpy.strategy.graph import INPUT_NAMES, ModelGraph, Node
+from lbannpy.strategy.planner import filter_reason
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+TOLERANCE = 0.15  # the acceptance target: |predicted - measured| / measured
+OPTIMIZER = {"type": "sgd", "lr": 0.01, "momentum": 0.9}  # every model trains with this
+
+
+# --------------------------------------------------------------------------------------------------------
+# models
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A small model, its batch size and the synthetic data set it trains on."""
+
+    name: str
+    model: Mapping[str, Any]  # the ``model:`` tree of a spec
+    batch_size: int
+    data: tuple[str, ...]  # arguments of ``python -m lbannpy.data`` after the kind, without -o
+
+    @property
+    def kind(self) -> str:
+        return self.data[0]
+
+
+def classifier(size: int = 64, batch: int = 16, width: int = 16) -> BenchModel:
+    """Two conv + batch-norm + pool stages and a two-layer fully-connected head, on 3-channel images."""
+    layers = [
+        {"name": "c1", "type": "conv", "filters": width, "kernel": 3, "padding": 1},
+        {"name": "b1", "type": "batchnorm"},
+        {"name": "r1", "type": "relu"},
+        {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+        {"name": "c2", "type": "conv", "filters": 2 * width, "kernel": 3, "padding": 1},
+        {"name": "r2", "type": "relu"},
+        {"name": "p2", "type": "pool", "mode": "max", "kernel": 2},
+        {"name": "f1", "type": "fc", "units": 64},
+        {"name": "r3", "type": "relu"},
+        {"name": "f2", "type": "fc", "units": 10},
+    ]
+    model = {"name": "cls", "input": {"channels": 3, "spatial": [size, size]}, "layers": layers,
+             "loss": "cross_entropy"}
+    data = ("blobs", "--size", str(size), "--channels", "3", "--classes", "10", "--samples", str(4 * batch))
+    return BenchModel("cls", model, batch, data)
+
+
+def segmenter(size: int = 64, batch: int = 8) -> BenchModel:
+    """The zoo's mesh_tiny (strided conv + batch-norm stages, per-pixel output) on mesh-tangling data."""
+    from lbannpy import zoo
+
+    model = zoo.get_spec("mesh_tiny", batch_size=batch, input_size=size)["model"]
+    return BenchModel("mesh", dict(model, name="mesh"), batch,
+                      ("mesh", "--size", str(size), "--samples", str(2 * batch), "-q"))
+
+
+def residual(size: int = 32, batch: int = 16, width: int = 16, units: int = 512) -> BenchModel:
+    """A residual block (sum of two branches) and a fat fully-connected layer (16 * (size/2)^2 x units
+    weights: an allreduce of several MiB in data parallelism)."""
+    layers = [
+        {"name": "c1", "type": "conv", "filters": width, "kernel": 3, "padding": 1},
+        {"name": "b1", "type": "batchnorm"},
+        {"name": "r1", "type": "relu"},
+        {"name": "c2", "type": "conv", "filters": width, "kernel": 3, "padding": 1},
+        {"name": "b2", "type": "batchnorm"},
+        {"name": "r2", "type": "relu"},
+        {"name": "s1", "type": "sum", "parents": ["r2", "r1"]},
+        {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+        {"name": "f1", "type": "fc", "units": units},
+        {"name": "r3", "type": "relu"},
+        {"name": "f2", "type": "fc", "units": 10},
+    ]
+    model = {"name": "res", "input": {"channels": 8, "spatial": [size, size]}, "layers": layers,
+             "loss": "cross_entropy"}
+    data = ("blobs", "--size", str(size), "--channels", "8", "--classes", "10", "--samples", str(4 * batch))
+    return BenchModel("res", model, batch, data)
+
+
+def default_models(quick: bool = False) -> list[BenchModel]:
+    if quick:
+        return [classifier(size=16, batch=4, width=4)]
+    return [classifier(), segmenter(), residual()]
+
+
+# --------------------------------------------------------------------------------------------------------
+# strategies
+
+
+def _fit(d: int, ranks: int) -> int:
+    """Largest divisor of ``ranks`` that is at most ``d``."""
+    return max(x for x in range(1, ranks + 1) if ranks % x == 0 and x <= max(d, 1))
+
+
+def _valid_degree(node: Node, ranks: int, make: Callable[[int], Distribution]) -> Distribution:
+    """``make(k)`` for the largest divisor ``k`` of ``ranks`` that gives ``node`` a usable distribution
+    (blocks no smaller than their halo, no empty blocks); leftover ranks replicate."""
+    for k in sorted((x for x in range(1, ranks + 1) if ranks % x == 0), reverse=True):
+        d = make(k)
+        if filter_reason(node, d, imbalance_tol=1.0) is None:
+            return d
+    return make(1)
+
+
+def spatial_strategy(graph: ModelGraph, ranks: int) -> dict[str, Distribution]:
+    """Every layer with space split along height (Dryden et al.'s spatial parallelism); fully-connected
+    layers, which have no space, split samples."""
+    out = {}
+    for node in graph:
+        nd = len(node.out_shape)
+        if nd > 2:
+            out[node.name] = _valid_degree(node, ranks, lambda k: Distribution.make(nd, ranks, h=k))
+        else:
+            out[node.name] = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+    return out
+
+
+def hybrid_strategy(graph: ModelGraph, ranks: int) -> dict[str, Distribution]:
+    """Samples split over half the ranks and height over two (n·h2), fully-connected layers samples only."""
+    if ranks < 4:
+        return spatial_strategy(graph, ranks)
+    out = {}
+    for node in graph:
+        nd = len(node.out_shape)
+        n = _fit(node.out_shape[0], ranks // 2)
+        if nd > 2:
+            out[node.name] = _valid_degree(node, 2, lambda k: Distribution.make(nd, ranks, n=n, h=k))
+        else:
+            out[node.name] = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+    return out
+
+
+STRATEGIES = ("data", "spatial", "model", "owt", "hybrid", "selector")
+
+
+def strategy_dists(name: str, graph: ModelGraph, ranks: int, machine: MachineModel
+                   ) -> dict[str, Distribution]:
+    """The distributions of strategy ``name`` (one of :data:`STRATEGIES`) for every layer of ``graph``."""
+    if name in ("data", "model", "owt"):
+        key = {"data": "data-parallel", "model": "model-parallel", "owt": "owt"}[name]
+        return baseline_strategies(graph, ranks)[key]
+    if name == "spatial":
+        return spatial_strategy(graph, ranks)
+    if name == "hybrid":
+        return hybrid_strategy(graph, ranks)
+    if name == "selector":
+        return dict(plan(graph, ranks, machine, compare=False).choice)
+    raise ValueError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}")
+
+
+def _degrees(d: Distribution) -> dict[str, int]:
+    """Split degrees of the axes a distribution splits (replicated axes are held whole)."""
+    deg = {k: v for i, (k, v) in enumerate(zip(d.dim_names, d.split)) if v > 1 and i not in d.replicate}
+    return deg or {"n": 1}
+
+
+def parallel_layers(graph: ModelGraph, dists: Mapping[str, Distribution]) -> dict[str, dict[str, int]]:
+    """The ``parallel.layers`` block of a config for ``dists``; the model input (``x``) is read straight
+    into the distribution the layers reading it need, as the cost model assumes (no input shuffle)."""
+    out = {name: _degrees(d) for name, d in dists.items()}
+    for node in graph:
+        if any(p in INPUT_NAMES for p in node.parents):
+            out["x"] = _degrees(required_input(node, dists[node.name], graph.input_shape))
+            break
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# measured compute table (Jia et al. 2018 §4: t_C by running the layer under its configuration)
+
+
+def local_shapes(node: Node, dist: Distribution) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Input block shapes (every input, in the distribution the layer needs) and output block shape of
+    the slowest rank: the shapes a rank's local kernels see."""
+    ins = [max_local_shape(s, required_input(node, dist, s)) for s in node.in_shapes]
+    return ins, max_local_shape(node.out_shape, dist)
+
+
+def table_key(node: Node, dist: Distribution) -> tuple:
+    """The key :func:`lbannpy.strategy.cost.compute_times` looks a measured entry up by."""
+    ins, out = local_shapes(node, dist)
+    return (node.type, ins[0], out)
+
+
+def standalone_params(node: Node, out_local: Sequence[int]) -> dict:
+    """The layer's parameters for a single-rank stand-in of one block: a conv or fc layer whose output
+    channels are split computes only its block's filters (units)."""
+    params = dict(node.params)
+    if node.type == "conv":
+        params["filters"] = int(out_local[1])
+    elif node.type == "fc":
+        params["units"] = int(out_local[1])
+    return params
+
+
+class StandIn:
+    """``node``'s layer class on one rank's blocks (``in_shapes`` in, ``out_local`` out), alone on a
+    single-rank context: the local kernels of a block without its halo exchanges and collectives, which
+    the cost model prices apart. Its backward includes what the trainer does to the layer's weight block
+    after backprop: the optimizer's update (``optimizer``: the spec's ``optimizer`` section) and clearing
+    the gradients."""
+
+    def __init__(self, node: Node, in_shapes: Sequence[tuple[int, ...]], out_local: Sequence[int],
+                 optimizer: Mapping[str, Any] | None = None, dtype: str = "float32", seed: int = 0):
+        from lbannpy.optim import make_optimizer
+
+        from lbannpy.comm import SingleCommunicator
+        from lbannpy.layers.base import LayerContext, Timer
+        from lbannpy.layers.registry import layer_classes
+        from lbannpy.tensor import DistTensor
+
+        self.ctx = LayerContext(SingleCommunicator(), np, dtype, seed, overlap=True, timer=Timer())
+        self.layer = layer_classes()[node.type](node.name, **standalone_params(node, out_local))
+        nd_out = 2 if node.type in ("fc", "flatten") else len(in_shapes[0])
+        self.layer.configure(self.ctx, [tuple(s) for s in in_shapes],
+                             [Distribution.make(len(s), 1) for s in in_shapes], Distribution.make(nd_out, 1))
+        rng = np.random.default_rng(seed)
+        self.xs = [DistTensor(rng.standard_normal(s).astype(dtype), s, Distribution.make(len(s), 1), 0)
+                   for s in in_shapes]
+        out = self.layer.out_shape
+        self.dy = DistTensor(rng.standard_normal(out).astype(dtype), out, self.layer.out_dist, 0)
+        self.opt = (make_optimizer(dict(optimizer or {"type": "sgd"}), self.layer.params, 1 << 30)
+                    if self.layer.params else None)
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.layer.out_shape)
+
+    def forward(self, keep: bool = True) -> None:
+        t0 = time.perf_counter()
+        self.layer.forward(self.xs)
+        if keep:
+            self.fwd.append(time.perf_counter() - t0)
+
+    def backward(self, keep: bool = True) -> None:
+        t0 = time.perf_counter()
+        self.layer.backward(self.dy)
+        if self.opt is not None:
+            self.opt.step_params(self.layer.params)
+            self.opt.finish_step()
+            self.opt.zero_grad()
+        if keep:
+            self.bwd.append(time.perf_counter() - t0)
+        self.ctx.timer.totals.clear()
+
+
+@dataclass
+class TableRow:
+    key: tuple
+    fwd_s: float
+    bwd_s: float
+
+    def to_yaml(self) -> dict:
+        typ, inn, out = self.key
+        # lbannpy's layers compute dL/dx also in a layer that reads the model input, so the measured backward
+        # (with the weight update) is one time that is always paid: it is recorded as bwd_weights_s, the term
+        # compute_times never drops
+        return {"type": typ, "in": list(inn), "out": list(out), "fwd_s": self.fwd_s, "bwd_data_s": 0.0,
+                "bwd_weights_s": self.bwd_s}
+
+
+def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
+                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
+                          ) -> tuple[list[TableRow], list[str]]:
+    """Time every (layer, local shapes) that ``strategies`` give the layers of ``graph``: a :class:`StandIn`
+    per layer and strategy, run as a training step runs them (forward in order, backward in reverse), so
+    that between two uses of a tensor the caches see the traffic of the other layers, as in the real step.
+    ``reps`` rounds go through every strategy in turn after a warm-up round (a burst of other load on the
+    machine spoils one call of many entries rather than every call of a few); an entry's time is the median
+    of all calls of its key. Returns the rows and notes on entries left to the roofline (shapes a stand-in
+    cannot reproduce, or two layers of different parameters sharing a key)."""
+    params_of: dict[tuple, tuple] = {}
+    names: dict[tuple, str] = {}
+    chains: list[list[tuple[tuple, StandIn]]] = []
+    notes = []
+    for dists in strategies:
+        chain = []
+        for node in graph:
+            if node.type == "flatten":
+                continue
+            key = table_key(node, dists[node.name])
+            params = tuple(sorted(node.params.items()))
+            if params_of.setdefault(key, params) != params:
+                notes.append(f"{node.name}: {key} is also a {node.type} of other parameters; the table "
+                             f"keeps the first")
+                continue
+            ins, out = local_shapes(node, dists[node.name])
+            si = StandIn(node, ins, out, optimizer)
+            if si.out_shape != out:
+                notes.append(f"{node.name} ({node.type}) on {ins[0]}: a stand-in gives {si.out_shape}, the "
+                             f"block is {out}; left to the roofline")
+                continue
+            names.setdefault(key, node.name)
+            chain.append((key, si))
+        chains.append(chain)
+    for r in range(max(reps, 1) + 1):
+        for chain in chains:
+            for _, si in chain:
+                si.forward(keep=r > 0)
+            for _, si in reversed(chain):
+                si.backward(keep=r > 0)
+    fwd: dict[tuple, list[float]] = {}
+    bwd: dict[tuple, list[float]] = {}
+    for chain in chains:
+        for key, si in chain:
+            fwd.setdefault(key, []).extend(si.fwd)
+            bwd.setdefault(key, []).extend(si.bwd)
+    rows = []
+    for key in fwd:
+        row = TableRow(key, statistics.median(fwd[key]), statistics.median(bwd[key]))
+        rows.append(row)
+        if log:
+            log(f"  {names[key]:8s} {key[0]:9s} in {str(key[1]):22s} out {str(key[2]):20s} "
+                f"fwd {row.fwd_s * 1e3:8.3f} ms  bwd {row.bwd_s * 1e3:8.3f} ms")
+    return rows, notes
+
+
+def with_table(machine: MachineModel, rows: Sequence[TableRow]) -> MachineModel:
+    """``machine`` with ``rows`` added to its measured table (see :meth:`TableRow.to_yaml`)."""
+    measured = dict(machine.measured)
+    for r in rows:
+        measured[r.key] = (r.fwd_s, 0.0, r.bwd_s)
+    return replace(machine, measured=measured)
+
+
+# --------------------------------------------------------------------------------------------------------
+# measured training steps
+
+
+def thread_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in THREAD_VARS:
+        env[var] = "1"
+    return env
+
+
+def _run(cmd: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(cmd), env=thread_env(), capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what}: `{' '.join(cmd)}` exited {p.returncode}\n{p.stdout[-2000:]}\n"
+                           f"{p.stderr[-2000:]}")
+    return p
+
+
+def prepare(model: BenchModel, work: str, timeout: float = 300) -> str:
+    """Write the model's data set and config (``config.h5``) under ``work``; returns the config path."""
+    import yaml
+
+    data = os.path.join(work, f"{model.name}-data.h5")
+    _run([sys.executable, "-m", "lbannpy.data", *model.data, "-o", data], timeout, f"data for {model.name}")
+    spec = {"model": dict(model.model), "data": {"train": {"path": data}},
+            "trainer": {"batch_size": model.batch_size, "steps": 1, "seed": 1},
+            "optimizer": dict(OPTIMIZER),
+            "checkpoint": {"dir": os.path.join(work, "ckpt"), "every_steps": 0},
+            "output": {"dir": os.path.join(work, "run"), "log_every": 1}}
+    spec_path = os.path.join(work, f"{model.name}.yaml")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(spec, f, sort_keys=False)
+    cfg = os.path.join(work, f"{model.name}.h5")
+    _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", cfg], timeout,
+         f"config for {model.name}")
+    return cfg
+
+
+def measure_step(config: str, ranks: int, layers: Mapping[str, Mapping[str, int]], steps: int, out_dir: str,
+                 overlap: bool = False, timeout: float = 600) -> float:
+    """Median step time (seconds) of ``steps`` optimizer steps of ``mpiexec -n ranks python -m lbannpy.train
+    config`` with ``parallel.layers`` set to ``layers`` and ``comm.overlap`` to ``overlap``, from the run's
+    ``summary.json``."""
+    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        raise RuntimeError("mpiexec not found: install an MPI (pip install mpich) or run under srun")
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "lbannpy.train", config, "--quiet",
+           "--set", f"trainer.steps={steps}", "--set", "parallel.layers=" + json.dumps(dict(layers)),
+           "--set", f"comm.overlap={'true' if overlap else 'false'}",
+           "--set", f"output.dir={out_dir}", "--set", f"checkpoint.dir={out_dir}/ckpt"]
+    _run(cmd, timeout, f"training on {ranks} rank(s)")
+    with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    t = summary.get("median_step_s")
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise RuntimeError(f"{out_dir}/summary.json has no usable median_step_s: {t!r}")
+    return float(t)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the comparison
+
+
+@dataclass
+class Case:
+    model: str
+    strategy: str  # name, or several joined by '=' where they give the same distributions
+    ranks: int
+    predicted_s: float
+    roofline_s: float  # the same prediction from the calibrated roofline, without the table
+    measured: list[float]
+    layers: dict
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.measured)
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def ranking(cases: Sequence[Case], attr: str) -> list[str]:
+    return [c.strategy for c in sorted(cases, key=lambda c: getattr(c, attr))]
+
+
+def format_table(cases: Sequence[Case]) -> str:
+    """The result table: one row per case, then one ranking line per (model, ranks) with more than one
+    distinct strategy, then how many cases are within :data:`TOLERANCE`."""
+    w = max([8] + [len(c.strategy) for c in cases])
+    head = (f"{'model':6s} {'strategy':{w}s} {'ranks':>5s} {'predicted ms':>12s} {'measured ms':>11s} "
+            f"{'error %':>8s} {'roofline ms':>11s}")
+    lines = [head, "-" * len(head)]
+    for c in cases:
+        lines.append(f"{c.model:6s} {c.strategy:{w}s} {c.ranks:5d} {c.predicted_s * 1e3:12.2f} "
+                     f"{c.measured_s * 1e3:11.2f} {100 * c.error:+8.1f} {c.roofline_s * 1e3:11.2f}")
+    lines.append("")
+    groups: dict[tuple, list[Case]] = {}
+    for c in cases:
+        groups.setdefault((c.model, c.ranks), []).append(c)
+    matched = total = 0
+    for (m, p), cs in groups.items():
+        if len(cs) < 2:
+            lines.append(f"ranking {m:6s} {p} rank(s): one distinct strategy, nothing to rank")
+            continue
+        pred, meas = ranking(cs, "predicted_s"), ranking(cs, "measured_s")
+        ok = pred == meas
+        matched += ok
+        total += 1
+        lines.append(f"ranking {m:6s} {p} rank(s): predicted {' < '.join(pred)}; "
+                     f"measured {' < '.join(meas)}; {'match' if ok else 'DIFFERENT'}")
+    within = sum(abs(c.error) <= TOLERANCE for c in cases)
+    lines.append(f"rankings matching: {matched} of {total}")
+    lines.append(f"within {100 * TOLERANCE:.0f}%: {within} of {len(cases)} cases")
+    return "\n".join(lines)
+
+
+def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies: Sequence[str],
+                  machine: MachineModel, work: str, steps: int, repeats: int, reps: int = 5,
+                  overlap: bool = False, log: Callable[[str], None] = print) -> tuple[list[Case], list[str]]:
+    """Predict and measure every (model, strategy, ranks); returns the cases and notes."""
+    cases: list[Case] = []
+    notes: list[str] = []
+    todo = []
+    for bm in models:
+        graph = build_graph(bm.model, bm.batch_size)
+        per_ranks = {}
+        for p in ranks:
+            mach_p = machine.with_layout(p)  # mpiexec starts all p ranks on this host
+            named: dict[str, dict[str, Distribution]] = {}
+            for s in strategies:
+                d = strategy_dists(s, graph, p, mach_p)
+                same = next((k for k, v in named.items() if v == d), None)
+                if same is not None:  # e.g. every strategy on one rank: one case, named by all of them
+                    named[f"{same}={s}"] = named.pop(same)
+                else:
+                    named[s] = d
+            per_ranks[p] = named
+        all_dists = [d for named in per_ranks.values() for d in named.values()]
+        log(f"{bm.name}: timing {len(graph)} layers under every local shape the strategies give them")
+        rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log)
+        notes += [f"{bm.name}: {x}" for x in n]
+        config = prepare(bm, work)
+        for p, named in per_ranks.items():
+            mach_p = with_table(machine.with_layout(p), rows)
+            roof_p = machine.with_layout(p)
+            for s, d in named.items():
+                pred = evaluate_strategy(graph, d, mach_p).step_s
+                roof = evaluate_strategy(graph, d, roof_p).step_s
+                c = Case(bm.name, s, p, pred, roof, [], parallel_layers(graph, d))
+                cases.append(c)
+                todo.append((c, config))
+    for r in range(repeats):  # repeats are interleaved so that a burst of load elsewhere hits one of each
+        for c, config in todo:
+            out = os.path.join(work, "runs", f"{c.model}-{c.strategy}-{c.ranks}-{r}")
+            t = measure_step(config, c.ranks, c.layers, steps, out, overlap)
+            c.measured.append(t)
+            log(f"  run {r + 1}/{repeats}: {c.model} {c.strategy} on {c.ranks} rank(s): "
+                f"{t * 1e3:.2f} ms per step (predicted {c.predicted_s * 1e3:.2f} ms)")
+    return cases, notes
+
+
+# --------------------------------------------------------------------------------------------------------
+
+
+def _loadavg() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def calibrate_here(path: str, quick: bool, timeout: float = 600) -> None:
+    """``python -m lbannpy.bench calibrate -o path`` on this machine (2 ranks)."""
+    cmd = [sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", path]
+    if quick:
+        cmd.append("--quick")
+    p = _run(cmd, timeout, "calibration")
+    print(p.stdout.rstrip(), flush=True)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench costmodel", description=__doc__.split("\n")[0])
+    ap.add_argument("--machine", default=None,
+                    help="machine file or preset (default: run `python -m lbannpy.bench calibrate` first)")
+    ap.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated (default 1,2,4)")
+    ap.add_argument("--strategies", default="data,spatial,model",
+                    help=f"comma-separated, from {', '.join(STRATEGIES)} (default data,spatial,model)")
+    ap.add_argument("--models", default=None, help="comma-separated subset of cls, mesh, res (default all)")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per training run (default 10)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="training runs per case; the median of their median step times is reported")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per layer for the compute table")
+    ap.add_argument("--work", default=None,
+                    help="directory for data, configs and runs (default: a temporary one)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one tiny model, 3 steps, 1 repeat, quick calibration: the code path in seconds")
+    ap.add_argument("--overlap", action="store_true",
+                    help="train with comm.overlap (gradients reduced on a background thread in backprop); "
+                         "by default off, as the cost model adds communication to compute (Jia et al. eq. 1)")
+    ap.add_argument("--json", default=None, help="also write the cases to this JSON file")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if any(os.environ.get(var) != "1" for var in THREAD_VARS):
+        # this process times layers too, with one BLAS thread as every rank has; the BLAS library read its
+        # thread count when NumPy was imported, so start again with the variables set
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "lbannpy.bench", "costmodel", *argv], thread_env())
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or not strategies or not ranks or min(ranks) < 1:
+        raise SystemExit(f"lbannpy.bench costmodel: --strategies from {', '.join(STRATEGIES)} and --ranks "
+                         f"positive integers, got {args.strategies!r} and {args.ranks!r}")
+    models = default_models(args.quick)
+    if args.models:
+        want = [m.strip() for m in args.models.split(",")]
+        models = [m for m in models if m.name in want]
+        if not models:
+            raise SystemExit(f"lbannpy.bench costmodel: no model among {want}; models: cls, mesh, res")
+    steps, repeats = (3, 1) if args.quick else (args.steps, args.repeats)
+    reps = 2 if args.quick else args.reps
+
+    with tempfile.TemporaryDirectory(prefix="lbannpy-costmodel-") as tmp:
+        work = args.work or tmp
+        os.makedirs(work, exist_ok=True)
+        machine_path = args.machine
+        if machine_path is None:
+            machine_path = os.path.join(work, "machine.yaml")
+            print(f"calibrating this machine: python -m lbannpy.bench calibrate -o {machine_path}",
+                  flush=True)
+            calibrate_here(machine_path, args.quick)
+        machine = load_machine_model(machine_path)
+        print(f"machine {machine.name}: gamma {machine.gamma_s_per_flop:.3e} s/FLOP, intra alpha "
+              f"{machine.intra.alpha_s:.2e} s, beta {machine.intra.beta_s_per_byte:.2e} s/B, "
+              f"cores per node {machine.cores_per_node or 'one per rank'}", flush=True)
+        load0 = _loadavg()
+        t0 = time.perf_counter()
+        cases, notes = run_benchmark(models, ranks, strategies, machine, work, steps, repeats, reps,
+                                     overlap=args.overlap)
+        print(f"\npredicted: cost model with the measured layer table; roofline: the same without it. "
+              f"measured: median step of lbannpy.train ({steps} steps, comm.overlap "
+              f"{'on' if args.overlap else 'off'}), median of {repeats} run(s). "
+              f"{time.perf_counter() - t0:.0f} s; "
+              f"load average {load0} before, {_loadavg()} after (this machine's other work shows here)\n")
+        print(format_table(cases))
+        for n in notes:
+            print(f"note: {n}")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump([{"model": c.model, "strategy": c.strategy, "ranks": c.ranks,
+                            "predicted_s": c.predicted_s, "roofline_s": c.roofline_s,
+                            "measured_s": c.measured,
+                            "error": c.error} for c in cases], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
