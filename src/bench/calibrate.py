@@ -3,7 +3,9 @@
 * point to point: ping-pong between rank 0 and one partner on the same node (``intra``) and, when the job
   spans nodes, one on another node (``inter``); one-way time = round trip / 2;
 * allreduce of float32 buffers over all ranks;
-* compute: a float32 GEMM on every rank at once (the rate a rank gets while the others compute too);
+* compute: a float32 GEMM on every rank at once (the rate a rank gets while the others compute too); for
+  the roofline of memory-bound layers, a streaming ``c = a + b`` on every rank at once (seconds per byte
+  moved) and the fixed cost of one call of a layer on a one-element tensor (seconds per local kernel);
 * compute slots of a node (``cores_per_node``): the CPU cores its ranks may run on (SLURM's allocation, else
   the union of the ranks' CPU affinity), or its GPUs; more ranks than slots share them by time slicing.
 
@@ -135,6 +137,52 @@ def gemm_gamma(comm, xp, n: int, reps: int = 5) -> tuple[float, list[float]]:
     mine = float(np.median(times)) / (2.0 * n ** 3)
     every = comm.allgather_obj(mine)
     return float(np.median(every)), every
+
+
+def stream_rate(comm, xp, nbytes: int, reps: int = 5) -> float:
+    """Seconds per byte moved by ``c = a + b`` on float32 arrays of ``nbytes`` (3 ``nbytes`` of traffic),
+    every rank at once, median over ranks: the memory bandwidth a rank gets while the others stream too."""
+    n = max(nbytes // 4, 1)
+    a = xp.ones(n, dtype=xp.float32)
+    b = xp.ones(n, dtype=xp.float32)
+    c = xp.empty_like(a)
+    xp.add(a, b, out=c)  # warm-up: touch every page
+    _sync(xp)
+    times = []
+    comm.barrier()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        xp.add(a, b, out=c)
+        _sync(xp)
+        times.append(time.perf_counter() - t0)
+    mine = float(np.median(times)) / (3.0 * n * 4)
+    return float(np.median(comm.allgather_obj(mine)))
+
+
+def layer_call_overhead(comm, xp, reps: int = 200) -> float:
+    """Seconds of fixed cost per local kernel: one forward plus one backward of a ReLU layer on a one-element
+    tensor (the layer template's bookkeeping and the array calls, no arithmetic to speak of) over two calls,
+    median over ``reps`` and over ranks."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.simple import ReLU
+    from lbannpy.tensor import DistTensor
+
+    ctx = LayerContext(SingleCommunicator(), xp, "float32")
+    layer = ReLU("overhead")
+    d = Distribution.make(4, 1)
+    layer.configure(ctx, [(1, 1, 1, 1)], [d], d)
+    x = DistTensor(xp.ones((1, 1, 1, 1), dtype=xp.float32), (1, 1, 1, 1), d, 0)
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        layer.backward(layer.forward([x]))
+        _sync(xp)
+        if i:
+            times.append((time.perf_counter() - t0) / 2)
+        ctx.timer.totals.clear()
+    return float(np.median(comm.allgather_obj(float(np.median(times)))))
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -300,11 +348,15 @@ def main(argv=None) -> int:
                              f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
 
         gamma, per_rank = gemm_gamma(comm, xp, args.gemm)
+        mem = stream_rate(comm, xp, 16 << 20 if args.quick else 64 << 20)
+        overhead = layer_call_overhead(comm, xp)
         slots = compute_slots(comm, xp, hosts)
         tables.append(f"GEMM float32 {args.gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP "
                       f"({1 / gamma / 1e9:.2f} GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})")
-        tables.append(f"compute slots on {hosts[0]}: {slots} ({'GPUs' if xp.__name__ == 'cupy' else 'CPU cores'}; "
-                      f"{rt.local_size} rank(s) ran there)")
+        tables.append(f"streaming c = a + b on every rank: {mem:.3e} s/B ({1 / mem / 1e9:.2f} GB/s per "
+                      f"rank); fixed cost of a layer call {overhead * 1e6:.1f} us")
+        kind = "GPUs" if xp.__name__ == "cupy" else "CPU cores"
+        tables.append(f"compute slots on {hosts[0]}: {slots} ({kind}; {rt.local_size} rank(s) ran there)")
 
         if comm.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -318,13 +370,15 @@ def main(argv=None) -> int:
                 "intra": links["intra"],
                 "inter": links["inter"],
                 "allreduce": {"alpha_s": ar_alpha, "beta_s_per_byte": ar_beta},
-                "compute": {"gamma_s_per_flop": gamma},
+                "compute": {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem,
+                            "kernel_overhead_s": overhead},
                 "measured_on": {"date": now, "host": ",".join(sorted(set(hosts))), "ranks": str(p),
                                 "device": rt.device, "backend": rt.backend},
                 "fit": fits,
             }
             header = (f"# Machine file written by `python -m lbannpy.bench calibrate` ({now}).\n"
-                      f"# alpha in seconds, beta in seconds per byte, gamma in seconds per FLOP.\n")
+                      f"# alpha in seconds, beta in seconds per byte, gamma in seconds per FLOP, mem in\n"
+                      f"# seconds per byte of memory traffic, kernel overhead in seconds per kernel call.\n")
             print("\n\n".join(tables), flush=True)
             write_machine(args.output, data, header)
             print(f"\nwrote {args.output}", flush=True)
