@@ -140,7 +140,8 @@ def test_format_table_rankings_and_tolerance():
     text = cm.format_table(cases)
     assert "m      1 rank(s): one distinct strategy" in text
     assert "2 rank(s): predicted data < spatial; measured data < spatial; match" in text
-    assert "4 rank(s): predicted spatial < data; measured data < spatial; DIFFERENT" in text
+    assert ("4 rank(s): predicted spatial < data; measured data < spatial; DIFFERENT (spatial/data measured "
+            "12.5 % apart)") in text
     assert "rankings matching: 1 of 2" in text
     assert "within 15%: 3 of 5 cases" in text  # errors 0, -4 %, -14 %, -25 %, -56 %
 

@@ -475,8 +475,16 @@ def format_table(cases: Sequence[Case]) -> str:
         ok = pred == meas
         matched += ok
         total += 1
+        swapped = ""
+        if not ok:  # how far apart the measurements of the pairs the model orders the other way are
+            t = {c.strategy: c.measured_s for c in cs}
+            pairs = [(a, b) for i, a in enumerate(pred) for b in pred[i + 1:]
+                     if meas.index(a) > meas.index(b)]
+            apart = [f"{a}/{b} measured {100 * abs(t[a] - t[b]) / min(t[a], t[b]):.1f} % apart"
+                     for a, b in pairs]
+            swapped = f" ({', '.join(apart)})"
         lines.append(f"ranking {m:6s} {p} rank(s): predicted {' < '.join(pred)}; "
-                     f"measured {' < '.join(meas)}; {'match' if ok else 'DIFFERENT'}")
+                     f"measured {' < '.join(meas)}; {'match' if ok else 'DIFFERENT'}{swapped}")
     within = sum(abs(c.error) <= TOLERANCE for c in cases)
     lines.append(f"rankings matching: {matched} of {total}")
     lines.append(f"within {100 * TOLERANCE:.0f}%: {within} of {len(cases)} cases")
