@@ -74,7 +74,8 @@ def test_fc_decomposition_matches_gholami_eq8_bandwidth_terms():
     """Layer-wise terms of a chain of fc layers on Pr x Pc equal eq. 8 (bandwidth part; α set to 0)."""
     mach = MachineModel.from_dict({**_p100_tree(), "intra": {"alpha_s": 0, "beta_s_per_byte": 1e-9},
                                    "inter": {"alpha_s": 0, "beta_s_per_byte": 1e-9},
-                                   "allreduce": {"threshold_bytes": 0}})
+                                   "allreduce": {"threshold_bytes": 0},
+                                   "gradient_sync": "allreduce"})  # eq. 8 reduces dL/dW by allreduce
     B, dims, pr, pc = 16, [64, 32, 48, 16], 2, 2
     g = build_graph({"name": "f", "input": {"channels": dims[0], "spatial": [1]},
                      "layers": [{"name": f"f{i}", "type": "fc", "units": d, "bias": False}

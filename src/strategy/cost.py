@@ -6,8 +6,11 @@ Jia et al. (2018) eq. 1: ``t_O = Σ_layers (t_C + t_S) + Σ_edges t_X``. Here
   plus the layer's own communication: halo exchanges (Dryden et al. 2019 §V-A), batch-norm statistics over
   the spatial group, and the partial-sum allreduce of the error signal when output channels are split
   (the second term of Gholami et al. 2018 eq. 8);
-* ``t_S`` = gradient allreduce over the ranks that replicate the layer's weights (Thakur et al.: recursive
-  doubling below a size threshold, ring above);
+* ``t_S`` = gradient synchronisation over the ranks whose weight gradients are partial sums of one weight
+  block (the runtime's ``block_group`` over the non-channel dimensions; leftover replicas compute the same
+  sums and sync in their own group). The machine's ``gradient_sync`` picks the scheme: ``allreduce``
+  (Thakur et al.: recursive doubling below a size threshold, ring above) or ``parameter_server`` (Jia et
+  al. §5.1: every copy sends its gradients to a server and gets the updated block back);
 * ``t_X`` = redistribution (all-to-all shuffle, Dryden §III-C) of the activation forward and of the error
   signal backward, volumes from box intersections of :mod:`lbannpy.dist` distributions.
 
@@ -126,7 +129,7 @@ class LayerCost:
     bwd_weights_s: float  # local dL/dw compute
     halo_s: float  # halo exchanges, forward (x) and backward (dL/dy)
     internal_comm_s: float  # BN statistics, partial-sum reduction of dL/dx over the channel split
-    allreduce_s: float  # gradient allreduce over the ranks replicating the weights (t_S)
+    allreduce_s: float  # t_S: gradient sync (allreduce or parameter server) over the weight block's group
     mem_persistent_bytes: int  # kept from forward to backward: activations, weights, gradients, optimizer
     mem_transient_bytes: int  # alive only while this layer runs: error signals, halo buffers
 
@@ -274,15 +277,54 @@ def internal_comm_time(node: Node, dist: Distribution, machine: MachineModel, ne
     return t
 
 
-def gradient_allreduce_time(node: Node, dist: Distribution, machine: MachineModel) -> float:
-    """t_S: allreduce of the local weight gradients over the ranks holding the same weight block
-    (Dryden's BPa = AR(|P(D_C, D_F)|, I_F·I_C·K²))."""
-    if node.n_params == 0:
+def parameter_server_time(nbytes_: float, copies: int, copies_on_node: int, intra: Link, inter: Link) -> float:
+    """Seconds to synchronise a weight block of ``nbytes_`` bytes held by ``copies`` ranks through one
+    parameter server (Jia et al. 2018 §5.1, t_S): each copy sends its gradient to the server and receives the
+    updated block back. The server is one of the copies (its own transfer is free). It takes the other
+    ``copies_on_node - 1`` copies of its node one after another over ``intra`` and, at the same time, the
+    ``copies - copies_on_node`` copies on other nodes one after another over ``inter`` (its node's NIC);
+    then the same back::
+
+        2 · max((copies_on_node - 1)(α_intra + nbytes_ β_intra),
+                (copies - copies_on_node)(α_inter + nbytes_ β_inter))      # seconds
+
+    (α: seconds per message, β: seconds per byte). Unlike a ring allreduce (2 (p-1)/p · nβ, nearly flat in
+    p) this grows with the number of copies, which is what makes parameter-heavy layers prefer fewer copies
+    under Jia et al.'s model."""
+    if copies <= 1 or nbytes_ <= 0:
         return 0.0
-    ws = weight_split(node, dist)
-    group = dist.ranks // ws
-    link = machine.link(dist.ranks if group > 1 else 1)
-    return allreduce_time(ceil_div(node.n_params, ws) * machine.dtype_bytes, group, link, machine)
+    local = max(1, min(copies_on_node, copies))
+    t_intra = (local - 1) * (intra.alpha_s + nbytes_ * intra.beta_s_per_byte)
+    t_inter = (copies - local) * (inter.alpha_s + nbytes_ * inter.beta_s_per_byte)
+    return 2 * max(t_intra, t_inter)
+
+
+def gradient_sync_group(node: Node, dist: Distribution) -> int:
+    """Ranks whose weight gradients are partial sums of the same weight block: the block group over every
+    dimension but the output channels (the runtime sums over ``block_group(rank, non-channel dims)``).
+    Leftover replicas of a distribution on fewer ranks than exist hold the same partial sums and reduce in
+    their own, identical group at the same time, so they do not enlarge it."""
+    if node.n_params == 0:
+        return 1
+    return math.prod(p for i, p in enumerate(dist.parts) if i != 1)
+
+
+def gradient_sync_time(node: Node, dist: Distribution, machine: MachineModel) -> float:
+    """t_S: synchronisation of the local weight gradients over :func:`gradient_sync_group`, by the
+    machine's ``gradient_sync`` scheme: ``allreduce`` (Dryden's BPa = AR(|P(D_C, D_F)|, I_F·I_C·K²)) or
+    ``parameter_server`` (:func:`parameter_server_time`, point-to-point links). Depends on this layer's
+    distribution only, so t_O stays a sum of per-layer and per-edge terms (the eliminations stay exact)."""
+    group = gradient_sync_group(node, dist)
+    if group <= 1:
+        return 0.0
+    block_bytes = ceil_div(node.n_params, weight_split(node, dist)) * machine.dtype_bytes
+    # the group lies within one replica's consecutive block ranks: a layer on fewer ranks may stay in a node
+    span = _group_span(dist, [d for d in dist.dim_names if d != "c"])
+    if machine.gradient_sync == "parameter_server":
+        # the group's members are spread evenly over the span; a node holds ranks_per_node of its ranks
+        on_node = max(1, group * min(span, machine.ranks_per_node) // span)
+        return parameter_server_time(block_bytes, group, on_node, machine.intra, machine.inter)
+    return allreduce_time(block_bytes, group, machine.link(span), machine)
 
 
 def optimizer_slots(optimizer: str | None) -> int:
@@ -325,7 +367,7 @@ def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_inpu
     f, bd, bw = compute_times(node, dist, machine, needs_dx)
     halo = halo_time(node, dist, machine, needs_dx)
     internal = internal_comm_time(node, dist, machine, needs_dx)
-    ar = gradient_allreduce_time(node, dist, machine)
+    ar = gradient_sync_time(node, dist, machine)
     pers, trans = layer_memory(node, dist, machine, reads_input, optimizer)
     return LayerCost(f, bd, bw, halo, internal, ar, pers, trans)
 

@@ -9,6 +9,7 @@ A machine file is YAML (read with ``yaml.safe_load``)::
     intra: {alpha_s: 1.0e-5, beta_s_per_byte: 5.0e-11}    # NVLink within a node
     inter: {alpha_s: 2.0e-5, beta_s_per_byte: 1.0e-10}    # InfiniBand between nodes
     allreduce: {threshold_bytes: 65536}                    # recursive doubling below, ring at or above
+    gradient_sync: allreduce                               # or parameter_server (Jia et al.'s t_S)
     compute:
       gamma_s_per_flop: 1.8e-13                            # sustained, not peak
       mem_s_per_byte: 1.9e-12                              # roofline: bytes moved / memory bandwidth
@@ -27,6 +28,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+
+GRADIENT_SYNC = ("allreduce", "parameter_server")  # schemes of the t_S term, see cost.gradient_sync_time
 
 
 class MachineError(ValueError):
@@ -61,6 +65,10 @@ class MachineModel:
     # Compute slots (CPU cores, or devices) of one node that its ranks share; 0 = at least one per rank, the
     # case of one rank per GPU. γ, mem_s_per_byte and measured tables are per rank with a slot to itself.
     cores_per_node: int = 0
+    # How weight gradients are synchronised (t_S): "allreduce" (Thakur et al., what the runtime does) or
+    # "parameter_server" (Jia et al. 2018 §5.1: each copy sends its gradients to a server and receives the
+    # updated weights back), for reproducing that paper's cost model.
+    gradient_sync: str = "allreduce"
 
     @classmethod
     def from_dict(cls, tree: Mapping[str, Any], name: str | None = None) -> "MachineModel":
@@ -107,6 +115,10 @@ class MachineModel:
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
             raise MachineError(f"machine {name!r}: cores_per_node must be an integer >= 0 (0: one compute slot "
                                f"per rank), got {cores!r}")
+        sync = str(tree.get("gradient_sync", "allreduce"))
+        if sync not in GRADIENT_SYNC:
+            raise MachineError(f"machine {name!r}: gradient_sync must be one of {', '.join(GRADIENT_SYNC)}, "
+                               f"got {sync!r}")
         return cls(
             name=name, intra=link("intra"), inter=link("inter"), ranks_per_node=rpn,
             memory_per_device_gib=_pos(name, "memory_per_device_gib", tree.get("memory_per_device_gib", 16)),
@@ -116,7 +128,7 @@ class MachineModel:
                                    zero=True),
             allreduce_threshold_bytes=int(ar.get("threshold_bytes", 65536)), allreduce_algorithm=algo,
             allreduce_link=ar_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured,
-            cores_per_node=cores)
+            cores_per_node=cores, gradient_sync=sync)
 
     def with_memory(self, gib: float) -> "MachineModel":
         from dataclasses import replace
@@ -160,6 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intra": {"alpha_s": 1.0e-5, "beta_s_per_byte": 1 / 18e9},
         "inter": {"alpha_s": 2.5e-5, "beta_s_per_byte": 1 / 10e9},
         "allreduce": {"threshold_bytes": 65536},
+        "gradient_sync": "parameter_server",  # Jia et al. §5.1: t_S is parameter-server synchronisation
         "compute": {"gamma_s_per_flop": 1 / (0.6 * 9.3e12), "mem_s_per_byte": 1 / (0.7 * 732e9),
                     "kernel_overhead_s": 1.0e-5},
     },
