@@ -130,15 +130,18 @@ def test_vgg16_p100_fcs_split_channels_and_reduce_degree(vgg_p100):
     assert all(vgg_p100.chosen.layer[n].t_s == 0.0 for n in fcs)
 
 
-@pytest.mark.xfail(strict=True, reason="not reproduced: with a FLOP roofline for t_C, h/w splits of conv5_x do "
-                                       "the same work per device as n4, keep 4 weight copies (same t_S) and add "
-                                       "halos and a reshuffle; Jia et al.'s measured t_C favours them")
+CONV5_GAP = ("not reproduced: with a FLOP roofline for t_C, h/w splits of conv5_x do the same work per device "
+             "as n4, keep 4 weight copies (same t_S) and add halos and a reshuffle; Jia et al. measure t_C")
+FC8_GAP = ("not reproduced: fc8 is cheapest replicated on every rank (r4, degree 1), by tens of µs over c2 and "
+           "c4; Jia et al. have fc8 {n=1, c=2}")
+
+
+@pytest.mark.xfail(strict=True, reason=CONV5_GAP)
 def test_vgg16_p100_some_conv5_layer_splits_space(vgg_p100):
     conv5 = [n for n in vgg_p100.choice if n.startswith("conv5")]
     assert any(vgg_p100.choice[n].split[2] * vgg_p100.choice[n].split[3] > 1 for n in conv5)
 
 
-@pytest.mark.xfail(strict=True, reason="not reproduced: fc8 is cheapest replicated on every rank (r4, degree 1) "
-                                       "by tens of µs over c2 and c4; Jia et al. have fc8 {n=1, c=2}")
+@pytest.mark.xfail(strict=True, reason=FC8_GAP)
 def test_vgg16_p100_every_fc_splits_channels(vgg_p100):
     assert all(vgg_p100.choice[n].split[1] > 1 for n in ("fc6", "fc7", "fc8"))

@@ -67,6 +67,11 @@ class StrategyCost:
         return sum(c.comm_s for c in self.layer.values()) + sum(self.transfer_in.values())
 
     @property
+    def sync_s(self) -> float:
+        """Σ t_S: gradient synchronisation (part of comm_s)."""
+        return sum(c.t_s for c in self.layer.values())
+
+    @property
     def step_s(self) -> float:
         return self.compute_s + self.comm_s
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .cost import gradient_sync_group
 from .planner import GIB, Plan, StrategyCost
+
+SYNC_NAMES = {"allreduce": "allreduce", "parameter_server": "parameter server"}
 
 
 def _ms(s: float) -> str:
@@ -14,7 +17,8 @@ def strategy_table(plan: Plan) -> str:
     g = plan.graph
     c = plan.chosen
     lines = [f"strategy for {g.name} (batch {g.batch_size}) on {plan.ranks} ranks, machine {plan.machine.name}, "
-             f"memory limit {plan.memory_limit_bytes / GIB:.2f} GiB",
+             f"memory limit {plan.memory_limit_bytes / GIB:.2f} GiB, gradient sync by "
+             f"{SYNC_NAMES[plan.machine.gradient_sync]}",
              f"search: {plan.result.method}, {len(g)} layers, {sum(len(v) for v in plan.candidates.values())} "
              f"candidates, {plan.result.final_nodes} layers left after eliminations; tables "
              f"{plan.table_seconds:.3f} s, search {plan.search_seconds:.3f} s",
@@ -40,13 +44,18 @@ def explain(plan: Plan, max_dropped: int = 8) -> str:
         lc = c.layer[node.name]
         d = c.dists[node.name]
         out.append(f"{node.name} ({node.type}) {node.in_shape} -> {node.out_shape}: chose {d}")
+        copies = gradient_sync_group(node, d)
         out.append(f"    fwd {lc.fwd_s * 1e3:.3f} ms, bwd-data {lc.bwd_data_s * 1e3:.3f} ms, bwd-weights "
                    f"{lc.bwd_weights_s * 1e3:.3f} ms, halo {lc.halo_s * 1e3:.3f} ms, in-layer comm "
-                   f"{lc.internal_comm_s * 1e3:.3f} ms, gradient allreduce {lc.allreduce_s * 1e3:.3f} ms, "
+                   f"{lc.internal_comm_s * 1e3:.3f} ms, gradient sync t_S {lc.t_s * 1e3:.3f} ms "
+                   f"({SYNC_NAMES[plan.machine.gradient_sync]} over {copies} "
+                   f"rank{'' if copies == 1 else 's'} per weight block), "
                    f"redistribution in {c.transfer_in[node.name] * 1e3:.3f} ms; memory "
                    f"{lc.mem_persistent_bytes / 2 ** 20:.1f} MiB kept + {lc.mem_transient_bytes / 2 ** 20:.1f} MiB "
                    f"transient")
-        others = [f"{k.dist} {k.cost.total_s * 1e3:.3f} ms" for k in plan.candidates[node.name] if k.dist != d]
+        others = [f"{k.dist} {k.cost.total_s * 1e3:.3f} ms"
+                  + (f" (t_S {k.cost.t_s * 1e3:.3f})" if k.cost.t_s else "")
+                  for k in plan.candidates[node.name] if k.dist != d]
         if others:
             out.append(f"    other candidates (own cost): {', '.join(others[:6])}"
                        + (f", ... {len(others) - 6} more" if len(others) > 6 else ""))
@@ -77,12 +86,14 @@ def compare(plan: Plan) -> str:
     limit = plan.memory_limit_bytes
     rows = list(plan.baselines.items()) + [("chosen (layer-wise)", plan.chosen)]
     dp = plan.baselines.get("data-parallel")
-    lines = [f"{'strategy':22s} {'step ms':>10s} {'compute ms':>10s} {'comm ms':>10s} {'mem GiB':>8s} "
-             f"{'fits':>5s} {'vs data-parallel':>16s}"]
+    lines = [f"{'strategy':22s} {'step ms':>10s} {'compute ms':>10s} {'comm ms':>10s} {'t_S ms':>9s} "
+             f"{'mem GiB':>8s} {'fits':>5s} {'vs data-parallel':>16s}"]
     for name, s in rows:
         speed = f"{dp.step_s / s.step_s:.2f}x" if dp else "-"
         lines.append(f"{name:22s} {s.step_s * 1e3:10.3f} {s.compute_s * 1e3:10.3f} {s.comm_s * 1e3:10.3f} "
-                     f"{s.memory_bytes / GIB:8.2f} {'yes' if s.memory_bytes <= limit else 'NO':>5s} {speed:>16s}")
+                     f"{s.sync_s * 1e3:9.3f} {s.memory_bytes / GIB:8.2f} "
+                     f"{'yes' if s.memory_bytes <= limit else 'NO':>5s} {speed:>16s}")
+    lines.append(f"(comm includes t_S, the gradient sync by {SYNC_NAMES[plan.machine.gradient_sync]})")
     if plan.heuristic is not None:
         lines.append(f"Dryden longest-path heuristic: {plan.heuristic.cost * 1e3:.3f} ms "
                      f"(chosen by {plan.result.method}: {plan.chosen.step_s * 1e3:.3f} ms, same candidates)")
