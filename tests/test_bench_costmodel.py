@@ -133,7 +133,7 @@ def test_compute_table_keys_are_what_the_cost_model_looks_up():
 
 def test_format_table_rankings_and_tolerance():
     def case(s, p, pred, meas):
-        return cm.Case("m", s, p, pred, pred / 10, [meas], {})
+        return cm.Case("m", s, p, pred, pred / 10, [meas], {}, [0.0])
     cases = [case("data=spatial", 1, 1.0, 1.0),
              case("data", 2, 0.50, 0.52), case("spatial", 2, 0.60, 0.70),
              case("data", 4, 0.30, 0.40), case("spatial", 4, 0.20, 0.45)]

@@ -25,13 +25,14 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -426,6 +427,64 @@ def measure_step(config: str, ranks: int, layers: Mapping[str, Mapping[str, int]
 
 
 # --------------------------------------------------------------------------------------------------------
+# other work on the machine
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy since boot, all cores (``/proc/stat``; Linux), or None."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (a training run: mpiexec and its ranks)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class OtherLoad:
+    """Cores that other processes kept busy during a ``with`` block: the machine's busy CPU time less this
+    process's and its children's, over the wall time (nan where ``/proc/stat`` cannot be read)."""
+
+    cores = math.nan
+
+    def __enter__(self) -> "OtherLoad":
+        self._busy, self._own, self._t = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, wall = busy_cpu_seconds(), time.perf_counter() - self._t
+        if busy is not None and self._busy is not None and wall > 0:
+            self.cores = max(0.0, (busy - self._busy) - (own_cpu_seconds() - self._own)) / wall
+
+
+@dataclass
+class Quiet:
+    """Measure while the machine is otherwise idle, as far as it goes: before a measurement, wait (from a
+    budget for the whole benchmark) until other processes keep fewer than ``threshold`` cores busy; repeat
+    a training run during which they kept more, up to ``retries`` times. Whatever was measured last is
+    kept, with its other load printed next to it."""
+
+    budget_s: float = 300.0
+    threshold: float = 0.25  # cores
+    retries: int = 2
+    waited_s: float = 0.0
+
+    def wait(self) -> float:
+        """Other load (cores) over the last one-second sample before returning."""
+        while True:
+            with OtherLoad() as load:
+                time.sleep(1.0)
+            self.waited_s += 1.0
+            if not load.cores > self.threshold or self.waited_s >= self.budget_s:
+                return load.cores
+
+
+# --------------------------------------------------------------------------------------------------------
 # the comparison
 
 
@@ -438,6 +497,7 @@ class Case:
     roofline_s: float  # the same prediction from the calibrated roofline, without the table
     measured: list[float]
     layers: dict
+    other: list[float] = field(default_factory=list)  # cores other processes kept busy during each run
 
     @property
     def measured_s(self) -> float:
@@ -457,11 +517,13 @@ def format_table(cases: Sequence[Case]) -> str:
     distinct strategy, then how many cases are within :data:`TOLERANCE`."""
     w = max([8] + [len(c.strategy) for c in cases])
     head = (f"{'model':6s} {'strategy':{w}s} {'ranks':>5s} {'predicted ms':>12s} {'measured ms':>11s} "
-            f"{'error %':>8s} {'roofline ms':>11s}")
+            f"{'error %':>8s} {'roofline ms':>11s} {'other load':>10s}")
     lines = [head, "-" * len(head)]
     for c in cases:
+        other = max(c.other) if c.other else math.nan
         lines.append(f"{c.model:6s} {c.strategy:{w}s} {c.ranks:5d} {c.predicted_s * 1e3:12.2f} "
-                     f"{c.measured_s * 1e3:11.2f} {100 * c.error:+8.1f} {c.roofline_s * 1e3:11.2f}")
+                     f"{c.measured_s * 1e3:11.2f} {100 * c.error:+8.1f} {c.roofline_s * 1e3:11.2f} "
+                     f"{other:10.2f}")
     lines.append("")
     groups: dict[tuple, list[Case]] = {}
     for c in cases:
@@ -493,8 +555,10 @@ def format_table(cases: Sequence[Case]) -> str:
 
 def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies: Sequence[str],
                   machine: MachineModel, work: str, steps: int, repeats: int, reps: int = 5,
-                  overlap: bool = False, log: Callable[[str], None] = print) -> tuple[list[Case], list[str]]:
+                  overlap: bool = False, quiet: Quiet | None = None, log: Callable[[str], None] = print
+                  ) -> tuple[list[Case], list[str]]:
     """Predict and measure every (model, strategy, ranks); returns the cases and notes."""
+    quiet = quiet or Quiet(budget_s=0.0)
     cases: list[Case] = []
     notes: list[str] = []
     todo = []
@@ -514,7 +578,10 @@ def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies
             per_ranks[p] = named
         all_dists = [d for named in per_ranks.values() for d in named.values()]
         log(f"{bm.name}: timing {len(graph)} layers under every local shape the strategies give them")
-        rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log)
+        quiet.wait()
+        with OtherLoad() as load:
+            rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log)
+        log(f"  (other processes kept {load.cores:.2f} cores busy meanwhile)")
         notes += [f"{bm.name}: {x}" for x in n]
         config = prepare(bm, work)
         for p, named in per_ranks.items():
@@ -528,11 +595,18 @@ def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies
                 todo.append((c, config))
     for r in range(repeats):  # repeats are interleaved so that a burst of load elsewhere hits one of each
         for c, config in todo:
-            out = os.path.join(work, "runs", f"{c.model}-{c.strategy}-{c.ranks}-{r}")
-            t = measure_step(config, c.ranks, c.layers, steps, out, overlap)
+            for attempt in range(quiet.retries + 1):
+                quiet.wait()
+                out = os.path.join(work, "runs", f"{c.model}-{c.strategy}-{c.ranks}-{r}-{attempt}")
+                with OtherLoad() as load:
+                    t = measure_step(config, c.ranks, c.layers, steps, out, overlap)
+                log(f"  run {r + 1}/{repeats}: {c.model} {c.strategy} on {c.ranks} rank(s): "
+                    f"{t * 1e3:.2f} ms per step (predicted {c.predicted_s * 1e3:.2f} ms); other processes "
+                    f"kept {load.cores:.2f} cores busy")
+                if not load.cores > quiet.threshold or quiet.waited_s >= quiet.budget_s:
+                    break
             c.measured.append(t)
-            log(f"  run {r + 1}/{repeats}: {c.model} {c.strategy} on {c.ranks} rank(s): "
-                f"{t * 1e3:.2f} ms per step (predicted {c.predicted_s * 1e3:.2f} ms)")
+            c.other.append(load.cores)
     return cases, notes
 
 
@@ -564,7 +638,7 @@ def parse_args(argv):
                     help=f"comma-separated, from {', '.join(STRATEGIES)} (default data,spatial,model)")
     ap.add_argument("--models", default=None, help="comma-separated subset of cls, mesh, res (default all)")
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per training run (default 10)")
-    ap.add_argument("--repeats", type=int, default=2,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="training runs per case; the median of their median step times is reported")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per layer for the compute table")
     ap.add_argument("--work", default=None,
@@ -574,6 +648,12 @@ def parse_args(argv):
     ap.add_argument("--overlap", action="store_true",
                     help="train with comm.overlap (gradients reduced on a background thread in backprop); "
                          "by default off, as the cost model adds communication to compute (Jia et al. eq. 1)")
+    ap.add_argument("--idle-wait", type=float, default=300.0,
+                    help="seconds the whole benchmark may wait for other processes to leave the CPUs before "
+                         "measuring (default 300; 0: measure at once)")
+    ap.add_argument("--other-load", type=float, default=0.25,
+                    help="cores of other load above which a training run is repeated, up to twice "
+                         "(default 0.25)")
     ap.add_argument("--json", default=None, help="also write the cases to this JSON file")
     return ap.parse_args(argv)
 
@@ -614,15 +694,20 @@ def main(argv=None) -> int:
         print(f"machine {machine.name}: gamma {machine.gamma_s_per_flop:.3e} s/FLOP, intra alpha "
               f"{machine.intra.alpha_s:.2e} s, beta {machine.intra.beta_s_per_byte:.2e} s/B, "
               f"cores per node {machine.cores_per_node or 'one per rank'}", flush=True)
+        from lbannpy.layers.kernels import conv as kconv
+        print(f"conv kernels: {'compiled (_cconv)' if kconv.USE_COMPILED else 'NumPy'} "
+              f"(LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table and the runs alike", flush=True)
         load0 = _loadavg()
         t0 = time.perf_counter()
+        quiet = Quiet(budget_s=0.0 if args.quick else args.idle_wait, threshold=args.other_load)
         cases, notes = run_benchmark(models, ranks, strategies, machine, work, steps, repeats, reps,
-                                     overlap=args.overlap)
+                                     overlap=args.overlap, quiet=quiet)
         print(f"\npredicted: cost model with the measured layer table; roofline: the same without it. "
               f"measured: median step of lbannpy.train ({steps} steps, comm.overlap "
               f"{'on' if args.overlap else 'off'}), median of {repeats} run(s). "
-              f"{time.perf_counter() - t0:.0f} s; "
-              f"load average {load0} before, {_loadavg()} after (this machine's other work shows here)\n")
+              f"{time.perf_counter() - t0:.0f} s, {quiet.waited_s:.0f} s of it waiting for other processes "
+              f"to leave the CPUs; load average {load0} before, {_loadavg()} after. other load: cores that "
+              f"other processes kept busy during the run (the most of its repeats).\n")
         print(format_table(cases))
         for n in notes:
             print(f"note: {n}")
@@ -631,6 +716,7 @@ def main(argv=None) -> int:
                 json.dump([{"model": c.model, "strategy": c.strategy, "ranks": c.ranks,
                             "predicted_s": c.predicted_s, "roofline_s": c.roofline_s,
                             "measured_s": c.measured,
+                            "other_load_cores": [None if math.isnan(x) else x for x in c.other],
                             "error": c.error} for c in cases], f, indent=2)
     return 0
 
