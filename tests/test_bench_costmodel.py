@@ -175,3 +175,35 @@ def test_costmodel_quick_run(tmp_path):
     assert f"within 15%: " in r.stdout and f" of {len(cases)} cases" in r.stdout
     machine = load_machine_model(tmp_path / "work" / "machine.yaml")  # written by calibrate --quick
     assert machine.cores_per_node >= 1 and machine.mem_s_per_byte > 0 and machine.kernel_overhead_s > 0
+
+
+def test_input_read_is_priced_where_measured(tmp_path):
+    """A measured ("input", block, block) entry is the read time of the layer reading the model input, in
+    the block its distribution gives; scaled like compute where ranks share cores; 0 without an entry."""
+    from lbannpy.strategy.cost import layer_cost
+
+    model = {"input": {"channels": 3, "spatial": [8, 8]},
+             "layers": [{"name": "c", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
+                        {"name": "r", "type": "relu"}]}
+    g = build_graph(model, 4)
+    conv, relu = g["c"], g["r"]
+    n2, c2 = Distribution.make(4, 2, n=2), Distribution.make(4, 2, c=2)
+    m = replace(_cpu_machine(1, 2), measured={("input", (2, 3, 8, 8), (2, 3, 8, 8)): (1e-3, 0.0, 0.0),
+                                              ("input", (4, 3, 8, 8), (4, 3, 8, 8)): (3e-3, 0.0, 0.0)})
+    assert layer_cost(conv, n2, m, reads_input=True).input_s == pytest.approx(2e-3)  # 2 ranks on 1 core
+    assert layer_cost(conv, c2, m, reads_input=True).input_s == pytest.approx(6e-3)  # whole batch each
+    assert layer_cost(relu, n2, m, reads_input=False).input_s == 0.0
+    plain = layer_cost(conv, n2, _cpu_machine(1, 2), reads_input=True)
+    with_read = layer_cost(conv, n2, m, reads_input=True)
+    assert plain.input_s == 0.0 and with_read.compute_s == pytest.approx(plain.compute_s + 2e-3)
+
+
+def test_time_input_read_reads_the_block_the_first_layer_needs(tmp_path):
+    bm = cm.classifier(size=16, batch=4, width=4)
+    g = build_graph(bm.model, bm.batch_size)
+    m = load_machine_model("p100")
+    config, data = cm.prepare(bm, str(tmp_path))
+    assert os.path.isfile(config)
+    for name, block in (("data", (2, 3, 16, 16)), ("spatial", (4, 3, 8, 16)), ("model", (4, 3, 16, 16))):
+        row = cm.time_input_read(data, g, cm.strategy_dists(name, g, 2, m), reps=1)
+        assert row.key == ("input", block, block) and row.fwd_s > 0 and row.bwd_s == 0.0

@@ -358,6 +358,31 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
     return rows, notes
 
 
+def time_input_read(path: str, graph: ModelGraph, dists: Mapping[str, Distribution], reps: int = 5
+                    ) -> TableRow:
+    """A table row for reading the slowest rank's block of one mini-batch of ``path``, in the distribution
+    the layer reading the model input needs (what the trainer's reader reads, labels included, with no
+    prefetch: h5py holds the GIL while it reads, so on the CPU the read does not hide behind NumPy work):
+    the median of ``reps`` reads after one."""
+    from lbannpy.data.reader import HDF5Reader
+
+    first = next(n for n in graph if any(p in INPUT_NAMES for p in n.parents))
+    in_dist = required_input(first, dists[first.name], graph.input_shape)
+    block = max_local_shape(graph.input_shape, in_dist)
+    reader = HDF5Reader(path, dist=in_dist, rank=0, batch_size=graph.batch_size, seed=1, shuffle=True,
+                        prefetch=False)  # rank 0 holds the largest block
+    times = []
+    try:
+        for i in range(max(reps, 1) + 1):
+            t0 = time.perf_counter()
+            reader.next()
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        reader.close()
+    return TableRow(("input", block, block), statistics.median(times), 0.0)
+
+
 def with_table(machine: MachineModel, rows: Sequence[TableRow]) -> MachineModel:
     """``machine`` with ``rows`` added to its measured table (see :meth:`TableRow.to_yaml`)."""
     measured = dict(machine.measured)
@@ -385,8 +410,8 @@ def _run(cmd: Sequence[str], timeout: float, what: str) -> subprocess.CompletedP
     return p
 
 
-def prepare(model: BenchModel, work: str, timeout: float = 300) -> str:
-    """Write the model's data set and config (``config.h5``) under ``work``; returns the config path."""
+def prepare(model: BenchModel, work: str, timeout: float = 300) -> tuple[str, str]:
+    """Write the model's data set and config (``config.h5``) under ``work``; returns their paths."""
     import yaml
 
     data = os.path.join(work, f"{model.name}-data.h5")
@@ -402,7 +427,7 @@ def prepare(model: BenchModel, work: str, timeout: float = 300) -> str:
     cfg = os.path.join(work, f"{model.name}.h5")
     _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", cfg], timeout,
          f"config for {model.name}")
-    return cfg
+    return cfg, data
 
 
 def measure_step(config: str, ranks: int, layers: Mapping[str, Mapping[str, int]], steps: int, out_dir: str,
@@ -577,13 +602,17 @@ def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies
                     named[s] = d
             per_ranks[p] = named
         all_dists = [d for named in per_ranks.values() for d in named.values()]
+        config, data = prepare(bm, work)
         log(f"{bm.name}: timing {len(graph)} layers under every local shape the strategies give them")
         quiet.wait()
         with OtherLoad() as load:
             rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log)
+            inputs = {r.key: r for r in (time_input_read(data, graph, d, reps) for d in all_dists)}
+        for r in inputs.values():
+            log(f"  {'(input)':8s} {'read':9s} block {str(r.key[1]):19s} {r.fwd_s * 1e3:8.3f} ms")
+        rows += list(inputs.values())
         log(f"  (other processes kept {load.cores:.2f} cores busy meanwhile)")
         notes += [f"{bm.name}: {x}" for x in n]
-        config = prepare(bm, work)
         for p, named in per_ranks.items():
             mach_p = with_table(machine.with_layout(p), rows)
             roof_p = machine.with_layout(p)

@@ -2,7 +2,8 @@
 
 Jia et al. (2018) eq. 1: ``t_O = Σ_layers (t_C + t_S) + Σ_edges t_X``. Here
 
-* ``t_C`` = local forward + backward-data + backward-weights compute (γ·FLOPs roofline, or a measured table)
+* ``t_C`` = local forward + backward-data + backward-weights compute (γ·FLOPs roofline, or a measured table;
+  a layer reading the model input also reads its block of it from the data set, where that is measured)
   plus the layer's own communication: halo exchanges (Dryden et al. 2019 §V-A), batch-norm statistics over
   the spatial group, and the partial-sum allreduce of the error signal when output channels are split
   (the second term of Gholami et al. 2018 eq. 8);
@@ -132,10 +133,12 @@ class LayerCost:
     allreduce_s: float  # t_S: gradient sync (allreduce or parameter server) over the weight block's group
     mem_persistent_bytes: int  # kept from forward to backward: activations, weights, gradients, optimizer
     mem_transient_bytes: int  # alive only while this layer runs: error signals, halo buffers
+    input_s: float = 0.0  # reading this rank's block of the model input (layers that read it)
 
     @property
     def compute_s(self) -> float:
-        return self.fwd_s + self.bwd_data_s + self.bwd_weights_s
+        """Local work of the rank: the kernels and, for a layer reading the model input, reading its block."""
+        return self.fwd_s + self.bwd_data_s + self.bwd_weights_s + self.input_s
 
     @property
     def comm_s(self) -> float:
@@ -359,17 +362,30 @@ def layer_memory(node: Node, dist: Distribution, machine: MachineModel, reads_in
     return int(persistent), int(transient)
 
 
+def input_time(shape: Sequence[int], dist: Distribution, machine: MachineModel) -> float:
+    """Seconds for the slowest rank to read its block of the model input (``shape`` under ``dist``, the
+    distribution the layer reading it needs) from the data set: the machine's measured entry keyed
+    ``("input", block, block)``, 0 without one. Reading is work of the rank's own core (decoding, copying;
+    h5py holds the GIL while it reads), so it is scaled like compute where ranks share cores."""
+    block = max_local_shape(shape, dist)
+    entry = machine.measured.get(("input", block, block))
+    return 0.0 if entry is None else entry[0] * machine.compute_slowdown(dist.ranks)
+
+
 def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_input: bool = False,
                optimizer: str | None = "sgd") -> LayerCost:
     """All per-layer terms for ``node`` with output distribution ``dist``. ``reads_input``: the layer reads the
-    model input, which needs no dL/dx."""
+    model input, which needs no dL/dx, and reads its block of the input from the data set."""
     needs_dx = not reads_input
     f, bd, bw = compute_times(node, dist, machine, needs_dx)
     halo = halo_time(node, dist, machine, needs_dx)
     internal = internal_comm_time(node, dist, machine, needs_dx)
     ar = gradient_sync_time(node, dist, machine)
     pers, trans = layer_memory(node, dist, machine, reads_input, optimizer)
-    return LayerCost(f, bd, bw, halo, internal, ar, pers, trans)
+    inp = 0.0
+    if reads_input:
+        inp = input_time(node.in_shape, required_input(node, dist, node.in_shape), machine)
+    return LayerCost(f, bd, bw, halo, internal, ar, pers, trans, inp)
 
 
 # --------------------------------------------------------------------------------------------------------

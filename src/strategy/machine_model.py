@@ -17,6 +17,7 @@ A machine file is YAML (read with ``yaml.safe_load``)::
       measured:                                            # optional, from the calibration benchmark
         - {type: conv, in: [32, 64, 56, 56], out: [32, 64, 56, 56], fwd_s: 0.004, bwd_data_s: 0.004,
            bwd_weights_s: 0.005}
+        - {type: input, in: [8, 3, 224, 224], out: [8, 3, 224, 224], fwd_s: 0.002}   # reading a block of it
 
 ``load_machine_model(NAME_OR_PATH)`` reads a file, or ``src/machines/NAME.yaml``, or one of the presets below
 (P100 as in Jia et al. 2018, Lassen V100 as in Dryden et al. 2019, H100), in that order.
