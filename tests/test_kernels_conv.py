@@ -129,6 +129,9 @@ def kernel_path(request, monkeypatch):
     if request.param == "compiled":
         _require_compiled()
         monkeypatch.setattr(kconv, "USE_COMPILED", True)
+        # every shape on the compiled kernels, not only those where they are the faster path
+        monkeypatch.setattr(kconv, "COMPILED_MAX_CHANNELS", 1 << 30)
+        monkeypatch.setattr(kconv, "COMPILED_MIN_ROW", 0)
     else:
         monkeypatch.setattr(kconv, "USE_COMPILED", False)
     return request.param
@@ -188,6 +191,7 @@ def test_conv_wide_rows_match_torch(case, dtype, kernel_path, monkeypatch):
 def test_conv_compiled_and_numpy_paths_agree(monkeypatch):
     """The two CPU paths on a mesh-model-like float32 layer (18 -> 16 channels, stride 1 and 2)."""
     _require_compiled()
+    monkeypatch.setattr(kconv, "COMPILED_MIN_ROW", 0)  # the stride-2 rows here are 35 outputs wide
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 18, 21, 70)).astype(np.float32)
     w = (rng.standard_normal((16, 18, 3, 3)) * 0.1).astype(np.float32)
@@ -203,6 +207,23 @@ def test_conv_compiled_and_numpy_paths_agree(monkeypatch):
                              conv_backward_filter(xw, dy, w.shape, stride))
         for a, r in zip(got[True], got[False]):
             assert_close(a, r.astype(np.float64), 2e-5)
+
+
+def test_compiled_kernels_only_where_they_are_the_faster_path(monkeypatch):
+    """Few channels on wide rows (the mesh model's first layers) take the direct kernel; narrow rows and
+    many channels take the GEMM path, where the direct kernel is many times slower."""
+    _require_compiled()
+    monkeypatch.setattr(kconv, "USE_COMPILED", True)
+    a = np.zeros(1, dtype=np.float32)
+    assert kconv._compiled(a, channels=18, row=1024) and kconv._compiled(a, channels=64, row=48)
+    assert not kconv._compiled(a, channels=18, row=16)      # narrow rows
+    assert not kconv._compiled(a, channels=768, row=1024)   # many channels
+    assert not kconv._compiled(a.astype(np.int32), channels=18, row=1024)
+    calls = []
+    monkeypatch.setattr(kconv, "_forward_compiled", lambda *a, **k: calls.append(a) or np.zeros(0))
+    deep = np.zeros((1, 128, 18, 18), np.float32)
+    conv_forward(deep, np.zeros((128, 128, 3, 3), np.float32))
+    assert not calls, "a 128-channel layer on 16-wide rows must not take the direct kernel"
 
 
 F32_CASES = [c for c in CASES if c.pads[0] == (c.dilation * (c.kernel - 1) // 2,) * 2 or c.groups > 1][:12]
