@@ -176,7 +176,10 @@ STRATEGIES = ("data", "spatial", "model", "owt", "hybrid", "selector")
 
 def strategy_dists(name: str, graph: ModelGraph, ranks: int, machine: MachineModel
                    ) -> dict[str, Distribution]:
-    """The distributions of strategy ``name`` (one of :data:`STRATEGIES`) for every layer of ``graph``."""
+    """The distributions of strategy ``name`` (one of :data:`STRATEGIES`) for every layer of ``graph``:
+    Jia et al.'s baselines (``data``, ``model``, ``owt``), :func:`spatial_strategy`, :func:`hybrid_strategy`,
+    or the selector's plan on ``machine`` (``selector``; priced without this benchmark's layer table, which
+    holds only the shapes of the strategies it compares)."""
     if name in ("data", "model", "owt"):
         key = {"data": "data-parallel", "model": "model-parallel", "owt": "owt"}[name]
         return baseline_strategies(graph, ranks)[key]
@@ -500,7 +503,9 @@ class Quiet:
     waited_s: float = 0.0
 
     def wait(self) -> float:
-        """Other load (cores) over the last one-second sample before returning."""
+        """Other load (cores) over the last one-second sample before returning (nan: no budget, no wait)."""
+        if self.budget_s <= 0:
+            return math.nan
         while True:
             with OtherLoad() as load:
                 time.sleep(1.0)
@@ -713,12 +718,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="lbannpy-costmodel-") as tmp:
         work = args.work or tmp
         os.makedirs(work, exist_ok=True)
+        quiet = Quiet(budget_s=0.0 if args.quick else args.idle_wait, threshold=args.other_load)
+        load0 = _loadavg()
+        t0 = time.perf_counter()
         machine_path = args.machine
         if machine_path is None:
             machine_path = os.path.join(work, "machine.yaml")
             print(f"calibrating this machine: python -m lbannpy.bench calibrate -o {machine_path}",
                   flush=True)
-            calibrate_here(machine_path, args.quick)
+            quiet.wait()
+            with OtherLoad() as load:
+                calibrate_here(machine_path, args.quick)
+            print(f"(other processes kept {load.cores:.2f} cores busy meanwhile)", flush=True)
         machine = load_machine_model(machine_path)
         print(f"machine {machine.name}: gamma {machine.gamma_s_per_flop:.3e} s/FLOP, intra alpha "
               f"{machine.intra.alpha_s:.2e} s, beta {machine.intra.beta_s_per_byte:.2e} s/B, "
@@ -726,9 +737,6 @@ def main(argv=None) -> int:
         from lbannpy.layers.kernels import conv as kconv
         print(f"conv kernels: {'compiled (_cconv)' if kconv.USE_COMPILED else 'NumPy'} "
               f"(LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table and the runs alike", flush=True)
-        load0 = _loadavg()
-        t0 = time.perf_counter()
-        quiet = Quiet(budget_s=0.0 if args.quick else args.idle_wait, threshold=args.other_load)
         cases, notes = run_benchmark(models, ranks, strategies, machine, work, steps, repeats, reps,
                                      overlap=args.overlap, quiet=quiet)
         print(f"\npredicted: cost model with the measured layer table; roofline: the same without it. "
