@@ -89,7 +89,9 @@ def worker(units: int, batch: int, steps: int) -> dict:
             model.backward(dy, on_layer=timed)
             if rep == 0:  # warm-up
                 samples.clear()
-        bp_times = {name: float(np.median(v)) for name, v in samples.items()}
+        # identical devices: every rank sleeps rank 0's durations (each rank's own measurement differs by
+        # a few ms, which would skew the ranks by construction)
+        bp_times = comm.bcast_obj({name: float(np.median(v)) for name, v in samples.items()}, root=0)
         for case in ("cpu", "standin"):
             for overlap in (False, True):
                 eng = OverlapEngine(params, comms, bucket_bytes=25 << 20, first_bucket_bytes=1 << 20,
