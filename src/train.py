@@ -272,7 +272,6 @@ class Trainer:
             synced, self.grad_comms, bucket_bytes=int(float(cc["bucket_mb"]) * 2**20),
             first_bucket_bytes=int(float(cc["first_bucket_mb"]) * 2**20), overlap=bool(cc["overlap"]),
             chunk_layers=k or None, thread_multiple=getattr(self.rt, "thread_multiple", True), xp=self.rt.xp)
-        self.step_comm: list[float] = []
         ck = cfg.get("checkpoint") or {}
         self.ckpt_dir = ck.get("dir", "ckpt")
         self.ckpt_every = int(ck.get("every_steps", 0) or 0)
