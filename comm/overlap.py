@@ -12,10 +12,16 @@ main thread's (halo exchanges, shuffles, batch-norm statistics). The MPI library
 ``MPI_THREAD_MULTIPLE`` for that; the engine refuses to start a thread without it.
 
 During backprop the trainer calls :meth:`OverlapEngine.layer_done` after each layer's backward. Once
-every parameter of a bucket is done, the bucket's gradients are packed into its flat buffer and the
-bucket is queued; the communication thread reduces queued buckets in order (one allreduce each). The
+every parameter of a bucket is done, the bucket is queued; the communication thread reduces queued buckets in order (one allreduce each). The
 trainer then calls :meth:`OverlapEngine.finish`, which waits for the buckets in completion order and hands
 each to ``on_bucket`` (the optimizer updates that bucket's parameters) as soon as it is reduced.
+
+Each parameter's ``grad`` is made a view into its bucket's flat buffer at set-up (the layers accumulate
+into ``grad`` in place), so a bucket is reduced where the gradients lie: no packing before the reduction
+and no unpacking after it. That matters beyond the copies themselves: unpacking a 64 MiB bucket on the
+main thread while the communication thread reduces the last one competes with it for the core and the
+memory bus, and delayed that last, exposed reduction by several milliseconds. A ``grad`` that someone
+rebinds to another array later is still handled, by copying it in and out.
 
 Intervals of every reduction are recorded (``records``) for the overlap report.
 """
@@ -42,6 +48,7 @@ class Bucket:
     offsets: list = field(default_factory=list)
     nbytes: int = 0
     buffer: object = None
+    views: list = field(default_factory=list)
     pending: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -120,6 +127,11 @@ class OverlapEngine:
             mod = xp if xp is not None else __import__("numpy")
             bucket.buffer = mod.empty(off, dtype=first.dtype)
             bucket.nbytes = bucket.buffer.nbytes
+            for p, o in zip(bucket.params, bucket.offsets):  # gradients live in the bucket from now on
+                view = bucket.buffer[o:o + p.grad.size].reshape(p.grad.shape)
+                view[...] = p.grad
+                p.grad = view
+                bucket.views.append(view)
             self.buckets.append(bucket)
         self._owned = [c for c in dups.values() if self.overlap and c.size > 1]
         self._bucket_of = {}
@@ -162,18 +174,26 @@ class OverlapEngine:
             bucket.pending = len(bucket.params)
             bucket.done.clear()
             bucket.error = None
+        self._next = 0  # index of the next bucket to post: buckets go out strictly in plan order
 
     def layer_done(self, layer_name: str) -> None:
         """Backprop finished ``layer_name``: its parameters' gradients are final on this rank."""
         for p in self._layer_params.get(layer_name, ()):
             bucket = self._bucket_of[id(p)]
             bucket.pending -= 1
-            if bucket.pending == 0:
-                self._post(bucket)
+        self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Post every bucket whose gradients are all final, in plan order: a bucket that is complete
+        before an earlier one (a layer's parameters split across two buckets) waits for it."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._post(self.buckets[self._next])
+            self._next += 1
 
     def _post(self, bucket: Bucket) -> None:
-        for p, off in zip(bucket.params, bucket.offsets):
-            bucket.buffer[off:off + p.grad.size] = p.grad.reshape(-1)
+        for p, off, view in zip(bucket.params, bucket.offsets, bucket.views):
+            if p.grad is not view:  # rebound elsewhere: copy in (and out in finish)
+                bucket.buffer[off:off + p.grad.size] = p.grad.reshape(-1)
         bucket.t_post = time.perf_counter()
         if self.overlap:
             self._queue.put(bucket)
@@ -184,17 +204,17 @@ class OverlapEngine:
     def finish(self, on_bucket: Callable[[list], None] | None = None) -> None:
         """Post what is left (in plan order), then wait for every bucket; unpack each reduced bucket into
         its parameters' gradients and call ``on_bucket(params)`` as soon as it completes."""
-        for bucket in self.buckets:
-            if bucket.pending > 0:  # parameters that backprop never reached (unused layers): post as is
-                bucket.pending = 0
-                self._post(bucket)
+        for bucket in self.buckets:  # parameters that backprop never reached (unused layers): post as is
+            bucket.pending = 0
+        self._post_ready()
         for _ in self.buckets:
             bucket = self._completed.get()
             if bucket.error is not None:
                 raise CommError(f"gradient reduction of bucket {bucket.index} failed: {bucket.error}") \
                     from bucket.error
-            for p, off in zip(bucket.params, bucket.offsets):
-                p.grad.reshape(-1)[...] = bucket.buffer[off:off + p.grad.size]
+            for p, off, view in zip(bucket.params, bucket.offsets, bucket.views):
+                if p.grad is not view:
+                    p.grad.reshape(-1)[...] = bucket.buffer[off:off + p.grad.size]
             self.records.append((bucket.index, bucket.nbytes, bucket.t_post, bucket.t_start, bucket.t_end))
             if on_bucket is not None:
                 on_bucket(bucket.params)

@@ -31,12 +31,16 @@ SCRIPT = textwrap.dedent('''
         world = rt.world
         rank, size = world.rank, world.size
         layers = [f"l{i}" for i in range(8)]
-        params = [P(f"{l}.w", 3000 + 500 * i) for i, l in enumerate(layers)]
+        # each layer: a large weight and a small bias. Backprop reaches both at once, but the bias is cut
+        # into the bucket before the weight's (reverse order), so a bucket completes before an earlier one
+        params = [P(f"{l}.{k}", n) for i, l in enumerate(layers) for k, n in (("w", 3000 + 500 * i), ("b", 7))]
         eng = OverlapEngine(params, [world] * len(params), bucket_bytes=30_000, first_bucket_bytes=8_000)
         rng = np.random.default_rng(rank)
         try:
             for step in range(3):
                 eng.start_step()
+                if step == 2:  # a gradient rebound to another array is still reduced (copied in and out)
+                    params[3].grad = np.zeros_like(params[3].grad)
                 for i, p in enumerate(params):
                     p.grad[...] = (rank + 1) * (step + i)
                 for j, l in enumerate(reversed(layers)):  # backprop, with rank-dependent compute times

@@ -69,3 +69,21 @@ def test_engine_delivers_every_bucket_and_updates_out_of_order(overlap):
     finally:
         eng.close()
         eng.close()
+
+
+def test_gradients_live_in_the_bucket_buffers():
+    """No packing or unpacking: after set-up every gradient is a view into its bucket's flat buffer,
+    keeping its shape and the values it had."""
+    params = [P(p.name, p.grad.size) for p in PARAMS]
+    for i, p in enumerate(params):
+        p.grad = np.full((p.grad.size // 10, 10) if p.grad.size >= 10 else p.grad.size, i, np.float32)
+    shapes = [p.grad.shape for p in params]
+    eng = OverlapEngine(params, [SingleCommunicator()] * len(params), bucket_bytes=9000,
+                        first_bucket_bytes=100, overlap=False)
+    try:
+        for i, p in enumerate(params):
+            bucket = next(b for b in eng.buckets if any(q is p for q in b.params))
+            assert np.shares_memory(p.grad, bucket.buffer), p.name
+            assert p.grad.shape == shapes[i] and np.all(p.grad == i)
+    finally:
+        eng.close()
