@@ -64,6 +64,7 @@ class LayerContext:
         self.timer = timer or Timer()
         self._groups: dict = {}
         self._tags = 100
+        self._workspace: dict = {}
 
     @property
     def rank(self) -> int:
@@ -90,6 +91,19 @@ class LayerContext:
             members = groups[self.rank]
             self._groups[key] = self.comm.split(min(members), self.rank)
         return self._groups[key]
+
+    def workspace(self, slot: str, shape: Sequence[int], dtype):
+        """A reused, uninitialised C-contiguous array for a temporary that lives only inside one layer's
+        forward or backward (e.g. a convolution's window gradient until its halo accumulation ends); one
+        buffer per slot, shared by every layer, grown to the largest request. A fresh array of that size
+        on every call costs a page fault per page, which on a large image costs as much as the arithmetic."""
+        dtype = np.dtype(dtype)
+        need = math.prod(shape) * dtype.itemsize
+        buf = self._workspace.get(slot)
+        if buf is None or buf.nbytes < need:
+            buf = self._workspace[slot] = None  # drop the smaller buffer before allocating the larger
+            buf = self._workspace[slot] = self.xp.empty(need, dtype=np.uint8)
+        return buf[:need].view(dtype).reshape(tuple(shape))
 
     def new_tag(self, count: int = 1) -> int:
         """Message tags for a layer's halo plans (identical on all ranks: layers are set up in order)."""

@@ -64,6 +64,7 @@ class Conv(Layer):
         self.in_dists = [Distribution(dist.split, dist.ranks, (1,) if cdeg > 1 else ())]
         self.halo = HaloPlan(self.in_dists[0], in_shape, self.stencil, self.ctx.rank,
                              tag=self.ctx.new_tag(2))
+        self._window_buf = None  # the forward's window, reused from step to step
         cin = in_shape[1]
         wshape = (self.filters, cin) + self.kernel
         fan_in = cin * math.prod(self.kernel)
@@ -77,15 +78,19 @@ class Conv(Layer):
         self.cgroup = self.ctx.grid_comm(self.in_dists[0], ["c"]) if cdeg > 1 else None
 
     # -- forward ---------------------------------------------------------------------------------------
-    def _conv(self, xwin):
+    def _conv(self, xwin, out=None):
         return K.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
-                              self.stride, self.dilation)
+                              self.stride, self.dilation, out=out)
 
     def fp_compute(self, xs):
         (x,) = xs
         ctx, plan, xp = self.ctx, self.halo, self.ctx.xp
         t0 = time.perf_counter()
-        exchange = plan.start(ctx.comm, x)  # the window already holds owned data and zero padding
+        # the window is kept for backprop anyway; reusing one buffer per layer from step to step spares the
+        # page faults of a fresh window-sized array in every forward
+        if self._window_buf is None or self._window_buf.dtype != x.dtype:
+            self._window_buf = xp.empty(plan.window_shape, dtype=x.dtype)
+        exchange = plan.start(ctx.comm, x, out=self._window_buf)  # owned data and zero padding are in
         window = exchange.window
         # interior and boundary are computed apart, with or without overlap, so that turning overlap off
         # changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size)
@@ -97,7 +102,7 @@ class Conv(Layer):
             return (sl[0], slice(None)) + tuple(sl[2:])
 
         def interior():
-            y[out(plan.interior_slices)] = self._conv(window[plan.interior_window_slices])
+            self._conv(window[plan.interior_window_slices], out=y[out(plan.interior_slices)])
         if split and ctx.overlap:
             interior()
         t1 = time.perf_counter()
@@ -107,7 +112,7 @@ class Conv(Layer):
             if not ctx.overlap:
                 interior()
             for osl, wsl in zip(plan.boundary_slices, plan.boundary_window_slices):
-                y[out(osl)] = self._conv(window[wsl])
+                self._conv(window[wsl], out=y[out(osl)])
         else:
             y = self._conv(window)
         ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
@@ -120,7 +125,9 @@ class Conv(Layer):
     def bp_compute(self, dy):
         ctx = self.ctx
         window = self._window
-        dwin = K.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation)
+        # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers
+        dwin = K.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
+                                    out=ctx.workspace("conv window gradient", window.shape, dy.dtype))
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
         acc = self.halo.accumulate_start(ctx.comm, dwin)

@@ -103,6 +103,18 @@ def _check(case: ConvCase, x, w, b, rtol, ref=None):
     dxw = conv_backward_data(dy.astype(dt), w, xw.shape, case.stride, case.dilation)
     assert dxw.shape == xw.shape and dxw.dtype == dt
     assert_close(crop_spatial(dxw, case.pads), dx_ref, rtol)
+    # into caller buffers (the layers' reused window workspace) filled with garbage: the same numbers
+    y_out, dxw_out = np.full_like(y, np.nan), np.full_like(dxw, np.nan)
+    assert conv_forward(xw, w, b, case.stride, case.dilation, out=y_out) is y_out
+    assert conv_backward_data(dy.astype(dt), w, xw.shape, case.stride, case.dilation, out=dxw_out) is dxw_out
+    np.testing.assert_array_equal(y_out, y)
+    np.testing.assert_array_equal(dxw_out, dxw)
+    # into a block of a larger output (the layer's interior and boundary pieces), rows strided or not
+    for big in (np.full(y.shape[:-1] + (y.shape[-1] + 3,), np.nan, dt),
+                np.full(y.shape[:-1] + (2 * y.shape[-1],), np.nan, dt)):
+        view = big[..., :y.shape[-1]] if big.shape[-1] != 2 * y.shape[-1] else big[..., ::2]
+        conv_forward(xw, w, b, case.stride, case.dilation, out=view)
+        np.testing.assert_array_equal(view, y)
     dw = conv_backward_filter(xw, dy.astype(dt), w.shape, case.stride, case.dilation)
     assert dw.shape == w.shape and dw.dtype == dt
     assert_close(dw, dw_ref, rtol)
@@ -255,6 +267,18 @@ def test_conv_results_do_not_alias_scratch(stride, kernel_path):
         np.testing.assert_array_equal(a, b)
     assert not np.shares_memory(y1, y2) and not np.shares_memory(dx1, dx2)
     assert_close(dx2, 2 * keep[1])
+
+
+def test_conv_refuses_an_unfit_output_buffer():
+    xw = np.zeros((1, 2, 6, 6))
+    w = np.zeros((3, 2, 3, 3))
+    for bad in (np.zeros((1, 3, 4, 5)), np.zeros((1, 3, 4, 4), np.float32)):
+        with pytest.raises(KernelShapeError, match="output buffer"):
+            conv_forward(xw, w, out=bad)
+    with pytest.raises(KernelShapeError, match="window gradient buffer.*shape \\(1, 2, 6, 6\\)"):
+        conv_backward_data(np.zeros((1, 3, 4, 4)), w, xw.shape, out=np.zeros((1, 2, 6, 5)))
+    with pytest.raises(KernelShapeError, match="C-contiguous"):
+        conv_backward_data(np.zeros((1, 3, 4, 4)), w, xw.shape, out=np.zeros((1, 2, 6, 12))[..., ::2])
 
 
 def test_padding_lost_window_gradient_is_adjoint():

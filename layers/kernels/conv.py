@@ -344,16 +344,23 @@ def _backward_filter_compiled(x_window, dy, w_shape, geo: ConvGeometry):
     return dw2.reshape(tuple(w_shape))
 
 
-def conv_forward(x_window, w, b=None, stride=1, dilation=1):
+def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
     """Valid convolution of a padded window: ``(N, C, *S)`` with ``(F, C/groups, *K)`` -> ``(N, F, *O)``,
-    ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``."""
+    ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``. ``out`` (optional): an
+    array of the output's shape and dtype to write into (every element is written), such as a block of a
+    larger output; written in place where its rows are contiguous, else through a temporary."""
     xp = array_module(x_window)
     dt = _check_dtypes(x_window, w, b)
     geo = ConvGeometry.make(x_window.shape, w.shape, stride, dilation)
-    if _compiled(x_window, w, b, channels=geo.cg, row=geo.out[-1]):
-        return _forward_compiled(x_window, w, b, geo)
+    _check_out(out, geo.out_shape, dt, "output")
+    if _compiled(x_window, w, b, out, channels=geo.cg, row=geo.out[-1]):
+        if out is None or out.strides[-1] == dt.itemsize:
+            return _forward_compiled(x_window, w, b, geo, out=out)
+    if out is not None and not out.flags.c_contiguous:
+        out[...] = conv_forward(x_window, w, b, stride, dilation)
+        return out
     cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
-    y = xp.empty(geo.out_shape, dtype=dt)
+    y = xp.empty(geo.out_shape, dtype=dt) if out is None else out
     w2 = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps)
     bias = None if b is None else b.reshape(geo.groups, fg, 1)
     buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
@@ -391,9 +398,11 @@ def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
     return dw2.reshape(tuple(w_shape))
 
 
-def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
+def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     """Gradient w.r.t. the window (shape ``x_window_shape``, padding and halo included): the caller
-    halo-accumulates it, or crops the padding (:func:`crop_spatial`) on a single rank.
+    halo-accumulates it, or crops the padding (:func:`crop_spatial`) on a single rank. ``out``
+    (optional): a C-contiguous array of the window's shape and dtype to write into (a reused workspace
+    spares the page faults of a fresh window-sized array on every call).
 
     With stride 1 this is a valid convolution of ``dy`` zero-padded by ``dilation*(kernel-1)`` with the
     flipped, transposed filter; with stride ``s`` and dilation 1 each of the ``s**nsp`` phases of the window
@@ -405,20 +414,23 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
     dt = _check_dtypes(dy, w)
     geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
     _check_dy(dy, geo)
+    _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
-    compiled = _compiled(dy, w, channels=geo.fg, row=geo.window[-1])
+    compiled = _compiled(dy, w, out, channels=geo.fg, row=geo.window[-1])
     if geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg and not compiled:
         # the flipped convolution would gather F*K rows per column, col2im scatters only C*K
-        return _backward_data_col2im(dy, w, geo)
+        return _backward_data_col2im(dy, w, geo, out)
     if all(s == 1 for s in geo.stride):
-        return _backward_data_phase(dy, w, geo, (0,) * len(geo.kernel), tuple(geo.window))
+        return _backward_data_phase(dy, w, geo, (0,) * len(geo.kernel), tuple(geo.window), out)
     if all(d == 1 for d in geo.dilation):
         if compiled:
             if geo.stride[-1] == 2:
-                return _backward_data_pairs_compiled(dy, w, geo)
-            return _backward_data_phases_compiled(dy, w, geo)
+                return _backward_data_pairs_compiled(dy, w, geo, out)
+            return _backward_data_phases_compiled(dy, w, geo, out)
         xp = array_module(dy)
-        dx = xp.zeros(tuple(x_window_shape), dtype=dt)
+        dx = xp.zeros(tuple(x_window_shape), dtype=dt) if out is None else out
+        if out is not None:
+            dx[...] = 0
         for phase in itertools.product(*(range(s) for s in geo.stride)):
             # window positions a, a+s, a+2s, ... of each dimension
             extent = tuple(-(-(n - a) // s) for n, a, s in zip(geo.window, phase, geo.stride))
@@ -427,7 +439,7 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1):
             sl = (slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))
             dx[sl] = _backward_data_phase(dy, w, geo, phase, extent)
         return dx
-    return _backward_data_col2im(dy, w, geo)
+    return _backward_data_col2im(dy, w, geo, out)
 
 
 def _flipped_subfilter(w, geo: ConvGeometry, phase):
@@ -441,7 +453,7 @@ def _flipped_subfilter(w, geo: ConvGeometry, phase):
     return array_module(w).ascontiguousarray(wt)
 
 
-def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
+def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent, out=None):
     """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
     wt = _flipped_subfilter(w, geo, phase)
     pads = []
@@ -451,10 +463,10 @@ def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent):
     # scratch only for the compiled forward (the same decision conv_forward takes below)
     dyp = (_pad_into(dy, pads) if _compiled(dy, wt, channels=geo.fg, row=extent[-1])
            else pad_spatial(dy, pads))
-    return conv_forward(dyp, wt, None, 1, geo.dilation)
+    return conv_forward(dyp, wt, None, 1, geo.dilation, out=out)
 
 
-def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
+def _backward_data_phases_compiled(dy, w, geo: ConvGeometry, out=None):
     """Stride > 1, dilation 1, compiled path: ``dy`` padded once for every phase, each phase's stride-1
     convolution written into the phase layout ``(N, C, *stride, *Q)``, merged into ``dx`` in one pass."""
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
@@ -472,12 +484,12 @@ def _backward_data_phases_compiled(dy, w, geo: ConvGeometry):
                    + tuple(slice(lm - t + 1, lm + m) for lm, t, m in zip(lo, taps, extent))]
         wt = _flipped_subfilter(w, geo, phase)
         _forward_compiled(view, wt, None, ConvGeometry.make(view.shape, wt.shape, 1, 1), out=target)
-    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype)
+    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype) if out is None else out
     _phases(dx, dxs, geo.stride, merge=True)
     return dx
 
 
-def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry):
+def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
     """Column stride 2, dilation 1, compiled path: for each phase of the leading dimensions, both column
     phases of the window gradient come from one kernel call that writes them interleaved into ``dx``,
     each a stride-1 convolution of ``dy`` (padded once for all phases) with its flipped sub-filter."""
@@ -486,7 +498,7 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry):
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
     lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
     dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
-    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dt)
+    dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dt) if out is None else out
     est = _elem_strides(dyp)
     none = np.zeros(1, dtype=dt)  # the weights of a phase without taps (never read)
     for a in itertools.product(*(range(s) for s in geo.stride[:-1])):
@@ -517,11 +529,15 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry):
     return dx
 
 
-def _backward_data_col2im(dy, w, geo: ConvGeometry):
+def _backward_data_col2im(dy, w, geo: ConvGeometry, out=None):
     xp = array_module(dy)
     dt = dy.dtype
     cg, fg, budget = geo.cg, geo.fg, _budget(dy)
-    dx = xp.zeros((geo.batch, geo.channels) + geo.window, dtype=dt)
+    if out is None:
+        dx = xp.zeros((geo.batch, geo.channels) + geo.window, dtype=dt)
+    else:
+        dx = out
+        dx[...] = 0
     w2t = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps).transpose(0, 2, 1)
     rb = geo.rows_per_block(dt.itemsize, budget)
     buf = xp.empty(cg * geo.ntaps * rb * geo.rest, dtype=dt)
@@ -545,6 +561,16 @@ def conv_backward_bias(dy):
     """Gradient w.r.t. the bias: ``dy`` summed over every dimension but the filter dimension (1)."""
     axes = (0,) + tuple(range(2, dy.ndim))
     return dy.sum(axis=axes)
+
+
+def _check_out(out, shape, dtype, what: str, contiguous: bool = False):
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or (contiguous and not out.flags.c_contiguous):
+        raise KernelShapeError(
+            f"conv: the {what} buffer must be a {'C-contiguous ' if contiguous else ''}"
+            f"{np.dtype(dtype).name} array of shape {tuple(shape)}, got {out.dtype} {tuple(out.shape)}"
+            f"{'' if out.flags.c_contiguous else ' (not C-contiguous)'}")
 
 
 def _check_dy(dy, geo: ConvGeometry):

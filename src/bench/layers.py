@@ -5,7 +5,9 @@ Both sides get the same inputs and are timed interleaved (the order rotates ever
 other processes hits them alike; each number is the median of the repeats after one warm-up call. PyTorch
 runs in NCHW and in channels-last (inputs, filters and ``dy`` converted before timing); the faster one is
 the reference. Our conv runs on the compiled kernels where they are built (``--conv-kernel numpy`` times
-the NumPy fallback instead). Threads: the process re-executes itself with
+the NumPy fallback instead), with the buffers the Conv layer uses: its window and window gradient are
+allocated once and reused, its output and input gradient are fresh arrays on every call (PyTorch
+allocates everything on every call). Threads: the process re-executes itself with
 ``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1`` before NumPy is imported (OpenBLAS reads them
 at load), and calls ``torch.set_num_threads(1)``.
 """
@@ -84,10 +86,17 @@ def _contenders(case: BenchCase, dtype):
         y_shape = K.conv_forward(K.pad_spatial(x[:1], pad), w, b, s).shape[1:]
         dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
 
+        # buffers as the Conv layer keeps them: its window (reused from step to step, kept for backprop)
+        # and the window gradient (a workspace shared by all layers) are allocated once; the output and
+        # the input gradient, which outlive the layer's call, are fresh arrays on every call
+        window = np.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
+        dwindow = np.empty_like(window)
+
         def ours():
-            xw = K.pad_spatial(x, pad)
+            xw = K.pad_spatial(x, pad, out=window)
             K.conv_forward(xw, w, b, s)
-            np.ascontiguousarray(K.crop_spatial(K.conv_backward_data(dy, w, xw.shape, s), pad))
+            dxw = K.conv_backward_data(dy, w, xw.shape, s, out=dwindow)
+            np.ascontiguousarray(K.crop_spatial(dxw, pad))
             K.conv_backward_filter(xw, dy, w.shape, s)
             K.conv_backward_bias(dy)
 
