@@ -104,6 +104,17 @@ class ShufflePlan:
             self.sendcounts[s.peer] = s.size
         for s in self.recvs:
             self.recvcounts[s.peer] = s.size
+        # what the collective moves: the piece a rank keeps for itself is copied straight from its source
+        # block into its destination block, not packed and passed through the alltoallv
+        own_send = [x for x in self.sends if x.peer == rank]
+        own_recv = [x for x in self.recvs if x.peer == rank]
+        self._own = (own_send[0].slices, own_recv[0].slices) if own_send and own_recv else None
+        self._sends = segments([(x.peer, x.box) for x in self.sends if x.peer != rank],
+                               [lo for lo, _ in self.src_box])
+        self._recvs = segments([(x.peer, x.box) for x in self.recvs if x.peer != rank],
+                               [lo for lo, _ in self.dst_box])
+        self._sendcounts = [0 if q == rank else c for q, c in enumerate(self.sendcounts)]
+        self._recvcounts = [0 if q == rank else c for q, c in enumerate(self.recvcounts)]
         # every rank's destination block inside its own source block: no rank talks to another
         self.local_only = all(box_contains(src.box(shape, r), dst.box(shape, r)) for r in range(nranks))
         self.keep_slices = (relative_slices(self.dst_box, [lo for lo, _ in self.src_box])
@@ -134,16 +145,31 @@ class ShufflePlan:
         if self.local_only:
             result[...] = local[self.keep_slices]
             return Handle.completed(result, f"shuffle rank {self.rank}")
-        sendbuf = pack(local, self.sends)
-        recvbuf = xp.empty(packed_size(self.recvs), dtype=local.dtype)
-        handle = comm.ialltoallv(sendbuf, self.sendcounts, self.recvcounts, out=recvbuf)
+        # a single piece that is contiguous in its block goes without packing (sent from / received into
+        # the block itself); otherwise pieces are packed into flat buffers
+        sendbuf = _contiguous_piece(local, self._sends)
+        if sendbuf is None:
+            sendbuf = pack(local, self._sends)
+        direct = _contiguous_piece(result, self._recvs)
+        recvbuf = direct if direct is not None else xp.empty(packed_size(self._recvs), dtype=local.dtype)
+        handle = comm.ialltoallv(sendbuf, self._sendcounts, self._recvcounts, out=recvbuf)
+        if self._own is not None:  # while the collective is in flight
+            result[self._own[1]] = local[self._own[0]]
         received = []
 
         def finish():
-            return unpack(received[0], self.recvs, result)
+            return result if direct is not None else unpack(received[0], self._recvs, result)
 
         return Handle(lambda: received.append(handle.wait()), handle.test, finish,
                       (sendbuf, recvbuf, result, local), f"shuffle rank {self.rank}")
+
+
+def _contiguous_piece(arr, segs):
+    """The flat view of ``arr`` that is the only segment of ``segs``, when that piece is contiguous."""
+    if len(segs) != 1:
+        return None
+    view = arr[segs[0].slices]
+    return view.reshape(-1) if view.flags.c_contiguous else None
 
 
 @functools.lru_cache(maxsize=1024)
