@@ -207,3 +207,14 @@ def test_time_input_read_reads_the_block_the_first_layer_needs(tmp_path):
     for name, block in (("data", (2, 3, 16, 16)), ("spatial", (4, 3, 8, 16)), ("model", (4, 3, 16, 16))):
         row = cm.time_input_read(data, g, cm.strategy_dists(name, g, 2, m), reps=1)
         assert row.key == ("input", block, block) and row.fwd_s > 0 and row.bwd_s == 0.0
+
+
+def test_costmodel_refuses_a_missing_machine_file_before_any_work(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    work = tmp_path / "work"
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "costmodel", "--machine",
+                        str(tmp_path / "nope.yaml"), "--work", str(work)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "--machine" in r.stderr and "nope.yaml does not exist" in r.stderr
+    assert not work.exists() or not any(work.iterdir())

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from lbannpy.dist import Distribution
-from lbannpy.strategy import (MachineModel, baseline_strategies, build_graph, evaluate_strategy,
+from lbannpy.strategy import (MachineError, MachineModel, baseline_strategies, build_graph, evaluate_strategy,
                               load_machine_model, plan)
 from lbannpy.strategy.cost import max_local_shape, required_input
 from lbannpy.strategy.graph import INPUT_NAMES, ModelGraph, Node
@@ -714,6 +714,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"lbannpy.bench costmodel: no model among {want}; models: cls, mesh, res")
     steps, repeats = (3, 1) if args.quick else (args.steps, args.repeats)
     reps = 2 if args.quick else args.reps
+    if args.machine is not None:  # a bad machine file is refused before any data is written or run
+        try:
+            load_machine_model(args.machine)
+        except MachineError as exc:
+            raise SystemExit(f"lbannpy.bench costmodel: --machine: {exc}") from None
 
     with tempfile.TemporaryDirectory(prefix="lbannpy-costmodel-") as tmp:
         work = args.work or tmp
