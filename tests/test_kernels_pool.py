@@ -1,7 +1,12 @@
-"""Local max/average pooling kernels against PyTorch CPU (float64 to 1e-10)."""
+"""Local max/average pooling kernels against PyTorch CPU (float64 to 1e-10).
+
+Every check runs on both max-pooling paths: the compiled kernel (``_cconv``, where the extension is built)
+and the NumPy path (the fallback of an install without a C compiler)."""
 from __future__ import annotations
 
 import itertools
+import shutil
+import sysconfig
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,10 +15,24 @@ import torch
 import torch.nn.functional as F
 
 from kernel_util import assert_close
+from lbannpy.layers.kernels import pool as kpool
 from lbannpy.layers.kernels import (avg_pool_backward, avg_pool_forward, max_pool_backward, max_pool_forward,
                                     pad_spatial)
 
 SPATIAL = {2: (17, 23), 3: (7, 9, 11)}
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def max_pool_path(request, monkeypatch):
+    """Every test on both max-pooling paths. A missing extension where a C compiler is present is a failed
+    build (pip only warns), which must not pass as a skip."""
+    if request.param == "compiled" and kpool._cconv is None:
+        cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+        if shutil.which(cc):
+            pytest.fail(f"the compiled kernels are not built although the C compiler {cc!r} is present")
+        pytest.skip("no C compiler in this install: the compiled kernels cannot be built")
+    monkeypatch.setattr(kpool, "USE_COMPILED", request.param == "compiled")
+    return request.param
 
 
 @dataclass(frozen=True)
@@ -100,3 +119,33 @@ def test_max_pool_float32_and_nan_propagates():
     np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
     np.testing.assert_array_equal(y[~np.isnan(y)], ref[~np.isnan(ref)])
     assert arg[0, 1, 1, 1] == 1  # input (2, 3) is tap (0, 1) of output (1, 1): flat tap index 1
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_max_pool_of_a_strided_view_and_1d(dtype):
+    """A window that is a view into a larger array (the layer's halo window, sliced), and 1-D pooling."""
+    big = np.random.default_rng(7).standard_normal((2, 6, 21, 30)).astype(dtype)
+    x = big[:, 1:5, 2:19, 3:26]
+    case = PoolCase("max", 2, 3, 2, 0)
+    y_ref, dy, dx_ref = _reference(case, x.astype(np.float64))
+    y, arg = max_pool_forward(x, 3, 2)
+    dx = max_pool_backward(dy.astype(dtype), arg, x.shape, 3, 2)
+    rtol = 1e-10 if dtype == np.float64 else 1e-5
+    assert_close(y, y_ref, rtol)
+    assert_close(dx, dx_ref, rtol)
+    x1 = np.random.default_rng(8).standard_normal((2, 3, 19))
+    xt = torch.tensor(x1, requires_grad=True)
+    yt = F.max_pool1d(xt, 4, 3, dilation=2)
+    g = np.random.default_rng(9).standard_normal(tuple(yt.shape))
+    yt.backward(torch.tensor(g))
+    y1, a1 = max_pool_forward(x1, 4, 3, 2)
+    assert_close(y1, yt.detach().numpy())
+    assert_close(max_pool_backward(g, a1, x1.shape, 4, 3, 2), xt.grad.numpy())
+
+
+def test_max_pool_first_nan_wins():
+    x = np.zeros((1, 1, 2, 2))
+    x[0, 0, 0, 1] = np.nan
+    x[0, 0, 1, 0] = np.nan
+    y, arg = max_pool_forward(x, 2)
+    assert np.isnan(y[0, 0, 0, 0]) and arg[0, 0, 0, 0] == 1

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import numpy
 
 from lbannpy.backend import array_module
 
 from ._geometry import KernelShapeError, per_dim, tap_slices, valid_output_shape
+
+try:  # the compiled kernels (built by pip install where a C compiler is present; see _cconv.c)
+    from . import _cconv
+except ImportError:  # pragma: no cover - exercised on installs without a compiler
+    _cconv = None
+
+# max pooling of NumPy float32/float64 arrays runs in one compiled pass (maximum and winning tap together)
+# where the extension is built; LBANNPY_CONV_KERNEL=numpy selects the NumPy path for every kernel
+USE_COMPILED = _cconv is not None and os.environ.get("LBANNPY_CONV_KERNEL", "") != "numpy"
 
 
 def _geometry(window_shape, kernel, stride, dilation):
@@ -40,6 +50,17 @@ def _at(tap, out, s, d):
     return (slice(None), slice(None)) + tap_slices(tap, out, s, d)
 
 
+def _compiled(*arrays) -> bool:
+    return (USE_COMPILED and all(isinstance(a, numpy.ndarray) for a in arrays)
+            and arrays[0].dtype in (numpy.float32, numpy.float64)
+            and all(st >= 0 and st % a.itemsize == 0 for a in arrays for st in a.strides))
+
+
+def _three(vals, fill):
+    """Spatial parameters padded in front to three dimensions (2-D pooling has a leading extent of 1)."""
+    return (fill,) * (3 - len(vals)) + tuple(vals)
+
+
 def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     """``(N, C, *S)`` -> ``(y, argmax)``: the maxima ``(N, C, *O)`` and the winning tap of each (an integer
     index into the row-major flattened kernel; pass it to :func:`max_pool_backward`). ``stride`` defaults to
@@ -48,6 +69,19 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     k, s, d, out = _geometry(x_window.shape, kernel, stride, dilation)
     taps = _taps(k)
     idx_dtype = numpy.int8 if len(taps) <= 127 else numpy.int16
+    if _compiled(x_window):
+        n, c = x_window.shape[:2]
+        y = numpy.empty((n, c) + tuple(out), dtype=x_window.dtype)
+        arg = numpy.empty(y.shape, dtype=idx_dtype)
+        isz = x_window.itemsize
+        xs = _three([st // isz for st in x_window.strides[2:]], 0)
+        per = math.prod(out) * c
+        for i in range(n):  # one call per sample: planes are its channels
+            _cconv.maxpool_fwd(isz, x_window[i].__array_interface__["data"][0], c, x_window.strides[1] // isz,
+                               *xs, *_three(out, 1), *_three(k, 1), *_three(s, 1), *_three(d, 1),
+                               y.__array_interface__["data"][0] + i * per * isz,
+                               arg.__array_interface__["data"][0] + i * per * arg.itemsize, arg.itemsize)
+        return y, arg
     y = x_window[_at(taps[0], out, s, d)].copy()
     for tap in taps[1:]:
         xp.maximum(y, x_window[_at(tap, out, s, d)], out=y)  # NaN propagates
@@ -69,6 +103,19 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
     k, s, d, out = _geometry(x_window_shape, kernel, stride, dilation)
     _check(dy, x_window_shape, out)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
+    if _compiled(dy, argmax) and argmax.dtype in (numpy.int8, numpy.int16):
+        dy_c, arg_c = numpy.ascontiguousarray(dy), numpy.ascontiguousarray(argmax)
+        isz = dy.itemsize
+        n, c = dy.shape[:2]
+        per = math.prod(out) * c
+        k3 = _three(k, 1)
+        dxs = _three([st // isz for st in dx.strides[2:]], 0)
+        for i in range(n):
+            _cconv.maxpool_bwd(isz, dy_c.__array_interface__["data"][0] + i * per * isz,
+                               arg_c.__array_interface__["data"][0] + i * per * arg_c.itemsize, arg_c.itemsize,
+                               c, *_three(out, 1), *k3, *_three(s, 1), *_three(d, 1),
+                               dx[i].__array_interface__["data"][0], dx.strides[1] // isz, *dxs)
+        return dx
     for t, tap in enumerate(_taps(k)):
         dx[_at(tap, out, s, d)] += dy * (argmax == t)
     return dx
