@@ -158,7 +158,11 @@ class Layer:
         self.out_shape: tuple = ()
         self.out_dist: Distribution | None = None
         self._in_plans: list = []
+        self._parent_dists: list[Distribution] = []
         self.train = True
+        # False while backprop wants no gradient w.r.t. this layer's inputs (they are the model input):
+        # layers that can skip computing it (conv, fc) return None for it
+        self.needs_input_grad = True
 
     # -- set-up --------------------------------------------------------------------------------------
     def configure(self, ctx: LayerContext, in_shapes: Sequence[tuple], parent_dists: Sequence[Distribution],
@@ -185,9 +189,14 @@ class Layer:
             self.out_dist.check_shape(self.out_shape, f"output of layer '{self.name}'")
         except DistributionError as exc:
             raise LayerError(f"layer '{self.name}' ({self.type}): {exc}") from exc
+        # no redistribution where every rank already holds the block it needs (equal distributions, or
+        # different descriptions of one layout, e.g. whole copies as replicas or along a replicated axis)
         self._in_plans = []
+        self._parent_dists = list(parent_dists)
         for s, src, dst in zip(self.in_shapes, parent_dists, self.in_dists):
-            self._in_plans.append(None if src == dst else ShufflePlan(src, dst, s, ctx.rank))
+            same = src == dst or (src.ranks == dst.ranks and all(
+                src.box(s, r) == dst.box(s, r) for r in range(src.ranks)))
+            self._in_plans.append(None if same else ShufflePlan(src, dst, s, ctx.rank))
 
     @staticmethod
     def dist_dims(dist: Distribution) -> list[str]:
@@ -242,8 +251,10 @@ class Layer:
         out = []
         for i, dx in enumerate(dxs):
             plan = self._in_plans[i]
-            if plan is None:
-                out.append(DistTensor(dx, self.in_shapes[i], self.in_dists[i], ctx.rank))
+            if dx is None:  # not wanted (needs_input_grad) and not computed
+                out.append(None)
+            elif plan is None:  # the parent's layout, as the parent gave it
+                out.append(DistTensor(dx, self.in_shapes[i], self._parent_dists[i], ctx.rank))
             else:
                 t0 = time.perf_counter()
                 back = plan.reverse()

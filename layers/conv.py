@@ -125,6 +125,12 @@ class Conv(Layer):
     def bp_compute(self, dy):
         ctx = self.ctx
         window = self._window
+        if not self.needs_input_grad:  # the model input: only the weight gradient
+            self.w.grad += K.conv_backward_filter(window, dy, self.w.value.shape, self.stride, self.dilation)
+            if self.b is not None:
+                self.b.grad += K.conv_backward_bias(dy)
+            self._window = None
+            return [None]
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers
         dwin = K.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
                                     out=ctx.workspace("conv window gradient", window.shape, dy.dtype))

@@ -107,9 +107,11 @@ class FullyConnected(Layer):
         return K.fc_forward(x2, self.w.value, None if self.b is None else self.b.value)
 
     def bp_compute(self, dy):
-        dx = K.fc_backward_data(dy, self.w.value)
-        if self.row is not None:
-            dx = self.row.allreduce(dx)
+        dx = None
+        if self.needs_input_grad:
+            dx = K.fc_backward_data(dy, self.w.value)
+            if self.row is not None:
+                dx = self.row.allreduce(dx)
         if self.replicated:
             self._gdy = self._post_gather(dy)  # dW for the whole batch in replicated_grads()
         else:
@@ -117,4 +119,4 @@ class FullyConnected(Layer):
             if self.b is not None:
                 self.b.grad += K.fc_backward_bias(dy)
         self._x = None
-        return [dx.reshape(self._xshape)]
+        return [None if dx is None else dx.reshape(self._xshape)]

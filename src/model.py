@@ -106,10 +106,15 @@ class Model:
         self._acts = acts
         return acts[self.output.name]
 
-    def backward(self, dy: DistTensor, on_layer=None) -> DistTensor | None:
+    def backward(self, dy: DistTensor, on_layer=None, input_grad: bool = True) -> DistTensor | None:
         """Backprop from the loss gradient ``dy``; ``on_layer(name)`` is called after each layer's backward
-        (its weight gradients are then final on this rank: the overlap engine posts their bucket)."""
+        (its weight gradients are then final on this rank: the overlap engine posts their bucket). Returns
+        the gradient w.r.t. the model input; with ``input_grad=False`` (training) layers that read only
+        the model input skip computing it where they can (conv, fc: no data gradient, no partial-sum
+        reduction, no halo accumulation) and None may be returned."""
         grads: dict[str, DistTensor] = {self.output.name: dy}
+        for layer in self.layers:
+            layer.needs_input_grad = input_grad or not all(p in INPUT_NAMES for p in self.parents[layer.name])
         for layer in reversed(self.layers):
             g = grads.pop(layer.name, None)
             if g is None:
@@ -118,6 +123,8 @@ class Model:
             if on_layer is not None:
                 on_layer(layer.name)
             for p, dx in zip(self.parents[layer.name], dxs):
+                if dx is None:
+                    continue
                 key = INPUT_NAMES[0] if p in INPUT_NAMES else p
                 if key in grads:
                     grads[key] = DistTensor(grads[key].local + dx.local, dx.global_shape, dx.dist, dx.rank)

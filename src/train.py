@@ -351,7 +351,7 @@ class Trainer:
         engine.start_step()
         nrec = len(engine.records)
         t_bp = time.perf_counter()
-        self.model.backward(self.loss.backward(), on_layer=engine.layer_done)
+        self.model.backward(self.loss.backward(), on_layer=engine.layer_done, input_grad=False)
         t_bp_end = time.perf_counter()
         wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr

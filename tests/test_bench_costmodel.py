@@ -125,7 +125,11 @@ def test_compute_table_keys_are_what_the_cost_model_looks_up():
         for n in g:
             f, bd, bw = compute_times(n, d[n.name], tabled)
             row = next(r for r in rows if r.key == cm.table_key(n, d[n.name]))
-            assert (f, bd, bw) == (row.fwd_s, 0.0, row.bwd_s)  # the table, not the roofline
+            # the table, not the roofline; the data gradient apart (a layer reading the input skips it)
+            assert (f, bd, bw) == (row.fwd_s, row.bwd_data_s, row.bwd_s - row.bwd_data_s)
+            assert compute_times(n, d[n.name], tabled, needs_dx=False)[1] == 0.0
+    assert all(r.bwd_data_s >= 0 and (r.bwd_data_s == 0 or r.key[0] in ("conv", "fc")) for r in rows)
+    assert any(r.bwd_data_s > 0 for r in rows if r.key[0] == "conv")
     # a channel-split conv is timed with its own block of filters
     c1 = next(r for r in rows if r.key[0] == "conv" and r.key[2][1] == 2)
     assert c1.key[1][1] == 3

@@ -267,6 +267,10 @@ class StandIn:
                     if self.layer.params else None)
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        # conv and fc skip dL/dx in a layer that reads the model input: their backward is also timed without
+        # it, which splits it into the data gradient and the rest (weight gradient, update)
+        self.splits_dx = node.type in ("conv", "fc")
+        self.bwd_weights: list[float] = []
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -278,7 +282,9 @@ class StandIn:
         if keep:
             self.fwd.append(time.perf_counter() - t0)
 
-    def backward(self, keep: bool = True) -> None:
+    def backward(self, keep: bool = True, input_grad: bool = True) -> None:
+        """One backward (and update); ``input_grad=False`` times it as the first layer runs it."""
+        self.layer.needs_input_grad = input_grad
         t0 = time.perf_counter()
         self.layer.backward(self.dy)
         if self.opt is not None:
@@ -286,23 +292,22 @@ class StandIn:
             self.opt.finish_step()
             self.opt.zero_grad()
         if keep:
-            self.bwd.append(time.perf_counter() - t0)
+            (self.bwd if input_grad else self.bwd_weights).append(time.perf_counter() - t0)
         self.ctx.timer.totals.clear()
+        self.layer.needs_input_grad = True
 
 
 @dataclass
 class TableRow:
     key: tuple
     fwd_s: float
-    bwd_s: float
+    bwd_s: float  # the whole backward with the weight update
+    bwd_data_s: float = 0.0  # the part of it a layer reading the model input skips (conv, fc: dL/dx)
 
     def to_yaml(self) -> dict:
         typ, inn, out = self.key
-        # lbannpy's layers compute dL/dx also in a layer that reads the model input, so the measured backward
-        # (with the weight update) is one time that is always paid: it is recorded as bwd_weights_s, the term
-        # compute_times never drops
-        return {"type": typ, "in": list(inn), "out": list(out), "fwd_s": self.fwd_s, "bwd_data_s": 0.0,
-                "bwd_weights_s": self.bwd_s}
+        return {"type": typ, "in": list(inn), "out": list(out), "fwd_s": self.fwd_s,
+                "bwd_data_s": self.bwd_data_s, "bwd_weights_s": self.bwd_s - self.bwd_data_s}
 
 
 def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
@@ -345,15 +350,24 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
                 si.forward(keep=r > 0)
             for _, si in reversed(chain):
                 si.backward(keep=r > 0)
+            if any(si.splits_dx for _, si in chain):  # again, conv and fc without dL/dx
+                for _, si in chain:
+                    si.forward(keep=False)
+                for _, si in reversed(chain):
+                    si.backward(keep=r > 0 and si.splits_dx, input_grad=not si.splits_dx)
     fwd: dict[tuple, list[float]] = {}
     bwd: dict[tuple, list[float]] = {}
+    bwd_w: dict[tuple, list[float]] = {}
     for chain in chains:
         for key, si in chain:
             fwd.setdefault(key, []).extend(si.fwd)
             bwd.setdefault(key, []).extend(si.bwd)
+            bwd_w.setdefault(key, []).extend(si.bwd_weights)
     rows = []
     for key in fwd:
-        row = TableRow(key, statistics.median(fwd[key]), statistics.median(bwd[key]))
+        total = statistics.median(bwd[key])
+        data = max(0.0, total - statistics.median(bwd_w[key])) if bwd_w[key] else 0.0
+        row = TableRow(key, statistics.median(fwd[key]), total, data)
         rows.append(row)
         if log:
             log(f"  {names[key]:8s} {key[0]:9s} in {str(key[1]):22s} out {str(key[2]):20s} "
@@ -390,7 +404,7 @@ def with_table(machine: MachineModel, rows: Sequence[TableRow]) -> MachineModel:
     """``machine`` with ``rows`` added to its measured table (see :meth:`TableRow.to_yaml`)."""
     measured = dict(machine.measured)
     for r in rows:
-        measured[r.key] = (r.fwd_s, 0.0, r.bwd_s)
+        measured[r.key] = (r.fwd_s, r.bwd_data_s, r.bwd_s - r.bwd_data_s)
     return replace(machine, measured=measured)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from layer_cases import Case, compare
+from layer_cases import Case, compare, run_lbannpy
 from lbannpy.layers.base import LayerError
 from mpi_util import assert_all, raises_all
 
@@ -82,6 +82,10 @@ def layer_cases(size):
     fc = {"name": "f", "type": "fc", "units": 6}
     for par in splits(size, ("n", "c")):
         cases.append(Case("fc", (fc,), (N, C, 4, 3), {"default": par}))
+    if size > 1:  # a whole input on every rank is already the layout a filter/channel split reads: no shuffle
+        cases.append(Case("conv-filter-parallel-whole-input", (conv(kernel=3, padding=1),), (N, C, H, W),
+                          {"layers": {"c": {"c": size}}}))
+        cases.append(Case("fc-model-whole-input", (fc,), (N, C, 4, 3), {"layers": {"f": {"c": size}}}))
     if size == 4:
         cases.append(Case("fc-1.5d", (fc,), (N, C, 4, 3), {"default": {"n": 2, "c": 2}}))
     # a chain whose distributions change from layer to layer
@@ -166,3 +170,15 @@ def test_interior_runs_while_the_halo_exchange_is_in_flight(comm):
         msg = f"interior {interior}, halo wait {wait} (s after entering; peer delayed {delay} s)"
     ok = ok and np.array_equal(outs[True], outs[False])
     assert_all(comm, ok, msg or "overlap changed the numbers")
+
+
+def test_a_whole_input_needs_no_redistribution_for_a_filter_split(comm):
+    """Replicas of the whole input and a replicated channel axis are one layout: the layer reads its input
+    as it is (numbers checked against PyTorch in test_layers_match_pytorch)."""
+    if comm.size == 1:
+        return
+    for case in (Case("c", (conv(kernel=3, padding=1),), (N, C, H, W), {"layers": {"c": {"c": comm.size}}}),
+                 Case("f", ({"name": "f", "type": "fc", "units": 6},), (N, C, 4, 3),
+                      {"layers": {"f": {"c": comm.size}}})):
+        model = run_lbannpy(case, comm)[4]
+        assert_all(comm, model.layers[0]._in_plans == [None], f"{case.id}: planned {model.layers[0]._in_plans}")

@@ -1,0 +1,49 @@
+"""Training skips the gradient w.r.t. the model input: layers reading only the input (conv, fc) compute
+no data gradient, and every weight gradient is the same as with it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lbannpy.comm import SingleCommunicator
+from lbannpy.layers import kernels as K
+from lbannpy.layers.base import LayerContext
+from lbannpy.model import Model
+from lbannpy.tensor import DistTensor
+
+SPECS = {
+    "conv": {"input": {"channels": 3, "spatial": [9, 11]},
+             "layers": [{"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
+                        {"name": "r1", "type": "relu"},
+                        {"name": "f1", "type": "fc", "units": 5}]},
+    "fc": {"input": {"channels": 3, "spatial": [4, 4]},
+           "layers": [{"name": "f0", "type": "fc", "units": 6}, {"name": "r0", "type": "relu"},
+                      {"name": "f1", "type": "fc", "units": 5}]},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_training_backward_skips_the_input_gradient(kind, monkeypatch):
+    grads = {}
+    calls = []
+    for input_grad in (True, False):
+        ctx = LayerContext(SingleCommunicator(), np, "float64", seed=3)
+        model = Model(SPECS[kind], 2, ctx, {})
+        x = np.random.default_rng(0).standard_normal(model.input_shape)
+        y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
+        dy = DistTensor(np.random.default_rng(1).standard_normal(y.local.shape), y.global_shape, y.dist, 0)
+        for name in ("conv_backward_data", "fc_backward_data"):
+            orig = getattr(K, name)
+            monkeypatch.setattr(K, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+        dx = model.backward(dy, input_grad=input_grad)
+        monkeypatch.undo()
+        assert (dx is None) == (not input_grad)
+        grads[input_grad] = {p.name: p.grad.copy() for p in model.params}
+        if not input_grad:
+            first = "conv_backward_data" if kind == "conv" else "fc_backward_data"
+            # only f1 (not the first layer) computed a data gradient
+            assert calls.count(first) == (0 if kind == "conv" else 1), calls
+        calls.clear()
+    for name, g in grads[True].items():
+        np.testing.assert_array_equal(grads[False][name], g)
+    assert all(layer.needs_input_grad for layer in model.layers[1:])
