@@ -113,7 +113,7 @@ def machine_from_dict(data: Any, where: str = "<dict>") -> Machine:
         raise MachineError(f"machine file {where}: expected a mapping at the top, got {type(data).__name__}")
     known = {"name", "source", "comment", "ranks_per_node", "cores_per_node", "memory_per_device_gib", "intra",
              "inter", "allreduce", "compute", "measured_on", "fit",
-             "gradient_sync"}  # read by the strategy cost model (lbannpy.strategy.machine_model)
+             "gradient_sync", "redistribution"}  # read by the strategy cost model (lbannpy.strategy.machine_model)
     unknown = sorted(set(data) - known)
     if unknown:
         raise MachineError(f"machine file {where}: unknown key(s) {unknown}; known keys are {sorted(known)}")

@@ -95,10 +95,13 @@ def test_calibrate_writes_a_loadable_machine_file(tmp_path):
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "point to point" in r.stdout and "allreduce over 2 ranks" in r.stdout and "GEMM" in r.stdout
+    assert "redistribution (lbannpy shuffle" in r.stdout
     m = load_machine(out)
     assert m.name == "testbox" and m.measured_on["ranks"] == "2" and m.intra.beta_s_per_byte > 0
     from lbannpy.strategy.machine_model import load_machine_model
-    assert load_machine_model(out).gamma_s_per_flop == pytest.approx(m.gamma_s_per_flop)
+    mm = load_machine_model(out)
+    assert mm.gamma_s_per_flop == pytest.approx(m.gamma_s_per_flop)
+    assert mm.redistribution_link is not None and mm.redistribution_link.beta_s_per_byte > 0
 
 
 def test_calibrate_refuses_to_overwrite_presets():

@@ -165,3 +165,24 @@ def test_baselines_shapes():
     with pytest.raises(PlanError, match="ranks"):
         plan(zoo.get_spec("lenet5"), 0)
     assert np.isfinite(evaluate_strategy(g, b["owt"], M).step_s)
+
+
+def test_a_measured_redistribution_link_prices_shuffles():
+    """``redistribution`` in a machine file (what ``bench calibrate`` measures of lbannpy's shuffles) replaces
+    the point-to-point link in t_X: ⌈log2 peers⌉·α + received bytes·β of the slowest rank."""
+    from lbannpy.strategy import cost
+    from lbannpy.strategy.machine_model import MachineError, MachineModel, PRESETS
+    base = dict(PRESETS["p100"])
+    m = MachineModel.from_dict({**base, "redistribution": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9}})
+    src = Distribution.make(4, 2, c=2)
+    dst = Distribution.make(4, 2, replicate=["c"], c=2)
+    shape = (2, 4, 3, 5)
+    received = 2 * 2 * 3 * 5 * 4  # the other rank's two channels, float32
+    assert cost.shuffle_time(shape, src, dst, m) == pytest.approx(1e-3 + received * 1e-9, rel=1e-12)
+    assert cost.shuffle_time(shape, dst, src, m) == 0.0  # every rank already holds its piece
+    plain = MachineModel.from_dict(base)
+    assert plain.redistribution_link is None
+    assert cost.shuffle_time(shape, src, dst, plain) == pytest.approx(
+        plain.intra.alpha_s + received * plain.intra.beta_s_per_byte, rel=1e-12)
+    with pytest.raises(MachineError, match="'redistribution' must be a mapping"):
+        MachineModel.from_dict({**base, "redistribution": {"alpha_s": 1e-3}})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import socket
 import sys
@@ -116,6 +117,36 @@ def allreduce_times(comm, xp, sizes, target_s, batches) -> list[tuple[int, float
             _sync(xp)
 
         out.append((count * 4, timed_calls(comm, op, target_s, batches)))
+    return out
+
+
+REDISTRIBUTION_SAMPLES = 8  # samples of the gathered tensor: each rank's piece lands in 8 separate runs
+
+
+def redistribution_times(comm, xp, sizes, target_s, batches) -> list[tuple[int, float]]:
+    """Seconds of lbannpy's own redistribution (:class:`~lbannpy.shuffle.ShufflePlan`, packing, copies
+    and buffers included) against the bytes each rank receives: the gather a channel-split layer makes of
+    its input, ``(8, P, 1, m)`` split over the channels to every rank holding it whole. ``sizes`` are
+    the bytes of one rank's piece."""
+    from lbannpy.dist import Distribution
+    from lbannpy.shuffle import shuffle_plan
+
+    p = comm.size
+    src = Distribution.make(4, p, c=p)
+    dst = Distribution.make(4, p, replicate=["c"], c=p)
+    out = []
+    for n in sizes:
+        m = max(n // (4 * REDISTRIBUTION_SAMPLES), 1)
+        shape = (REDISTRIBUTION_SAMPLES, p, 1, m)
+        plan = shuffle_plan(src, dst, shape, comm.rank)
+        local = xp.ones(plan.src_local_shape, dtype=xp.float32)
+
+        def op():
+            plan.start(comm, local).wait()
+            _sync(xp)
+
+        received = (p - 1) * REDISTRIBUTION_SAMPLES * m * 4
+        out.append((received, timed_calls(comm, op, target_s, batches)))
     return out
 
 
@@ -347,6 +378,19 @@ def main(argv=None) -> int:
         tables.append(_table(f"allreduce over {p} ranks (float32), ring model alpha {ar_alpha:.3e} s, "
                              f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
 
+        rd_sizes = [n for n in sizes if 4096 <= n <= min(args.max_bytes, 16 << 20)]
+        if len(rd_sizes) < 2:  # a fit needs two sizes at least
+            rd_sizes = [4096, 16384]
+        pts = redistribution_times(comm, xp, rd_sizes, target, args.batches)
+        a, b, err = fit_alpha_beta(pts)
+        msgs = math.ceil(math.log2(max(p, 2)))  # the cost model's messages per redistribution (shuffle_times)
+        rd_alpha, rd_beta = a / msgs, b
+        fits["redistribution"] = {"max_relative_error": round(err, 3), "ranks": p,
+                                  "model": "ceil(log2 p)*alpha + received bytes*beta"}
+        tables.append(_table(f"redistribution (lbannpy shuffle, a channel-split block gathered) over {p} ranks, "
+                             f"by bytes received per rank: alpha {rd_alpha:.3e} s, beta {rd_beta:.3e} s/B", pts,
+                             lambda n: a + b * n))
+
         gamma, per_rank = gemm_gamma(comm, xp, args.gemm)
         mem = stream_rate(comm, xp, 16 << 20 if args.quick else 64 << 20)
         overhead = layer_call_overhead(comm, xp)
@@ -370,6 +414,7 @@ def main(argv=None) -> int:
                 "intra": links["intra"],
                 "inter": links["inter"],
                 "allreduce": {"alpha_s": ar_alpha, "beta_s_per_byte": ar_beta},
+                "redistribution": {"alpha_s": rd_alpha, "beta_s_per_byte": rd_beta},
                 "compute": {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem,
                             "kernel_overhead_s": overhead},
                 "measured_on": {"date": now, "host": ",".join(sorted(set(hosts))), "ranks": str(p),

@@ -433,7 +433,7 @@ def shuffle_times(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Se
     """One-way all-to-all time for every (src, dst) pair: slowest rank's ``⌈log2(peers)⌉·α + received
     bytes·β`` (Bruck-style; an allgather is the case of ``dst`` replicating an axis of ``src``)."""
     vol, peers = _shuffle_arrays(shape, srcs, dsts)
-    link = machine.link(srcs[0].ranks)
+    link = machine.redistribution_link or machine.link(srcs[0].ranks)
     msgs = np.ceil(np.log2(np.maximum(peers, 2)))
     t = np.where(vol > 0, msgs * link.alpha_s + vol * (machine.dtype_bytes * link.beta_s_per_byte), 0.0)
     return t.max(axis=-1)

@@ -9,6 +9,7 @@ A machine file is YAML (read with ``yaml.safe_load``)::
     intra: {alpha_s: 1.0e-5, beta_s_per_byte: 5.0e-11}    # NVLink within a node
     inter: {alpha_s: 2.0e-5, beta_s_per_byte: 1.0e-10}    # InfiniBand between nodes
     allreduce: {threshold_bytes: 65536}                    # recursive doubling below, ring at or above
+    redistribution: {alpha_s: 4.0e-5, beta_s_per_byte: 2.0e-10}   # optional: measured all-to-all of blocks
     gradient_sync: allreduce                               # or parameter_server (Jia et al.'s t_S)
     compute:
       gamma_s_per_flop: 1.8e-13                            # sustained, not peak
@@ -61,6 +62,9 @@ class MachineModel:
     allreduce_threshold_bytes: int = 65536  # Thakur et al.: recursive doubling below, ring at or above
     allreduce_algorithm: str = "auto"  # auto | ring | recursive_doubling
     allreduce_link: Link | None = None  # overrides the link α/β for allreduces (e.g. NCCL measured)
+    # overrides the link α/β for redistributions (shuffle_times' per-message α and per-received-byte β):
+    # what `bench calibrate` measures of lbannpy's own shuffles, packing and copies included
+    redistribution_link: Link | None = None
     dtype_bytes: int = 4  # bytes per tensor element (float32)
     measured: Mapping[tuple, tuple[float, float, float]] = field(default_factory=dict, compare=False)
     # Compute slots (CPU cores, or devices) of one node that its ranks share; 0 = at least one per rank, the
@@ -100,6 +104,14 @@ class MachineModel:
         if "alpha_s" in ar or "beta_s_per_byte" in ar:
             ar_link = Link(_pos(name, "allreduce.alpha_s", ar.get("alpha_s", 0.0), zero=True),
                            _pos(name, "allreduce.beta_s_per_byte", ar.get("beta_s_per_byte", 0.0), zero=True))
+        rd = tree.get("redistribution")
+        rd_link = None
+        if rd is not None:
+            if not isinstance(rd, Mapping) or "alpha_s" not in rd or "beta_s_per_byte" not in rd:
+                raise MachineError(f"machine {name!r}: 'redistribution' must be a mapping with alpha_s and "
+                                   f"beta_s_per_byte")
+            rd_link = Link(_pos(name, "redistribution.alpha_s", rd["alpha_s"], zero=True),
+                           _pos(name, "redistribution.beta_s_per_byte", rd["beta_s_per_byte"], zero=True))
         measured = {}
         for i, row in enumerate(comp.get("measured") or []):
             try:
@@ -128,7 +140,7 @@ class MachineModel:
             kernel_overhead_s=_pos(name, "compute.kernel_overhead_s", comp.get("kernel_overhead_s", 0.0),
                                    zero=True),
             allreduce_threshold_bytes=int(ar.get("threshold_bytes", 65536)), allreduce_algorithm=algo,
-            allreduce_link=ar_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured,
+            allreduce_link=ar_link, redistribution_link=rd_link, dtype_bytes=int(tree.get("dtype_bytes", 4)), measured=measured,
             cores_per_node=cores, gradient_sync=sync)
 
     def with_memory(self, gib: float) -> "MachineModel":
