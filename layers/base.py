@@ -163,6 +163,9 @@ class Layer:
         # False while backprop wants no gradient w.r.t. this layer's inputs (they are the model input):
         # layers that can skip computing it (conv, fc) return None for it
         self.needs_input_grad = True
+        # True for a layer reading only the model input (set by Model): it is back-propagated last, so
+        # buffers it holds from its forward to its backward may as well be kept from step to step
+        self.keeps_window = False
 
     # -- set-up --------------------------------------------------------------------------------------
     def configure(self, ctx: LayerContext, in_shapes: Sequence[tuple], parent_dists: Sequence[Distribution],

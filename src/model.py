@@ -76,6 +76,7 @@ class Model:
                 layer.configure(ctx, in_shapes, [dists[p] for p in parents], dist)
             except (DistributionError, ModelError) as exc:
                 raise LayerError(f"layer '{name}' ({ltype}): {exc}") from exc
+            layer.keeps_window = all(p in INPUT_NAMES for p in parents)
             self.layers.append(layer)
             self.parents[name] = list(parents)
             shapes[name] = layer.out_shape

@@ -2,12 +2,14 @@
 next to PyTorch CPU's, at one thread, on the mesh model's layer shapes.
 
 Both sides get the same inputs and are timed interleaved (the order rotates every repeat) so that load from
-other processes hits them alike; each number is the median of the repeats after one warm-up call. PyTorch
+other processes hits them alike; each number is the median of the repeats after one warm-up call (short
+calls get more repeats, about ``MIN_TIMED_S`` of calls per contender, for a steadier median). PyTorch
 runs in NCHW and in channels-last (inputs, filters and ``dy`` converted before timing); the faster one is
 the reference. Our conv runs on the compiled kernels where they are built (``--conv-kernel numpy`` times
-the NumPy fallback instead), with the buffers the Conv layer uses: its window and window gradient are
-allocated once and reused, its output and input gradient are fresh arrays on every call (PyTorch
-allocates everything on every call). Threads: the process re-executes itself with
+the NumPy fallback instead), with the buffers the Conv layer uses where it reads the model input (the
+mesh model's 18-channel layers): its window and the window gradient workspace are allocated once and
+reused, its output and input gradient are fresh arrays on every call (PyTorch allocates everything on
+every call). Threads: the process re-executes itself with
 ``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1`` before NumPy is imported (OpenBLAS reads them
 at load), and calls ``torch.set_num_threads(1)``.
 """
@@ -86,9 +88,9 @@ def _contenders(case: BenchCase, dtype):
         y_shape = K.conv_forward(K.pad_spatial(x[:1], pad), w, b, s).shape[1:]
         dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
 
-        # buffers as the Conv layer keeps them: its window (reused from step to step, kept for backprop)
-        # and the window gradient (a workspace shared by all layers) are allocated once; the output and
-        # the input gradient, which outlive the layer's call, are fresh arrays on every call
+        # buffers as the Conv layer has them where it reads the model input, as these 18-channel mesh
+        # layers do: its window (kept from step to step there) and the window gradient (a workspace
+        # shared by all layers) are allocated once; the output and the input gradient are fresh arrays
         window = np.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
         dwindow = np.empty_like(window)
 
@@ -154,14 +156,24 @@ def _contenders(case: BenchCase, dtype):
     return out
 
 
-def measure(case: BenchCase, dtype, repeats: int) -> dict[str, float]:
-    """Median seconds per forward+backward of every contender, timed interleaved."""
+MIN_TIMED_S = 0.3  # per contender: short calls are repeated more, up to MAX_REPEATS, for a steadier median
+MAX_REPEATS = 60
+
+
+def measure(case: BenchCase, dtype, repeats: int, adaptive: bool = True) -> dict[str, float]:
+    """Median seconds per forward+backward of every contender, timed interleaved: at least ``repeats``
+    rounds, more for short calls (about ``MIN_TIMED_S`` of calls per contender, at most ``MAX_REPEATS``)."""
     import statistics
 
     fns = _contenders(case, dtype)
     names = list(fns)
+    longest = 0.0
     for name in names:  # warm-up: first-touch allocations, torch's primitive caches
+        t0 = time.perf_counter()
         fns[name]()
+        longest = max(longest, time.perf_counter() - t0)
+    if adaptive:
+        repeats = max(repeats, min(MAX_REPEATS, int(MIN_TIMED_S / max(longest, 1e-6))))
     times = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -211,7 +223,9 @@ def main(argv=None) -> int:
     print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU, {args.dtype}, forward+backward, "
           f"1 thread (torch threads {torch.get_num_threads()}, "
           + ", ".join(f"{v}={os.environ.get(v)}" for v in _THREAD_VARS)
-          + f"), median of {repeats} after 1 warm-up")
+          + f"), median of {repeats} after 1 warm-up"
+          + ("" if args.quick else f" (more for short calls: about {MIN_TIMED_S} s of calls each, at most "
+                                   f"{MAX_REPEATS})"))
     print(f"our conv kernels: {conv_path}")
     head = (f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'torch layout':<12} "
             f"{'NCHW ms':>9} {'NHWC ms':>9}")
@@ -219,7 +233,7 @@ def main(argv=None) -> int:
     print("-" * len(head))
     ratios: dict[str, list[float]] = {}
     for case in cases:
-        t = measure(case, dtype, repeats)
+        t = measure(case, dtype, repeats, adaptive=not args.quick)
         layout = min(("torch NCHW", "torch NHWC"), key=lambda k: t[k])
         ratio = t["ours"] / t[layout]
         ratios.setdefault(case.kind, []).append(ratio)
