@@ -19,6 +19,7 @@ import numpy
 from lbannpy.backend import array_module
 
 from ._geometry import KernelShapeError, per_dim, tap_slices, valid_output_shape
+from .conv import _addr
 
 try:  # the compiled kernels (built by pip install where a C compiler is present; see _cconv.c)
     from . import _cconv
@@ -77,10 +78,10 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
         xs = _three([st // isz for st in x_window.strides[2:]], 0)
         per = math.prod(out) * c
         for i in range(n):  # one call per sample: planes are its channels
-            _cconv.maxpool_fwd(isz, x_window[i].__array_interface__["data"][0], c, x_window.strides[1] // isz,
+            _cconv.maxpool_fwd(isz, _addr(x_window[i]), c, x_window.strides[1] // isz,
                                *xs, *_three(out, 1), *_three(k, 1), *_three(s, 1), *_three(d, 1),
-                               y.__array_interface__["data"][0] + i * per * isz,
-                               arg.__array_interface__["data"][0] + i * per * arg.itemsize, arg.itemsize)
+                               _addr(y) + i * per * isz,
+                               _addr(arg) + i * per * arg.itemsize, arg.itemsize)
         return y, arg
     y = x_window[_at(taps[0], out, s, d)].copy()
     for tap in taps[1:]:
@@ -111,10 +112,10 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
         k3 = _three(k, 1)
         dxs = _three([st // isz for st in dx.strides[2:]], 0)
         for i in range(n):
-            _cconv.maxpool_bwd(isz, dy_c.__array_interface__["data"][0] + i * per * isz,
-                               arg_c.__array_interface__["data"][0] + i * per * arg_c.itemsize, arg_c.itemsize,
+            _cconv.maxpool_bwd(isz, _addr(dy_c) + i * per * isz,
+                               _addr(arg_c) + i * per * arg_c.itemsize, arg_c.itemsize,
                                c, *_three(out, 1), *k3, *_three(s, 1), *_three(d, 1),
-                               dx[i].__array_interface__["data"][0], dx.strides[1] // isz, *dxs)
+                               _addr(dx[i]), dx.strides[1] // isz, *dxs)
         return dx
     for t, tap in enumerate(_taps(k)):
         dx[_at(tap, out, s, d)] += dy * (argmax == t)
