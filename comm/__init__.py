@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from .base import REDUCE_OPS, CommError, Communicator, Handle, wait_all
 from .runtime import Runtime, install_abort_hook, launched_size, make_communicator
+from .loopback import LoopbackCommunicator
 from .single import SingleCommunicator
 
 __all__ = [
     "REDUCE_OPS", "CommError", "Communicator", "Handle", "wait_all", "Runtime", "install_abort_hook",
-    "make_communicator", "launched_size", "SingleCommunicator", "MPICommunicator", "NCCLCommunicator",
+    "make_communicator", "launched_size", "SingleCommunicator", "LoopbackCommunicator", "MPICommunicator", "NCCLCommunicator",
 ]
 
 

@@ -221,48 +221,59 @@ def local_shapes(node: Node, dist: Distribution) -> tuple[list[tuple[int, ...]],
 
 
 def table_key(node: Node, dist: Distribution) -> tuple:
-    """The key :func:`lbannpy.strategy.cost.compute_times` looks a measured entry up by."""
+    """The key :func:`lbannpy.strategy.cost.compute_times` looks a measured entry up by: the layer type, its
+    block shapes and the split degrees (whose code path the entry was timed in)."""
     ins, out = local_shapes(node, dist)
-    return (node.type, ins[0], out)
+    return (node.type, ins[0], out, tuple(dist.split))
 
 
-def standalone_params(node: Node, out_local: Sequence[int]) -> dict:
-    """The layer's parameters for a single-rank stand-in of one block: a conv or fc layer whose output
-    channels are split computes only its block's filters (units)."""
-    params = dict(node.params)
-    if node.type == "conv":
-        params["filters"] = int(out_local[1])
-    elif node.type == "fc":
-        params["units"] = int(out_local[1])
-    return params
+def block_ranks(dist: Distribution, limit: int = 8) -> list[int]:
+    """The ranks whose local work a stand-in times: one holder of each distinct block (replicas do the same
+    work); beyond ``limit`` blocks, the first, the last and evenly spaced ones between (blocks at the edge of a
+    spatial split have one halo neighbour per side, inner ones two, and their windows differ)."""
+    seen, out = set(), []
+    for r in range(dist.ranks):
+        c = tuple(dist.coords(r))
+        if c not in seen:
+            seen.add(c)
+            out.append(r)
+    if len(out) > limit:
+        idx = sorted({round(i * (len(out) - 1) / (limit - 1)) for i in range(limit)})
+        out = [out[i] for i in idx]
+    return out
 
 
 class StandIn:
-    """``node``'s layer class on one rank's blocks (``in_shapes`` in, ``out_local`` out), alone on a
-    single-rank context: the local kernels of a block without its halo exchanges and collectives, which
-    the cost model prices apart. Its backward includes what the trainer does to the layer's weight block
-    after backprop: the optimizer's update (``optimizer``: the spec's ``optimizer`` section) and clearing
-    the gradients."""
+    """``node``'s layer class under its real distribution ``dist``, run by one process as rank ``rank`` on a
+    :class:`lbannpy.comm.LoopbackCommunicator`: the rank's own blocks and its real code path (halo packing,
+    a convolution split into interior and boundary, the arithmetic around reductions), with every message
+    and collective completing at once. Its communication is what the cost model prices apart. Its backward
+    includes what the trainer does to the layer's weight block after backprop: the optimizer's update
+    (``optimizer``: the spec's ``optimizer`` section) and clearing the gradients. ``ctx`` (a loopback
+    :class:`~lbannpy.layers.base.LayerContext` of the same rank) is shared by the stand-ins of one chain, as
+    a model's layers share theirs (the convolution workspace). ``overlap``: the runs' ``comm.overlap``."""
 
-    def __init__(self, node: Node, in_shapes: Sequence[tuple[int, ...]], out_local: Sequence[int],
-                 optimizer: Mapping[str, Any] | None = None, dtype: str = "float32", seed: int = 0):
-        from lbannpy.optim import make_optimizer
-
-        from lbannpy.comm import SingleCommunicator
+    def __init__(self, node: Node, dist: Distribution, rank: int, optimizer: Mapping[str, Any] | None = None,
+                 ctx=None, overlap: bool = False, dtype: str = "float32", seed: int = 0):
+        from lbannpy.comm import LoopbackCommunicator
         from lbannpy.layers.base import LayerContext, Timer
         from lbannpy.layers.registry import layer_classes
+        from lbannpy.optim import make_optimizer
         from lbannpy.tensor import DistTensor
 
-        self.ctx = LayerContext(SingleCommunicator(), np, dtype, seed, overlap=True, timer=Timer())
-        self.layer = layer_classes()[node.type](node.name, **standalone_params(node, out_local))
-        nd_out = 2 if node.type in ("fc", "flatten") else len(in_shapes[0])
-        self.layer.configure(self.ctx, [tuple(s) for s in in_shapes],
-                             [Distribution.make(len(s), 1) for s in in_shapes], Distribution.make(nd_out, 1))
+        self.ctx = ctx or LayerContext(LoopbackCommunicator(dist.ranks, rank), np, dtype, seed,
+                                       overlap=overlap, timer=Timer())
+        self.rank = rank
+        self.layer = layer_classes()[node.type](node.name, **dict(node.params))
+        in_dists = [required_input(node, dist, s) for s in node.in_shapes]
+        self.layer.configure(self.ctx, [tuple(s) for s in node.in_shapes], in_dists, dist)
+        self.matches = (list(self.layer.in_dists) == in_dists and tuple(self.layer.out_shape) == node.out_shape
+                        and self.layer.out_dist == dist)
         rng = np.random.default_rng(seed)
-        self.xs = [DistTensor(rng.standard_normal(s).astype(dtype), s, Distribution.make(len(s), 1), 0)
-                   for s in in_shapes]
-        out = self.layer.out_shape
-        self.dy = DistTensor(rng.standard_normal(out).astype(dtype), out, self.layer.out_dist, 0)
+        self.xs = [DistTensor(rng.standard_normal(d.local_shape(s, rank)).astype(dtype), s, d, rank)
+                   for s, d in zip(node.in_shapes, in_dists)]
+        od, out = self.layer.out_dist, tuple(self.layer.out_shape)
+        self.dy = DistTensor(rng.standard_normal(od.local_shape(out, rank)).astype(dtype), out, od, rank)
         self.opt = (make_optimizer(dict(optimizer or {"type": "sgd"}), self.layer.params, 1 << 30)
                     if self.layer.params else None)
         self.fwd: list[float] = []
@@ -271,10 +282,6 @@ class StandIn:
         # it, which splits it into the data gradient and the rest (weight gradient, update)
         self.splits_dx = node.type in ("conv", "fc")
         self.bwd_weights: list[float] = []
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.layer.out_shape)
 
     def forward(self, keep: bool = True) -> None:
         t0 = time.perf_counter()
@@ -299,33 +306,39 @@ class StandIn:
 
 @dataclass
 class TableRow:
-    key: tuple
+    key: tuple  # (type, input block, output block[, split degrees])
     fwd_s: float
     bwd_s: float  # the whole backward with the weight update
     bwd_data_s: float = 0.0  # the part of it a layer reading the model input skips (conv, fc: dL/dx)
 
     def to_yaml(self) -> dict:
-        typ, inn, out = self.key
-        return {"type": typ, "in": list(inn), "out": list(out), "fwd_s": self.fwd_s,
-                "bwd_data_s": self.bwd_data_s, "bwd_weights_s": self.bwd_s - self.bwd_data_s}
+        typ, inn, out = self.key[:3]
+        row = {"type": typ, "in": list(inn), "out": list(out)}
+        if len(self.key) > 3:
+            row["split"] = list(self.key[3])
+        return {**row, "fwd_s": self.fwd_s, "bwd_data_s": self.bwd_data_s,
+                "bwd_weights_s": self.bwd_s - self.bwd_data_s}
 
 
 def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
-                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None
-                          ) -> tuple[list[TableRow], list[str]]:
-    """Time every (layer, local shapes) that ``strategies`` give the layers of ``graph``: a :class:`StandIn`
-    per layer and strategy, run as a training step runs them (forward in order, backward in reverse), so
-    that between two uses of a tensor the caches see the traffic of the other layers, as in the real step.
-    ``reps`` rounds go through every strategy in turn after a warm-up round (a burst of other load on the
-    machine spoils one call of many entries rather than every call of a few); an entry's time is the median
-    of all calls of its key. Returns the rows and notes on entries left to the roofline (shapes a stand-in
-    cannot reproduce, or two layers of different parameters sharing a key)."""
+                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
+                          overlap: bool = False) -> tuple[list[TableRow], list[str]]:
+    """Time every (layer, distribution) that ``strategies`` give the layers of ``graph``, Jia et al.'s t_C:
+    a :class:`StandIn` per layer, strategy and block-holding rank (:func:`block_ranks`), a rank's stand-ins
+    run as a training step runs them (forward in order, backward in reverse), so that between two uses of a
+    tensor the caches see the traffic of the other layers, as in the real step. ``reps`` rounds go through
+    every chain in turn after a warm-up round (a burst of other load on the machine spoils one call of many
+    entries rather than every call of a few). A rank's time for a key is the median of its calls; the
+    entry's is that of the slowest rank, forward and backward apart (ranks meet at every halo exchange and
+    reduction, so the slowest rank sets the pace of each phase). Returns the rows and notes on entries
+    left to the roofline (layers a stand-in cannot reproduce, or two layers of different parameters sharing
+    a key)."""
     params_of: dict[tuple, tuple] = {}
     names: dict[tuple, str] = {}
     chains: list[list[tuple[tuple, StandIn]]] = []
     notes = []
     for dists in strategies:
-        chain = []
+        nodes = []
         for node in graph:
             if node.type == "flatten":
                 continue
@@ -335,15 +348,21 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
                 notes.append(f"{node.name}: {key} is also a {node.type} of other parameters; the table "
                              f"keeps the first")
                 continue
-            ins, out = local_shapes(node, dists[node.name])
-            si = StandIn(node, ins, out, optimizer)
-            if si.out_shape != out:
-                notes.append(f"{node.name} ({node.type}) on {ins[0]}: a stand-in gives {si.out_shape}, the "
-                             f"block is {out}; left to the roofline")
-                continue
-            names.setdefault(key, node.name)
-            chain.append((key, si))
-        chains.append(chain)
+            nodes.append((node, key))
+        ranks = sorted({r for node, _ in nodes for r in block_ranks(dists[node.name])}) or [0]
+        for rank in ranks:
+            chain, ctx = [], None
+            for node, key in nodes:
+                d = dists[node.name]
+                si = StandIn(node, d, rank, optimizer, ctx=ctx, overlap=overlap)
+                ctx = si.ctx
+                if not si.matches:
+                    notes.append(f"{node.name} ({node.type}) under {d}: the layer needs other input or output "
+                                 f"distributions than the cost model assumes; left to the roofline")
+                    continue
+                names.setdefault(key, node.name)
+                chain.append((key, si))
+            chains.append(chain)
     for r in range(max(reps, 1) + 1):
         for chain in chains:
             for _, si in chain:
@@ -355,23 +374,26 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
                     si.forward(keep=False)
                 for _, si in reversed(chain):
                     si.backward(keep=r > 0 and si.splits_dx, input_grad=not si.splits_dx)
-    fwd: dict[tuple, list[float]] = {}
-    bwd: dict[tuple, list[float]] = {}
-    bwd_w: dict[tuple, list[float]] = {}
+    # per key and rank: the calls of every chain that timed it
+    calls: dict[tuple, dict[int, tuple[list, list, list]]] = {}
     for chain in chains:
         for key, si in chain:
-            fwd.setdefault(key, []).extend(si.fwd)
-            bwd.setdefault(key, []).extend(si.bwd)
-            bwd_w.setdefault(key, []).extend(si.bwd_weights)
+            f, b, w = calls.setdefault(key, {}).setdefault(si.rank, ([], [], []))
+            f.extend(si.fwd)
+            b.extend(si.bwd)
+            w.extend(si.bwd_weights)
     rows = []
-    for key in fwd:
-        total = statistics.median(bwd[key])
-        data = max(0.0, total - statistics.median(bwd_w[key])) if bwd_w[key] else 0.0
-        row = TableRow(key, statistics.median(fwd[key]), total, data)
+    for key, per_rank in calls.items():
+        fwd = max(statistics.median(f) for f, _, _ in per_rank.values())
+        total = max(statistics.median(b) for _, b, _ in per_rank.values())
+        weights = [statistics.median(w) for _, _, w in per_rank.values() if w]
+        data = max(0.0, total - max(weights)) if weights else 0.0
+        row = TableRow(key, fwd, total, data)
         rows.append(row)
         if log:
-            log(f"  {names[key]:8s} {key[0]:9s} in {str(key[1]):22s} out {str(key[2]):20s} "
-                f"fwd {row.fwd_s * 1e3:8.3f} ms  bwd {row.bwd_s * 1e3:8.3f} ms")
+            split = "x".join(str(x) for x in key[3]) if len(key) > 3 else "-"
+            log(f"  {names[key]:8s} {key[0]:9s} {split:9s} in {str(key[1]):22s} out {str(key[2]):20s} "
+                f"fwd {row.fwd_s * 1e3:8.3f} ms  bwd {row.bwd_s * 1e3:8.3f} ms  ({len(per_rank)} rank(s))")
     return rows, notes
 
 
@@ -625,7 +647,8 @@ def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies
         log(f"{bm.name}: timing {len(graph)} layers under every local shape the strategies give them")
         quiet.wait()
         with OtherLoad() as load:
-            rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log)
+            rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log,
+                                            overlap=overlap)
             inputs = {r.key: r for r in (time_input_read(data, graph, d, reps) for d in all_dists)}
         for r in inputs.values():
             log(f"  {'(input)':8s} {'read':9s} block {str(r.key[1]):19s} {r.fwd_s * 1e3:8.3f} ms")

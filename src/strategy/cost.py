@@ -166,7 +166,8 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
                   needs_dx: bool = True) -> tuple[float, float, float]:
     """(forward, backward-data, backward-weights) seconds of the local kernels of the slowest rank.
 
-    A measured entry keyed by (type, local input shape, local output shape) wins; otherwise the roofline
+    A measured entry keyed by (type, local input shape, local output shape, split degrees) wins, then one
+    keyed without the split (a block timed alone, in no particular split's code path); otherwise the roofline
     ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a forward each;
     pointwise layers: backward costs what forward does and there is no dL/dw. Both are times of a rank with
     a compute slot to itself, scaled by :meth:`MachineModel.compute_slowdown` where ranks share cores.
@@ -176,8 +177,9 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
     in_local = max_local_shape(node.in_shape, in_dist)
     slow = machine.compute_slowdown(dist.ranks)
     key = (node.type, in_local, out_local)
-    if key in machine.measured:
-        f, bd, bw = machine.measured[key]
+    entry = machine.measured.get(key + (tuple(dist.split),), machine.measured.get(key))
+    if entry is not None:
+        f, bd, bw = entry
         return f * slow, (bd * slow if needs_dx else 0.0), bw * slow
     frac = math.prod(out_local) / math.prod(node.out_shape)
     flops = node.flops_fwd * frac
@@ -378,9 +380,12 @@ def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_inpu
     model input, which needs no dL/dx, and reads its block of the input from the data set."""
     needs_dx = not reads_input
     f, bd, bw = compute_times(node, dist, machine, needs_dx)
-    halo = halo_time(node, dist, machine, needs_dx)
-    internal = internal_comm_time(node, dist, machine, needs_dx)
-    ar = gradient_sync_time(node, dist, machine)
+    # where ranks share cores, their messages are copies through shared memory that those cores make, time-
+    # sliced as their compute is: the same factor (1 with a compute slot, e.g. a GPU, per rank)
+    slow = machine.compute_slowdown(dist.ranks)
+    halo = halo_time(node, dist, machine, needs_dx) * slow
+    internal = internal_comm_time(node, dist, machine, needs_dx) * slow
+    ar = gradient_sync_time(node, dist, machine) * slow
     pers, trans = layer_memory(node, dist, machine, reads_input, optimizer)
     inp = 0.0
     if reads_input:
@@ -454,14 +459,17 @@ def redistribution_matrix(shape: tuple[int, ...], srcs: Sequence[Distribution], 
 
 @lru_cache(maxsize=4096)
 def _redistribution_matrix(shape, srcs, dsts, machine) -> np.ndarray:
-    return shuffle_times(shape, srcs, dsts, machine) + shuffle_times(shape, dsts, srcs, machine).T
+    t = shuffle_times(shape, srcs, dsts, machine) + shuffle_times(shape, dsts, srcs, machine).T
+    return t * np.array([machine.compute_slowdown(d.ranks) for d in dsts])[None, :]  # see redistribution_time
 
 
 def redistribution_time(shape: tuple[int, ...], src: Distribution, dst: Distribution,
                         machine: MachineModel) -> float:
     """t_X of an edge: the activation from ``src`` to ``dst`` forward, the error signal back from ``dst`` to
-    ``src`` backward (partial sums are already reduced by the consumer)."""
-    return shuffle_time(shape, src, dst, machine) + shuffle_time(shape, dst, src, machine)
+    ``src`` backward (partial sums are already reduced by the consumer); time-sliced where ranks share cores
+    (see :func:`layer_cost`)."""
+    return ((shuffle_time(shape, src, dst, machine) + shuffle_time(shape, dst, src, machine))
+            * machine.compute_slowdown(dst.ranks))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ A machine file is YAML (read with ``yaml.safe_load``)::
       measured:                                            # optional, from the calibration benchmark
         - {type: conv, in: [32, 64, 56, 56], out: [32, 64, 56, 56], fwd_s: 0.004, bwd_data_s: 0.004,
            bwd_weights_s: 0.005}
+        - {type: conv, in: [32, 64, 30, 56], out: [32, 64, 28, 56], split: [1, 1, 2, 1], fwd_s: 0.0021,
+           bwd_data_s: 0.0021, bwd_weights_s: 0.0026}   # optional split: timed in that split's code path
         - {type: input, in: [8, 3, 224, 224], out: [8, 3, 224, 224], fwd_s: 0.002}   # reading a block of it
 
 ``load_machine_model(NAME_OR_PATH)`` reads a file, or ``src/machines/NAME.yaml``, or one of the presets below
@@ -116,11 +118,13 @@ class MachineModel:
         for i, row in enumerate(comp.get("measured") or []):
             try:
                 key = (str(row["type"]), tuple(int(s) for s in row["in"]), tuple(int(s) for s in row["out"]))
+                if row.get("split") is not None:  # timed in the code path of that split (see cost.compute_times)
+                    key += (tuple(int(s) for s in row["split"]),)
                 measured[key] = (float(row["fwd_s"]), float(row.get("bwd_data_s", 0.0)),
                                  float(row.get("bwd_weights_s", 0.0)))
             except (KeyError, TypeError, ValueError) as exc:
                 raise MachineError(f"machine {name!r}: compute.measured[{i}] needs type, in, out, fwd_s "
-                                   f"(and bwd_data_s, bwd_weights_s): {exc!r}") from None
+                                   f"(and bwd_data_s, bwd_weights_s, split): {exc!r}") from None
         rpn = tree.get("ranks_per_node", 1)
         if not isinstance(rpn, int) or rpn < 1:
             raise MachineError(f"machine {name!r}: ranks_per_node must be a positive integer, got {rpn!r}")
