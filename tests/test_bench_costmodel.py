@@ -72,6 +72,58 @@ def test_compute_times_scale_with_oversubscription():
     assert on_one == pytest.approx(2 * on_two)
 
 
+def test_communication_is_time_sliced_where_ranks_share_cores():
+    """Messages between ranks of one CPU node are copies their cores make: every communication term (halo,
+    internal reductions, gradient sync, redistribution) doubles with two ranks per core, and the search
+    sees the same numbers as evaluate_strategy."""
+    from lbannpy.strategy import plan
+    from lbannpy.strategy.cost import layer_cost, redistribution_matrix, redistribution_time
+
+    model = {"input": {"channels": 4, "spatial": [16, 16]},
+             "layers": [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1},
+                        {"name": "b", "type": "batchnorm"},
+                        {"name": "f", "type": "fc", "units": 16}]}
+    g = build_graph(model, 8)
+    free, shared = _cpu_machine(0, 4), _cpu_machine(2, 4)
+    seen = {"halo_s": 0.0, "internal_comm_s": 0.0, "allreduce_s": 0.0}
+    for node in g:
+        nd = len(node.out_shape)
+        for d in (Distribution.make(nd, 4, n=2, h=2) if nd == 4 else Distribution.make(nd, 4, n=4),
+                  Distribution.make(nd, 4, c=2)):
+            a, b = layer_cost(node, d, free), layer_cost(node, d, shared)
+            for term in seen:
+                assert getattr(b, term) == pytest.approx(2 * getattr(a, term))
+                seen[term] = max(seen[term], getattr(a, term))
+    assert all(v > 0 for v in seen.values())  # every kind of term was exercised
+    shape, src, dst = (8, 8, 16, 16), Distribution.make(4, 4, n=4), Distribution.make(4, 4, h=4)
+    t_free, t_shared = redistribution_time(shape, src, dst, free), redistribution_time(shape, src, dst, shared)
+    assert t_free > 0 and t_shared == pytest.approx(2 * t_free)
+    assert redistribution_matrix(shape, [src], [dst], shared)[0, 0] == pytest.approx(t_shared)
+    p = plan(g, 4, shared, max_candidates=6, compare=False)
+    assert p.chosen.step_s == pytest.approx(p.result.cost, rel=1e-9)
+
+
+def test_measured_entries_of_a_split_win_over_a_block_timed_alone():
+    model = {"input": {"channels": 4, "spatial": [16, 16]},
+             "layers": [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1}]}
+    node = next(iter(build_graph(model, 8)))
+    m = _cpu_machine(0, 4)
+    h2 = Distribution.make(4, 2, h=2)
+    key = ("conv", (8, 4, 8, 16), (8, 8, 8, 16))  # the blocks of h2 (input without its halo)
+    alone = replace(m, measured={key: (1e-3, 2e-3, 3e-3)})
+    both = replace(m, measured={key: (1e-3, 2e-3, 3e-3), key + ((1, 1, 2, 1),): (4e-3, 5e-3, 6e-3)})
+    assert compute_times(node, h2, alone) == pytest.approx((1e-3, 2e-3, 3e-3))
+    assert compute_times(node, h2, both) == pytest.approx((4e-3, 5e-3, 6e-3))
+    # a file row with split degrees is read into that key
+    row = {"type": "conv", "in": list(key[1]), "out": list(key[2]), "split": [1, 1, 2, 1], "fwd_s": 4e-3,
+           "bwd_data_s": 5e-3, "bwd_weights_s": 6e-3}
+    tree = dict(PRESETS["p100"], compute=dict(PRESETS["p100"]["compute"], measured=[row]))
+    assert compute_times(node, h2, MachineModel.from_dict(tree)) == pytest.approx((4e-3, 5e-3, 6e-3))
+    bad = dict(tree, compute=dict(tree["compute"], measured=[dict(row, split="two")]))
+    with pytest.raises(MachineError, match="split"):
+        MachineModel.from_dict(bad)
+
+
 def test_cores_per_node_in_machine_files(tmp_path):
     with pytest.raises(MachineError, match="cores_per_node"):
         MachineModel.from_dict(dict(PRESETS["p100"], cores_per_node=-1))

@@ -7,12 +7,14 @@ training runs (``mpiexec -n P python -m lbannpy.train CONFIG.h5``, ``summary.jso
 error and, per model and rank count, whether the predicted order of the strategies is the measured one.
 
 The model's per-layer compute t_C comes, as in Jia et al. (2018) §4, from running each layer under each
-local shape it meets (the blocks the strategies give it) several times on this machine:
-:func:`measure_compute_table` times the real layer classes on a single-rank context, forward in layer order
-and backward in reverse as a step runs them, and the rows go into the machine model's measured table
-(``compute.measured`` of a machine file). Communication is the calibrated α-β model; ranks that outnumber
-the cores of a node share them (:meth:`MachineModel.compute_slowdown`). The ``roofline`` column is the
-same prediction from the calibrated γ alone, without the table.
+distribution the strategies give it several times on this machine: :func:`measure_compute_table` runs the
+real layer classes as each block-holding rank of that distribution on a loopback communicator (the rank's
+own code path: halo packing, interior and boundary apart, with every message completing at once), forward
+in layer order and backward in reverse as a step runs them, and keeps the slowest rank's time; the rows go
+into the machine model's measured table (``compute.measured`` of a machine file). Communication is the
+calibrated α-β model; ranks that outnumber the cores of a node share them, their compute and their
+shared-memory copies alike (:meth:`MachineModel.compute_slowdown`). The ``roofline`` column is the same
+prediction from the calibrated γ alone, without the table.
 
 The model adds communication to compute (Jia et al. eq. 1), so the training runs reduce gradients without
 the background overlap thread (``--overlap`` turns it on). Every rank runs single-threaded (OMP/OpenBLAS/MKL
