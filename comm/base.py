@@ -90,6 +90,11 @@ class Communicator(abc.ABC):
         """Collective: ranks with equal ``color`` form a new communicator, ordered by ``key`` (default rank).
         A negative color returns ``None`` on that rank (it joins no group)."""
 
+    def group(self, members: Sequence[int]) -> "Communicator":
+        """Collective: the communicator of ``members``, the group of ranks (this one among them) that this rank
+        joins, every rank passing its own group of one partition of the ranks; ranked by rank."""
+        return self.split(min(members), self.rank)
+
     @abc.abstractmethod
     def dup(self) -> "Communicator":
         """Collective: a communicator over the same ranks whose messages never mix with this one's."""

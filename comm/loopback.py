@@ -16,9 +16,9 @@ from .single import SingleCommunicator
 
 
 class LoopbackCommunicator(Communicator):
-    """Rank ``rank`` of ``size`` ranks, alone. ``split`` needs the group it would give (its members are not
-    known to a lone process): :class:`lbannpy.layers.base.LayerContext` asks for groups through
-    :meth:`group`, which the cost-model stand-ins route here."""
+    """Rank ``rank`` of ``size`` ranks, alone. ``split`` would need the other ranks' colours, which a lone
+    process does not know; :meth:`group` (what :class:`lbannpy.layers.base.LayerContext` asks for) names
+    the members itself."""
 
     backend = "loopback"
 

@@ -89,10 +89,7 @@ class LayerContext:
         key = tuple(sorted(set(groups)))
         if key not in self._groups:
             members = groups[self.rank]
-            if hasattr(self.comm, "group"):  # a loopback rank (cost-model stand-ins) builds it alone
-                self._groups[key] = self.comm.group(members)
-            else:
-                self._groups[key] = self.comm.split(min(members), self.rank)
+            self._groups[key] = self.comm.group(members)
         return self._groups[key]
 
     def workspace(self, slot: str, shape: Sequence[int], dtype):

@@ -157,7 +157,8 @@ class MachineModel:
         return replace(self, ranks_per_node=int(ranks_per_node))
 
     def compute_slowdown(self, ranks: int) -> float:
-        """Factor (>= 1) on every rank's compute time when the ranks of a node outnumber its compute slots:
+        """Factor (>= 1) on every rank's compute time, and on its messages (shared-memory copies its core
+        makes), when the ranks of a node outnumber its compute slots:
         ``ranks_on_node / cores_per_node`` ranks share each core by time slicing. Nodes are filled in rank
         order, ``ranks_per_node`` each; 1 when ``cores_per_node`` is 0 (one slot per rank)."""
         if self.cores_per_node <= 0:
