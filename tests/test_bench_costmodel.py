@@ -124,6 +124,70 @@ def test_measured_entries_of_a_split_win_over_a_block_timed_alone():
         MachineModel.from_dict(bad)
 
 
+def test_entries_timed_with_the_nodes_ranks_running_are_used_unscaled():
+    """A row timed while as many ranks ran on the node as the job puts there (``procs``) already holds what
+    sharing the cores costs: no slowdown on top. Other layouts fall back to the split's row, scaled."""
+    model = {"input": {"channels": 4, "spatial": [16, 16]},
+             "layers": [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1}]}
+    node = next(iter(build_graph(model, 8)))
+    h4 = Distribution.make(4, 4, h=4)
+    key = ("conv", (8, 4, 4, 16), (8, 8, 4, 16), (1, 1, 4, 1))  # the blocks of h4 (input without its halo)
+    m = replace(_cpu_machine(2, 4), measured={key: (1e-3, 2e-3, 3e-3), key + (4,): (5e-3, 7e-3, 9e-3)})
+    assert m.compute_slowdown(4) == 2.0 and m.ranks_on_node(4) == 4
+    assert compute_times(node, h4, m) == pytest.approx((5e-3, 7e-3, 9e-3))
+    assert compute_times(node, h4, m, needs_dx=False) == pytest.approx((5e-3, 0.0, 9e-3))
+    # the same job spread over two nodes (2 ranks on each): the row of 4 on a node does not apply
+    two_nodes = m.with_layout(2)
+    assert two_nodes.ranks_on_node(4) == 2
+    assert compute_times(node, h4, two_nodes) == pytest.approx((1e-3, 2e-3, 3e-3))
+    # a file row with procs is read into that key; procs needs split and a positive integer
+    row = {"type": "conv", "in": list(key[1]), "out": list(key[2]), "split": list(key[3]), "procs": 4,
+           "fwd_s": 5e-3, "bwd_data_s": 7e-3, "bwd_weights_s": 9e-3}
+    y = cm.TableRow(key + (4,), 5e-3, 16e-3, 7e-3).to_yaml()
+    assert {k: v for k, v in y.items() if not k.endswith("_s")} == {
+        k: v for k, v in row.items() if not k.endswith("_s")}
+    assert [y[k] for k in ("fwd_s", "bwd_data_s", "bwd_weights_s")] == pytest.approx([5e-3, 7e-3, 9e-3])
+    tree = dict(PRESETS["p100"], ranks_per_node=4, cores_per_node=2,
+                compute=dict(PRESETS["p100"]["compute"], measured=[row]))
+    assert compute_times(node, h4, MachineModel.from_dict(tree)) == pytest.approx((5e-3, 7e-3, 9e-3))
+    for bad in (dict(row, procs=0), dict(row, procs="4"), {k: v for k, v in row.items() if k != "split"}):
+        with pytest.raises(MachineError, match="procs"):
+            MachineModel.from_dict(dict(tree, compute=dict(tree["compute"], measured=[bad])))
+
+
+def test_shared_node_factor_hand_computed():
+    rows = [cm.TableRow(("a",), 1.0, 3.0, 1.0), cm.TableRow(("b",), 2.0, 2.0, 0.0)]
+    calls = {("a",): {0: ([2.0, 2.0], [6.0], [4.0]), 1: ([1.0], [3.0], [])},
+             ("b",): {0: ([4.0], [4.0], []), 1: ([2.0], [2.0], [])},
+             ("c",): {0: ([100.0], [], [])}}  # no alone-timed row: left out
+    # rank 0: (2+2+6+4) + (4+4) = 22 over (1+1+3+2) + (2+2) = 11 -> 2; rank 1: 8 over 8 -> 1
+    factor, per_rank = cm.shared_node_factor(rows, calls)
+    assert per_rank == {0: pytest.approx(2.0), 1: pytest.approx(1.0)} and factor == pytest.approx(2.0)
+    assert cm.shared_node_factor(rows, {}) == (1.0, {})
+
+
+def test_compute_table_with_the_ranks_running_at_once():
+    bm = cm.classifier(size=16, batch=4, width=4)
+    g = build_graph(bm.model, bm.batch_size)
+    m = _cpu_machine(2, 2)
+    dists = [cm.strategy_dists(s, g, 2, m) for s in ("data", "spatial")]
+    logged = []
+    rows, notes = cm.measure_compute_table(g, dists, reps=1, optimizer=cm.OPTIMIZER, procs=2,
+                                           log=logged.append)
+    assert not notes
+    assert {r.key for r in rows} == {cm.table_key(n, d[n.name]) + (2,) for d in dists for n in g}
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 and math.isfinite(r.fwd_s + r.bwd_s) for r in rows)
+    assert any("2 ranks at once on this node" in line for line in logged)
+    tabled = cm.with_table(m, rows)
+    for d in dists:
+        for n in g:
+            row = next(r for r in rows if r.key == cm.table_key(n, d[n.name]) + (2,))
+            want = (row.fwd_s, row.bwd_data_s, row.bwd_s - row.bwd_data_s)
+            assert compute_times(n, d[n.name], tabled) == want
+    with pytest.raises(ValueError, match="procs=4"):
+        cm.measure_compute_table(g, dists, reps=1, procs=4)
+
+
 def test_cores_per_node_in_machine_files(tmp_path):
     with pytest.raises(MachineError, match="cores_per_node"):
         MachineModel.from_dict(dict(PRESETS["p100"], cores_per_node=-1))

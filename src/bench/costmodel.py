@@ -11,10 +11,13 @@ distribution the strategies give it several times on this machine: :func:`measur
 real layer classes as each block-holding rank of that distribution on a loopback communicator (the rank's
 own code path: halo packing, interior and boundary apart, with every message completing at once), forward
 in layer order and backward in reverse as a step runs them, and keeps the slowest rank's time; the rows go
-into the machine model's measured table (``compute.measured`` of a machine file). Communication is the
-calibrated α-β model; ranks that outnumber the cores of a node share them, their compute and their
-shared-memory copies alike (:meth:`MachineModel.compute_slowdown`). The ``roofline`` column is the same
-prediction from the calibrated γ alone, without the table.
+into the machine model's measured table (``compute.measured`` of a machine file). For P ranks the table is
+then scaled by what running P ranks at once on this node costs (P processes run their ranks' stand-ins
+together, as ``mpiexec -n P`` does: shared caches and memory bandwidth, and where ranks outnumber the cores,
+their time slices), so that its rows are times of a rank among P on the node. Communication is the
+calibrated α-β model; ranks that outnumber the cores of a node share them, and their shared-memory copies
+are time-sliced too (:meth:`MachineModel.compute_slowdown`). The ``roofline`` column is the same prediction
+from the calibrated γ alone, without the table.
 
 The model adds communication to compute (Jia et al. eq. 1), so the training runs reduce gradients without
 the background overlap thread (``--overlap`` turns it on). Every rank runs single-threaded (OMP/OpenBLAS/MKL
@@ -308,7 +311,7 @@ class StandIn:
 
 @dataclass
 class TableRow:
-    key: tuple  # (type, input block, output block[, split degrees])
+    key: tuple  # (type, input block, output block[, split degrees[, ranks on the node while timed]])
     fwd_s: float
     bwd_s: float  # the whole backward with the weight update
     bwd_data_s: float = 0.0  # the part of it a layer reading the model input skips (conv, fc: dL/dx)
@@ -318,27 +321,22 @@ class TableRow:
         row = {"type": typ, "in": list(inn), "out": list(out)}
         if len(self.key) > 3:
             row["split"] = list(self.key[3])
+        if len(self.key) > 4:
+            row["procs"] = int(self.key[4])
         return {**row, "fwd_s": self.fwd_s, "bwd_data_s": self.bwd_data_s,
                 "bwd_weights_s": self.bwd_s - self.bwd_data_s}
 
 
-def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
-                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
-                          overlap: bool = False) -> tuple[list[TableRow], list[str]]:
-    """Time every (layer, distribution) that ``strategies`` give the layers of ``graph``, Jia et al.'s t_C:
-    a :class:`StandIn` per layer, strategy and block-holding rank (:func:`block_ranks`), a rank's stand-ins
-    run as a training step runs them (forward in order, backward in reverse), so that between two uses of a
-    tensor the caches see the traffic of the other layers, as in the real step. ``reps`` rounds go through
-    every chain in turn after a warm-up round (a burst of other load on the machine spoils one call of many
-    entries rather than every call of a few). A rank's time for a key is the median of its calls; the
-    entry's is that of the slowest rank, forward and backward apart (ranks meet at every halo exchange and
-    reduction, so the slowest rank sets the pace of each phase). Returns the rows and notes on entries
-    left to the roofline (layers a stand-in cannot reproduce, or two layers of different parameters sharing
-    a key)."""
+Calls = dict  # key -> rank -> ([forward s], [backward s], [backward without dL/dx s])
+
+
+def _chains_plan(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]]
+                 ) -> tuple[list[list[tuple[Node, Distribution, tuple]]], dict[tuple, str], list[str]]:
+    """Per strategy, the (node, distribution, table key) a stand-in chain times, and the notes on keys that
+    two layers of different parameters share (the table keeps the first)."""
     params_of: dict[tuple, tuple] = {}
     names: dict[tuple, str] = {}
-    chains: list[list[tuple[tuple, StandIn]]] = []
-    notes = []
+    plans, notes = [], []
     for dists in strategies:
         nodes = []
         for node in graph:
@@ -350,22 +348,36 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
                 notes.append(f"{node.name}: {key} is also a {node.type} of other parameters; the table "
                              f"keeps the first")
                 continue
-            nodes.append((node, key))
-        ranks = sorted({r for node, _ in nodes for r in block_ranks(dists[node.name])}) or [0]
-        for rank in ranks:
+            names.setdefault(key, node.name)
+            nodes.append((node, dists[node.name], key))
+        plans.append(nodes)
+    return plans, names, notes
+
+
+def _build_chains(plans, ranks_of: Callable[[list], list[int]], optimizer, overlap: bool
+                  ) -> tuple[list[list[tuple[tuple, StandIn]]], list[str]]:
+    """Stand-in chains, one per (plan, rank in ``ranks_of(plan)``), and notes on layers left out."""
+    chains, notes = [], []
+    for nodes in plans:
+        for rank in ranks_of(nodes):
             chain, ctx = [], None
-            for node, key in nodes:
-                d = dists[node.name]
+            for node, d, key in nodes:
                 si = StandIn(node, d, rank, optimizer, ctx=ctx, overlap=overlap)
                 ctx = si.ctx
                 if not si.matches:
                     notes.append(f"{node.name} ({node.type}) under {d}: the layer needs other input or output "
                                  f"distributions than the cost model assumes; left to the roofline")
                     continue
-                names.setdefault(key, node.name)
                 chain.append((key, si))
             chains.append(chain)
-    for r in range(max(reps, 1) + 1):
+    return chains, notes
+
+
+def _run_chains(chains, rounds: int, between: Callable[[], None] = lambda: None) -> Calls:
+    """``rounds`` rounds through every chain (forward in order, backward in reverse, and again with conv and
+    fc backward without dL/dx) after a warm-up round; ``between()`` before each round. Returns the calls."""
+    for r in range(max(rounds, 1) + 1):
+        between()
         for chain in chains:
             for _, si in chain:
                 si.forward(keep=r > 0)
@@ -376,23 +388,156 @@ def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, D
                     si.forward(keep=False)
                 for _, si in reversed(chain):
                     si.backward(keep=r > 0 and si.splits_dx, input_grad=not si.splits_dx)
-    # per key and rank: the calls of every chain that timed it
-    calls: dict[tuple, dict[int, tuple[list, list, list]]] = {}
+    calls: Calls = {}
     for chain in chains:
         for key, si in chain:
             f, b, w = calls.setdefault(key, {}).setdefault(si.rank, ([], [], []))
             f.extend(si.fwd)
             b.extend(si.bwd)
             w.extend(si.bwd_weights)
+    return calls
+
+
+def _corun_worker(plans, rank, procs, rounds, optimizer, overlap, barrier, conn) -> None:
+    """One of ``procs`` processes timing rank ``rank``'s chains while the others time theirs."""
+    try:
+        chains, notes = _build_chains(plans, lambda nodes: [rank], optimizer, overlap)
+        barrier.wait(timeout=300)
+        calls = _run_chains(chains, rounds, lambda: barrier.wait(timeout=300))
+        conn.send(("ok", calls, notes))
+    except BaseException as exc:  # the parent raises it, with this rank named
+        import traceback
+        try:
+            barrier.abort()
+        except Exception:
+            pass
+        conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}", []))
+    finally:
+        conn.close()
+
+
+def _corun_calls(plans, procs: int, rounds: int, optimizer, overlap: bool, timeout: float = 900
+                 ) -> tuple[Calls, list[str]]:
+    """Every rank 0..procs-1 runs its own chains in a process of its own, all at once (rounds start
+    together, as a training step's ranks do); returns every rank's calls."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(procs)
+    workers = []
+    for rank in range(procs):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_corun_worker, name=f"lbannpy-table-r{rank}",
+                        args=(plans, rank, procs, rounds, optimizer, overlap, barrier, send), daemon=True)
+        p.start()
+        send.close()
+        workers.append((rank, p, recv))
+    calls: Calls = {}
+    notes: list[str] = []
+    errors = []
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, p, recv in workers:
+            if not recv.poll(max(0.0, deadline - time.monotonic())):
+                errors.append(f"rank {rank}: no result within {timeout:.0f} s")
+                continue
+            try:
+                status, got, n = recv.recv()
+            except EOFError:
+                errors.append(f"rank {rank}: the process ended without a result (exit code {p.exitcode})")
+                continue
+            if status != "ok":
+                errors.append(got)
+                continue
+            if rank == 0:
+                notes += n
+            for key, per_rank in got.items():
+                calls.setdefault(key, {})[rank] = per_rank[rank]
+    finally:
+        for _, p, recv in workers:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            recv.close()
+    if errors:
+        raise RuntimeError(f"timing the layer table with {procs} processes failed: " + "; ".join(errors))
+    return calls, notes
+
+
+def shared_node_factor(rows: Sequence[TableRow], calls: Calls) -> tuple[float, dict[int, float]]:
+    """What running a node's ranks at once costs over each running alone: per rank, the sum of its co-run
+    call times over the sum, for the same calls, of the alone-timed entries ``rows`` (forward, backward,
+    backward without dL/dx); the factor is the largest (the slowest rank sets the pace). Sums over all of a
+    rank's calls, because where ranks share a core a call either runs whole or takes a whole time slice of
+    another rank longer: one key's few calls say little, their sum says what sharing costs."""
+    by_key = {r.key: r for r in rows}
+    per_rank: dict[int, list[float]] = {}
+    for key, ranks in calls.items():
+        row = by_key.get(key)
+        if row is None:
+            continue
+        for rank, (f, b, w) in ranks.items():
+            acc = per_rank.setdefault(rank, [0.0, 0.0])
+            acc[0] += sum(f) + sum(b) + sum(w)
+            acc[1] += len(f) * row.fwd_s + len(b) * row.bwd_s + len(w) * (row.bwd_s - row.bwd_data_s)
+    factors = {r: t / a for r, (t, a) in per_rank.items() if a > 0}
+    return (max(factors.values()) if factors else 1.0), factors
+
+
+def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
+                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
+                          overlap: bool = False, procs: int = 1) -> tuple[list[TableRow], list[str]]:
+    """Time every (layer, distribution) that ``strategies`` give the layers of ``graph``, Jia et al.'s t_C:
+    a :class:`StandIn` per layer, strategy and block-holding rank (:func:`block_ranks`), a rank's stand-ins
+    run as a training step runs them (forward in order, backward in reverse), so that between two uses of a
+    tensor the caches see the traffic of the other layers, as in the real step. ``reps`` rounds go through
+    every chain in turn after a warm-up round (a burst of other load on the machine spoils one call of many
+    entries rather than every call of a few). A rank's time for a key is the median of its calls; the
+    entry's is that of the slowest rank, forward and backward apart (ranks meet at every halo exchange and
+    reduction, so the slowest rank sets the pace of each phase). These rows, keyed (type, in, out, split),
+    are times of a rank with a core to itself.
+
+    ``procs > 1`` (every strategy then on ``procs`` ranks): besides, ``procs`` processes run ranks
+    0..procs-1 at once (:func:`_corun_calls`), as ``mpiexec -n procs`` runs them on this node, and every row
+    is scaled by :func:`shared_node_factor`: the rows, keyed (type, in, out, split, procs), are times of a
+    rank among ``procs`` on the node, sharing its cores, caches and memory bandwidth, which
+    :func:`lbannpy.strategy.cost.compute_times` then uses unscaled. Returns the rows and notes on entries left
+    to the roofline (layers a stand-in cannot reproduce, or two layers of different parameters sharing a
+    key)."""
+    if procs > 1:
+        bad = sorted({d.ranks for dists in strategies for d in dists.values()} - {procs})
+        if bad:
+            raise ValueError(f"measure_compute_table: procs={procs} times strategies on {procs} ranks, got "
+                             f"some on {bad}")
+    plans, names, notes = _chains_plan(graph, strategies)
+
+    def ranks_of(nodes):
+        return sorted({r for _, d, _ in nodes for r in block_ranks(d)}) or [0]
+
+    chains, n = _build_chains(plans, ranks_of, optimizer, overlap)
+    notes += n
+    calls = _run_chains(chains, reps)
+    del chains
     rows = []
     for key, per_rank in calls.items():
         fwd = max(statistics.median(f) for f, _, _ in per_rank.values())
         total = max(statistics.median(b) for _, b, _ in per_rank.values())
         weights = [statistics.median(w) for _, _, w in per_rank.values() if w]
         data = max(0.0, total - max(weights)) if weights else 0.0
-        row = TableRow(key, fwd, total, data)
-        rows.append(row)
+        rows.append(TableRow(key, fwd, total, data))
+    factor = 1.0
+    if procs > 1:
+        co, _ = _corun_calls(plans, procs, max(reps, 1), optimizer, overlap)
+        factor, per_rank_f = shared_node_factor(rows, co)
+        rows = [TableRow(r.key + (procs,), r.fwd_s * factor, r.bwd_s * factor, r.bwd_data_s * factor)
+                for r in rows]
         if log:
+            log(f"  {procs} ranks at once on this node: each rank's calls took "
+                + ", ".join(f"{per_rank_f[r]:.2f}" for r in sorted(per_rank_f))
+                + f" times its alone-timed entries; the table keeps {factor:.2f} times them")
+    if log:
+        for row, (key, per_rank) in zip(rows, calls.items()):
             split = "x".join(str(x) for x in key[3]) if len(key) > 3 else "-"
             log(f"  {names[key]:8s} {key[0]:9s} {split:9s} in {str(key[1]):22s} out {str(key[2]):20s} "
                 f"fwd {row.fwd_s * 1e3:8.3f} ms  bwd {row.bwd_s * 1e3:8.3f} ms  ({len(per_rank)} rank(s))")
@@ -649,8 +794,12 @@ def run_benchmark(models: Sequence[BenchModel], ranks: Sequence[int], strategies
         log(f"{bm.name}: timing {len(graph)} layers under every local shape the strategies give them")
         quiet.wait()
         with OtherLoad() as load:
-            rows, n = measure_compute_table(graph, all_dists, reps=reps, optimizer=OPTIMIZER, log=log,
-                                            overlap=overlap)
+            rows, n = [], []
+            for p, named in per_ranks.items():  # timed with as many ranks on the node as the runs have
+                r_p, n_p = measure_compute_table(graph, list(named.values()), reps=reps, optimizer=OPTIMIZER,
+                                                 log=log, overlap=overlap, procs=p)
+                rows += r_p
+                n += [x for x in n_p if x not in n]
             inputs = {r.key: r for r in (time_input_read(data, graph, d, reps) for d in all_dists)}
         for r in inputs.values():
             log(f"  {'(input)':8s} {'read':9s} block {str(r.key[1]):19s} {r.fwd_s * 1e3:8.3f} ms")

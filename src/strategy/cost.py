@@ -166,18 +166,25 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
                   needs_dx: bool = True) -> tuple[float, float, float]:
     """(forward, backward-data, backward-weights) seconds of the local kernels of the slowest rank.
 
-    A measured entry keyed by (type, local input shape, local output shape, split degrees) wins, then one
-    keyed without the split (a block timed alone, in no particular split's code path); otherwise the roofline
-    ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a forward each;
-    pointwise layers: backward costs what forward does and there is no dL/dw. Both are times of a rank with
-    a compute slot to itself, scaled by :meth:`MachineModel.compute_slowdown` where ranks share cores.
+    A measured entry keyed by (type, local input shape, local output shape, split degrees, ranks on the node)
+    wins: it was timed while as many ranks ran on the node as this job puts there, so whatever sharing the
+    node's cores and memory costs is in it, and it is used as it is. Then one keyed without the rank count,
+    then one without the split (a block timed alone, in no particular split's code path); otherwise the
+    roofline ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a
+    forward each; pointwise layers: backward costs what forward does and there is no dL/dw. These are times
+    of a rank with a compute slot to itself, scaled by :meth:`MachineModel.compute_slowdown` where ranks
+    share cores.
     """
     out_local = max_local_shape(node.out_shape, dist)
     in_dist = required_input(node, dist, node.in_shape)
     in_local = max_local_shape(node.in_shape, in_dist)
-    slow = machine.compute_slowdown(dist.ranks)
     key = (node.type, in_local, out_local)
-    entry = machine.measured.get(key + (tuple(dist.split),), machine.measured.get(key))
+    split = key + (tuple(dist.split),)
+    entry = machine.measured.get(split + (machine.ranks_on_node(dist.ranks),))
+    if entry is not None:
+        return entry[0], (entry[1] if needs_dx else 0.0), entry[2]
+    slow = machine.compute_slowdown(dist.ranks)
+    entry = machine.measured.get(split, machine.measured.get(key))
     if entry is not None:
         f, bd, bw = entry
         return f * slow, (bd * slow if needs_dx else 0.0), bw * slow

@@ -20,6 +20,10 @@ A machine file is YAML (read with ``yaml.safe_load``)::
            bwd_weights_s: 0.005}
         - {type: conv, in: [32, 64, 30, 56], out: [32, 64, 28, 56], split: [1, 1, 2, 1], fwd_s: 0.0021,
            bwd_data_s: 0.0021, bwd_weights_s: 0.0026}   # optional split: timed in that split's code path
+        - {type: conv, in: [16, 64, 56, 56], out: [16, 64, 56, 56], split: [4, 1, 1, 1], procs: 4,
+           fwd_s: 0.0043, bwd_data_s: 0.0044, bwd_weights_s: 0.0052}  # optional procs (with split): timed
+                                                       # while that many ranks ran on the node, core sharing
+                                                       # included (cost.compute_times scales it no further)
         - {type: input, in: [8, 3, 224, 224], out: [8, 3, 224, 224], fwd_s: 0.002}   # reading a block of it
 
 ``load_machine_model(NAME_OR_PATH)`` reads a file, or ``src/machines/NAME.yaml``, or one of the presets below
@@ -120,11 +124,16 @@ class MachineModel:
                 key = (str(row["type"]), tuple(int(s) for s in row["in"]), tuple(int(s) for s in row["out"]))
                 if row.get("split") is not None:  # timed in the code path of that split (see cost.compute_times)
                     key += (tuple(int(s) for s in row["split"]),)
+                if row.get("procs") is not None:  # timed with that many ranks running on the node
+                    procs = row["procs"]
+                    if len(key) < 4 or isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+                        raise ValueError(f"procs must be a positive integer and come with split, got {procs!r}")
+                    key += (procs,)
                 measured[key] = (float(row["fwd_s"]), float(row.get("bwd_data_s", 0.0)),
                                  float(row.get("bwd_weights_s", 0.0)))
             except (KeyError, TypeError, ValueError) as exc:
                 raise MachineError(f"machine {name!r}: compute.measured[{i}] needs type, in, out, fwd_s "
-                                   f"(and bwd_data_s, bwd_weights_s, split): {exc!r}") from None
+                                   f"(and bwd_data_s, bwd_weights_s, split, procs): {exc!r}") from None
         rpn = tree.get("ranks_per_node", 1)
         if not isinstance(rpn, int) or rpn < 1:
             raise MachineError(f"machine {name!r}: ranks_per_node must be a positive integer, got {rpn!r}")
@@ -163,8 +172,11 @@ class MachineModel:
         order, ``ranks_per_node`` each; 1 when ``cores_per_node`` is 0 (one slot per rank)."""
         if self.cores_per_node <= 0:
             return 1.0
-        on_node = min(int(ranks), self.ranks_per_node)
-        return max(1.0, on_node / self.cores_per_node)
+        return max(1.0, self.ranks_on_node(ranks) / self.cores_per_node)
+
+    def ranks_on_node(self, ranks: int) -> int:
+        """Ranks that run on one node when a job has ``ranks`` in all (nodes filled in rank order)."""
+        return max(1, min(int(ranks), self.ranks_per_node))
 
     def link(self, span_ranks: int) -> Link:
         """Link used by a group whose ranks lie within ``span_ranks`` consecutive ranks (nodes are filled in
