@@ -398,8 +398,8 @@ def _run_chains(chains, rounds: int, between: Callable[[], None] = lambda: None)
     return calls
 
 
-def _corun_worker(plans, rank, procs, rounds, optimizer, overlap, barrier, conn) -> None:
-    """One of ``procs`` processes timing rank ``rank``'s chains while the others time theirs."""
+def _corun_worker(plans, rank, rounds, optimizer, overlap, barrier, conn) -> None:
+    """One of the processes of :func:`_corun_calls`: times rank ``rank``'s chains while the others time theirs."""
     try:
         chains, notes = _build_chains(plans, lambda nodes: [rank], optimizer, overlap)
         barrier.wait(timeout=300)
@@ -428,7 +428,7 @@ def _corun_calls(plans, procs: int, rounds: int, optimizer, overlap: bool, timeo
     for rank in range(procs):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_corun_worker, name=f"lbannpy-table-r{rank}",
-                        args=(plans, rank, procs, rounds, optimizer, overlap, barrier, send), daemon=True)
+                        args=(plans, rank, rounds, optimizer, overlap, barrier, send), daemon=True)
         p.start()
         send.close()
         workers.append((rank, p, recv))
