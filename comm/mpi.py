@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,6 +34,29 @@ _THREAD_LEVELS = {
 
 def thread_level_name(level: int) -> str:
     return _THREAD_LEVELS.get(level, str(level))
+
+
+ABORT_GRACE_S = 0.3  # seconds between flushing this rank's last words and MPI_Abort
+
+
+def abort_job(comm, code: int = 1) -> None:
+    """Not collective: flush stdout/stderr, give the launcher time to forward them, ``MPI_Abort`` and never
+    return.
+
+    The launcher relays a rank's output asynchronously; aborting at once lets Hydra tear the job down
+    before it has read what the rank just wrote (about one run in a hundred lost the whole failure
+    message). MPICH's ``MPI_Abort`` may also return once the launcher has been told, and the other
+    threads of this rank must not go on (or Python print the traceback a second time) while the launcher
+    kills the job, hence ``os._exit``.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not stop the abort
+            pass
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
+    os._exit(code)
 
 
 def query_thread() -> str:
@@ -156,12 +180,7 @@ class MPICommunicator(Communicator):
 
     def abort(self, code: int = 1) -> None:
         """Not collective: end every rank of the job (of ``MPI.COMM_WORLD``) with ``code``."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed stream must not stop the abort
-                pass
-        (self._comm if not self._freed else MPI.COMM_WORLD).Abort(code)
+        abort_job(self._comm if not self._freed else MPI.COMM_WORLD, code)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _call(self, what: str, fn, *args):

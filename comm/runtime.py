@@ -81,7 +81,8 @@ def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
     if up and size > 1:
-        MPI.COMM_WORLD.Abort(code)
+        from .mpi import abort_job
+        abort_job(MPI.COMM_WORLD, code)
 
 
 def install_abort_hook() -> None:
