@@ -221,3 +221,18 @@ def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise CommError(f"unknown reduction {op!r}; use one of {', '.join(REDUCE_OPS)}")
     return op
+
+
+def check_counts(counts: Sequence[int], size: int, where: str, what: str, total: int | None = None,
+                 total_name: str = "buffer") -> list[int]:
+    """Per-rank element counts of a v-collective, as ints: one per rank, none negative and, with ``total``,
+    summing to it. ``where`` names the calling rank in the error (``rank R of P``)."""
+    counts = [int(c) for c in counts]
+    if len(counts) != size:
+        raise CommError(f"{where}: {what}: {len(counts)} counts given for {size} ranks")
+    if any(c < 0 for c in counts):
+        raise CommError(f"{where}: {what}: negative count in {counts}")
+    if total is not None and sum(counts) != total:
+        raise CommError(f"{where}: {what}: counts {counts} sum to {sum(counts)} but the {total_name} holds "
+                        f"{total} elements")
+    return counts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .base import CommError, Communicator, Handle, check_op
+from .base import CommError, Communicator, Handle, check_counts, check_op
 from .single import SingleCommunicator
 
 
@@ -60,10 +60,7 @@ class LoopbackCommunicator(Communicator):
             raise CommError(f"loopback {what}: rank {r} does not exist in a group of {self._size}")
 
     def _counts(self, counts: Sequence[int], what: str) -> list[int]:
-        counts = [int(c) for c in counts]
-        if len(counts) != self._size or any(c < 0 for c in counts):
-            raise CommError(f"loopback {what}: {len(counts)} counts {counts} for {self._size} ranks")
-        return counts
+        return check_counts(counts, self._size, f"loopback rank {self._rank} of {self._size}", what)
 
     def iallgather(self, buf) -> Handle:
         xp = self._xp(buf)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .base import CommError, Communicator, Handle, check_op
+from .base import CommError, Communicator, Handle, check_counts, check_op
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
@@ -262,15 +262,7 @@ class MPICommunicator(Communicator):
 
     def _check_counts(self, counts: Sequence[int], what: str, total: int | None = None,
                       total_name: str = "buffer") -> list[int]:
-        counts = [int(c) for c in counts]
-        if len(counts) != self._size:
-            raise CommError(f"{self._where()}: {what}: {len(counts)} counts given for {self._size} ranks")
-        if any(c < 0 for c in counts):
-            raise CommError(f"{self._where()}: {what}: negative count in {counts}")
-        if total is not None and sum(counts) != total:
-            raise CommError(f"{self._where()}: {what}: counts {counts} sum to {sum(counts)} but the "
-                            f"{total_name} holds {total} elements")
-        return counts
+        return check_counts(counts, self._size, self._where(), what, total, total_name)
 
     def _agree(self, what: str, mine, rule) -> None:
         """With ``check`` on: gather every rank's count metadata and apply ``rule(all) -> error or None``

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .base import CommError, Communicator, Handle, check_op
+from .base import CommError, Communicator, Handle, check_counts, check_op
 from .mpi import MPICommunicator
 
 _OP_NAMES = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN"}
@@ -215,16 +215,8 @@ class NCCLCommunicator(Communicator):
     def _ptr(arr, offset_elems: int = 0) -> int:
         return arr.data.ptr + offset_elems * arr.itemsize
 
-    def _check_counts(self, counts, what: str, total=None) -> list[int]:
-        counts = [int(c) for c in counts]
-        if len(counts) != self._size:
-            raise CommError(f"{self._where()}: {what}: {len(counts)} counts given for {self._size} ranks")
-        if any(c < 0 for c in counts):
-            raise CommError(f"{self._where()}: {what}: negative count in {counts}")
-        if total is not None and sum(counts) != total:
-            raise CommError(f"{self._where()}: {what}: counts {counts} sum to {sum(counts)} but the buffer "
-                            f"holds {total} elements")
-        return counts
+    def _check_counts(self, counts, what: str, total=None, total_name: str = "buffer") -> list[int]:
+        return check_counts(counts, self._size, self._where(), what, total, total_name)
 
     # -- collectives ----------------------------------------------------------------------------------
     def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
@@ -307,7 +299,7 @@ class NCCLCommunicator(Communicator):
     def ialltoallv(self, sendbuf, sendcounts: Sequence[int], recvcounts: Sequence[int], out=None) -> Handle:
         """Collective: grouped send/recv with every peer (the self part is a device copy)."""
         self.flush()
-        sendcounts = self._check_counts(sendcounts, "alltoallv (send)", sendbuf.size)
+        sendcounts = self._check_counts(sendcounts, "alltoallv (send)", sendbuf.size, "send buffer")
         recvcounts = self._check_counts(recvcounts, "alltoallv (recv)")
         send = self._contig(sendbuf.reshape(-1), "alltoallv")
         if out is None:
