@@ -398,6 +398,18 @@ class Trainer:
         for layer in self.replicated:
             self._apply_replicated(layer)
 
+    def _untimed(self, fn):
+        """Run ``fn()`` with what it adds to the per-layer timer totals set aside: ``summary.json``'s per-layer
+        times are means over the timed training steps only (no evaluation passes, no warm-up step)."""
+        before = dict(self.timer.totals)
+        try:
+            return fn()
+        finally:
+            for k, v in self.timer.totals.items():
+                d = v - before.get(k, 0.0)
+                if d:
+                    self._untimed_totals[k] = self._untimed_totals.get(k, 0.0) + d
+
     def evaluate(self) -> dict:
         if self.val_reader is None:
             return {}
@@ -427,21 +439,26 @@ class Trainer:
                        mininterval=0.5, file=sys.stderr)
         t_start = time.perf_counter()
         first = self.step
+        self._untimed_totals: dict = {}
+        # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
+        # follow it (summary.json "layers")
+        self._warmup_steps = 1 if self.total_steps - first > 1 else 0
         try:
             while self.step < self.total_steps:
-                row = self.train_step()
+                row = self._untimed(self.train_step) if self.step < first + self._warmup_steps \
+                    else self.train_step()
                 if self.step % self.log_every == 0 or self.step == self.total_steps:
                     self.rows.append(row)
                 if (self.val_reader is not None and self.eval_every and self.step % self.eval_every == 0
                         and self.step < self.total_steps):
-                    self.evals.append({"step": self.step, **self.evaluate()})
+                    self.evals.append({"step": self.step, **self._untimed(self.evaluate)})
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.4f}", sps=f"{row['samples_per_s']:.1f}")
                 if self.ckpt_every and self.step % self.ckpt_every == 0 and self.step < self.total_steps:
                     self.save_checkpoint()
             self.flush_replicated()
-            final_eval = self.evaluate()
+            final_eval = self._untimed(self.evaluate)
             if final_eval:
                 self.evals.append({"step": self.step, **final_eval})
             if self.ckpt_every or self.cfg.get("checkpoint", {}).get("dir"):
@@ -473,8 +490,12 @@ class Trainer:
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
         world = self.world
         per_layer = {}
+        timed_steps = max(steps_run - getattr(self, "_warmup_steps", 0), 1)
+        untimed = getattr(self, "_untimed_totals", {})
         for (name, phase), t in self.timer.totals.items():
-            per_layer.setdefault(name, {})[phase] = t / max(steps_run, 1)
+            t -= untimed.get((name, phase), 0.0)
+            if t > 0:
+                per_layer.setdefault(name, {})[phase] = t / timed_steps
         # per-layer and communication times: the slowest rank's (what bounds the step)
         gathered = world.allgather_obj(per_layer)
         if self.trace:

@@ -356,3 +356,45 @@ def test_trace_shows_bucket_reductions_during_backprop(work):
     from_trace = hidden_fraction(buckets, spans)
     assert abs(from_trace - summary["hidden_comm_fraction"]) <= 0.01, (from_trace,
                                                                       summary["hidden_comm_fraction"])
+
+
+INJECT = """
+import sys
+from lbannpy import train as T
+
+step, evaluate = T.Trainer.train_step, T.Trainer.evaluate
+
+def train_step(self):  # 100 s more of c1 forward ("fp") in the run's first step
+    first = self.step == 0
+    row = step(self)
+    if first:
+        self.timer.totals[("c1", "fp")] += 100.0
+    return row
+
+def evaluate_(self):  # and 1000 s in every evaluation pass
+    self.timer.totals[("c1", "fp")] = self.timer.totals.get(("c1", "fp"), 0.0) + 1000.0
+    return evaluate(self)
+
+T.Trainer.train_step, T.Trainer.evaluate = train_step, evaluate_
+sys.exit(T.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("steps", [4, 1])
+def test_summary_layer_times_leave_out_warmup_and_evaluation(work, steps):
+    """summary.json's per-layer times are means over the training steps after the first: what evaluation
+    and the first step (allocations, workspaces) add is left out. With one step there is nothing else to
+    time, so that step counts (the control: the injected time shows up)."""
+    tag = f"warm-{steps}"
+    cfg = spec(work, "cls", steps, {}, tag=tag)
+    script = work / "inject.py"
+    script.write_text(INJECT)
+    sh([PY, str(script), str(cfg), "--quiet", "--set", "data.validation.fraction=0.25",
+        "--set", "trainer.eval_every=2"])
+    summary = json.loads((work / tag / "out" / "summary.json").read_text())
+    fwd = summary["layers"]["c1"]["fp"]
+    assert summary["validation"], "the run must have evaluated"
+    if steps == 1:
+        assert 100.0 <= fwd < 101.0, summary["layers"]["c1"]
+    else:
+        assert 0.0 < fwd < 1.0, summary["layers"]["c1"]
