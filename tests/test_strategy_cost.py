@@ -186,3 +186,23 @@ def test_a_measured_redistribution_link_prices_shuffles():
         plain.intra.alpha_s + received * plain.intra.beta_s_per_byte, rel=1e-12)
     with pytest.raises(MachineError, match="'redistribution' must be a mapping"):
         MachineModel.from_dict({**base, "redistribution": {"alpha_s": 1e-3}})
+
+
+@pytest.mark.parametrize("name", ["p100", "lassen", "h100"])
+def test_presets_are_the_shipped_files_and_price_memory_bound_layers(name):
+    """One definition per preset (src/machines/NAME.yaml), and a roofline with a memory term: a ReLU moves its
+    input and output once each, so on a GPU preset it costs bytes · mem_s_per_byte plus the kernel overhead,
+    not the nothing its FLOPs alone would give."""
+    from lbannpy.strategy.machine_model import PRESETS, machines_dir
+    import yaml
+    tree = yaml.safe_load((machines_dir() / f"{name}.yaml").read_text())
+    assert PRESETS[name] == tree and name in set(PRESETS)
+    m = load_machine_model(name)
+    assert m == MachineModel.from_dict(tree, name=name) and m.mem_s_per_byte > 0 and m.kernel_overhead_s > 0
+    g = build_graph({"name": "r", "input": {"channels": 64, "spatial": [224, 224]},
+                     "layers": [{"name": "a", "type": "relu"}]}, 32)
+    node = g["a"]
+    nbytes = 2 * 32 * 64 * 224 * 224 * 4  # read x, write y: float32
+    fwd, bwd_data, bwd_w = cost.compute_times(node, Distribution.make(4, 4, n=4), m)
+    want = nbytes / 4 * m.mem_s_per_byte + m.kernel_overhead_s
+    assert fwd == pytest.approx(want, rel=1e-12) and bwd_data == pytest.approx(want, rel=1e-12) and bwd_w == 0

@@ -26,8 +26,8 @@ A machine file is YAML (read with ``yaml.safe_load``)::
                                                        # included (cost.compute_times scales it no further)
         - {type: input, in: [8, 3, 224, 224], out: [8, 3, 224, 224], fwd_s: 0.002}   # reading a block of it
 
-``load_machine_model(NAME_OR_PATH)`` reads a file, or ``src/machines/NAME.yaml``, or one of the presets below
-(P100 as in Jia et al. 2018, Lassen V100 as in Dryden et al. 2019, H100), in that order.
+``load_machine_model(NAME_OR_PATH)`` reads a file, or a preset: ``src/machines/NAME.yaml`` (P100 as in Jia et
+al. 2018, Lassen V100 as in Dryden et al. 2019, H100; each with its sources in comments).
 """
 from __future__ import annotations
 
@@ -194,37 +194,27 @@ def _pos(machine: str, key: str, v: Any, zero: bool = False) -> float:
     return f
 
 
-# Presets: sustained (not peak) rates. γ uses ~60% of peak FP32; β the per-GPU share of the link.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Jia et al. (2018): 4 nodes x 4 P100 (16 GB), NVLink within a node, 100 Gb/s EDR InfiniBand between.
-    "p100": {
-        "name": "p100", "ranks_per_node": 4, "memory_per_device_gib": 16,
-        "intra": {"alpha_s": 1.0e-5, "beta_s_per_byte": 1 / 18e9},
-        "inter": {"alpha_s": 2.5e-5, "beta_s_per_byte": 1 / 10e9},
-        "allreduce": {"threshold_bytes": 65536},
-        "gradient_sync": "parameter_server",  # Jia et al. §5.1: t_S is parameter-server synchronisation
-        "compute": {"gamma_s_per_flop": 1 / (0.6 * 9.3e12), "mem_s_per_byte": 1 / (0.7 * 732e9),
-                    "kernel_overhead_s": 1.0e-5},
-    },
-    # Dryden et al. (2019): Lassen, 4 V100 (16 GB) per node, NVLink2, dual-rail EDR InfiniBand.
-    "lassen": {
-        "name": "lassen", "ranks_per_node": 4, "memory_per_device_gib": 16,
-        "intra": {"alpha_s": 8.0e-6, "beta_s_per_byte": 1 / 60e9},
-        "inter": {"alpha_s": 2.0e-5, "beta_s_per_byte": 1 / 12e9},
-        "allreduce": {"threshold_bytes": 65536},
-        "compute": {"gamma_s_per_flop": 1 / (0.6 * 15.7e12), "mem_s_per_byte": 1 / (0.7 * 900e9),
-                    "kernel_overhead_s": 8.0e-6},
-    },
-    # One HGX H100 node type: 8 GPUs (80 GB) with NVLink4, one 400 Gb/s NDR port per GPU.
-    "h100": {
-        "name": "h100", "ranks_per_node": 8, "memory_per_device_gib": 80,
-        "intra": {"alpha_s": 5.0e-6, "beta_s_per_byte": 1 / 300e9},
-        "inter": {"alpha_s": 1.5e-5, "beta_s_per_byte": 1 / 45e9},
-        "allreduce": {"threshold_bytes": 262144},
-        "compute": {"gamma_s_per_flop": 1 / (0.6 * 67e12), "mem_s_per_byte": 1 / (0.7 * 3.35e12),
-                    "kernel_overhead_s": 5.0e-6},
-    },
-}
+class _Presets(Mapping):
+    """The machine files shipped in ``src/machines`` (``p100``, ``lassen``, ``h100``, with their sources in
+    comments) as YAML trees, read when first asked for: the one definition of each preset."""
+
+    def _names(self) -> list[str]:
+        return sorted(f.stem for f in machines_dir().glob("*.yaml"))
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        f = machines_dir() / f"{name}.yaml"
+        if not f.is_file():
+            raise KeyError(name)
+        return yaml.safe_load(f.read_text())
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+PRESETS: Mapping[str, dict[str, Any]] = _Presets()
 
 
 def machines_dir() -> Path:
@@ -246,14 +236,7 @@ def load_machine_model(name_or_path: str | Path | Mapping[str, Any] | MachineMod
                 tree = yaml.safe_load(f.read_text())
             except yaml.YAMLError as exc:
                 raise MachineError(f"machine file {f}: not valid YAML ({exc})") from None
-            try:
-                return MachineModel.from_dict(tree, name=f.stem)
-            except MachineError:
-                if s in PRESETS:
-                    break  # a machine file of another schema: the preset of that name describes it for us
-                raise
-    if s in PRESETS:
-        return MachineModel.from_dict(PRESETS[s])
+            return MachineModel.from_dict(tree, name=f.stem)
     if p.suffix in (".yaml", ".yml"):
         raise MachineError(f"machine file {s} does not exist")
     raise MachineError(f"unknown machine {s!r}: give a YAML file or one of {sorted(PRESETS)}")
