@@ -143,6 +143,9 @@ class Layer:
     ``bp_compute`` (plus ``params`` when trainable)."""
 
     type = "layer"
+    #: the type's declaration (:class:`lbannpy.layers.registry.LayerSpec`), set with ``type``,
+    #: ``splittable`` and ``arity`` by ``@register(spec)``
+    spec = None
     #: tensor dimensions a layer of this type may split (Jia et al., Table 1)
     splittable = ("n", "c", "d", "h", "w")
     #: number of inputs (None: any number >= 1)
@@ -150,7 +153,8 @@ class Layer:
 
     def __init__(self, name: str, **params):
         self.name = name
-        self.hparams = params
+        # the declared defaults filled in once here, so that ``setup`` reads ``hparams[key]`` and repeats none
+        self.hparams = self.spec.resolve(params) if self.spec is not None else params
         self.params: list[Param] = []
         self.ctx: LayerContext | None = None
         self.in_shapes: list[tuple] = []

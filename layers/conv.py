@@ -24,19 +24,46 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
-
-from lbannpy.dist import Distribution, Stencil, box_size, relative_slices
+from lbannpy.config.schema import REQUIRED, Bool, Key, Padding, PerDim, Int
+from lbannpy.dist import Distribution, Stencil, box_size
 from lbannpy.halo import HaloPlan
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    needs_image(lay, "move the layer before the fully-connected layers")
+    x, p = lay.x, lay.params
+    filters = int_param(lay, "filters")
+    st = window_stencil(lay, x, int_param(lay, "kernel"), int_param(lay, "stride"), p["padding"],
+                        int_param(lay, "dilation"))
+    out = (x[0], filters) + st.output_shape(x)[2:]
+    ksize = math.prod(w.kernel for w in st.dims[2:])
+    n_params = filters * x[1] * ksize + (filters if p["bias"] else 0)
+    return Inferred(out, 2 * math.prod(out) * x[1] * ksize, n_params, st)
+
+
+def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
+    # every input channel for this rank's filters: the input's c grid axis is replicated over the filter split
+    return Distribution(dist.split, dist.ranks, (1,) if dist.split[1] > 1 else ())
+
+
+_POS = Int(1)
+SPEC = LayerSpec(
+    "conv", "N-d convolution (cross-correlation) over the spatial dimensions", (
+        Key("filters", _POS, REQUIRED, "output channels"),
+        Key("kernel", PerDim(_POS), 3, "kernel size"),
+        Key("stride", PerDim(_POS), 1, "stride"),
+        Key("padding", Padding(), 0, "zero padding on each side"),
+        Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
+        Key("bias", Bool(), True, "learn an additive bias")),
+    _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=10)
+
+
+@register(SPEC)
 class Conv(Layer):
-    type = "conv"
-    splittable = ("n", "c", "d", "h", "w")
-
     def setup(self, dist: Distribution) -> None:
         hp = self.hparams
         (in_shape,) = self.in_shapes
@@ -45,9 +72,8 @@ class Conv(Layer):
             raise LayerError(f"layer '{self.name}' (conv) needs an (n, c, [d,] h, w) input, got shape "
                              f"{in_shape}; put it before any fully-connected layer")
         self.filters = int(hp["filters"])
-        self.stencil = Stencil.conv(ndim, hp.get("kernel", 3), hp.get("stride", 1), hp.get("padding", 0),
-                                    hp.get("dilation", 1))
-        self.use_bias = bool(hp.get("bias", True))
+        self.stencil = Stencil.conv(ndim, hp["kernel"], hp["stride"], hp["padding"], hp["dilation"])
+        self.use_bias = bool(hp["bias"])
         sp = self.stencil.dims[2:]
         self.kernel = tuple(w.kernel for w in sp)
         self.stride = tuple(w.stride for w in sp)

@@ -6,29 +6,61 @@ padding as -inf (it never wins), average pooling counts padding as zeros (PyTorc
 """
 from __future__ import annotations
 
+import math
+
+from lbannpy.config.schema import Bool, Int, Key, Padding, PerDim, Str
 from lbannpy.dist import Distribution, Stencil
+from lbannpy.halo import HaloPlan
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, needs_image, register,
+                       window_stencil)
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    needs_image(lay, "pool before flattening")
+    x, p = lay.x, lay.params
+    if p["mode"] not in ("max", "avg"):
+        raise ShapeError(f"layer {lay.name!r}: pool mode must be 'max' or 'avg', got {p['mode']!r}")
+    if p["global"]:
+        kernel, stride, padding = list(x[2:]), 1, 0
+    else:
+        kernel = int_param(lay, "kernel")
+        stride = int_param(lay, "stride", kernel)
+        padding = p["padding"]
+    st = window_stencil(lay, x, kernel, stride, padding, 1)
+    out = st.output_shape(x)
+    return Inferred(out, math.prod(out) * math.prod(w.kernel for w in st.dims[2:]), 0, st)
+
+
+_POS = Int(1)
+SPEC = LayerSpec(
+    "pool", "max or average pooling over the spatial dimensions", (
+        Key("mode", Str(("max", "avg")), "max", "max or average"),
+        Key("kernel", PerDim(_POS), 2, "window size"),
+        Key("stride", PerDim(_POS), default_from="kernel", doc="stride; default: the kernel size"),
+        Key("padding", Padding(), 0, "padding on each side (ignored by max, zeros for avg)"),
+        Key("global", Bool(), False, "pool each channel over its whole spatial extent (kernel, stride and "
+                                     "padding unused)")),
+    _infer, order=20)
+
+
+@register(SPEC)
 class Pool(Layer):
-    type = "pool"
 
     def setup(self, dist: Distribution) -> None:
         (in_shape,) = self.in_shapes
         if len(in_shape) not in (4, 5):
             raise LayerError(f"layer '{self.name}' (pool) needs an (n, c, [d,] h, w) input, got {in_shape}")
         hp = self.hparams
-        self.mode = hp.get("mode", "max")
+        self.mode = hp["mode"]
         if self.mode not in ("max", "avg"):
             raise LayerError(f"layer '{self.name}' (pool): mode must be max or avg, got {self.mode!r}")
-        if hp.get("global", False):  # one window over the whole spatial extent (fetched by the halo plan)
+        if hp["global"]:  # one window over the whole spatial extent (fetched by the halo plan)
             kernel, stride, padding = tuple(in_shape[2:]), 1, 0
         else:
-            kernel = hp.get("kernel", 2)
-            stride = hp.get("stride") or kernel
-            padding = hp.get("padding", 0)
+            kernel, stride, padding = hp["kernel"], hp["stride"], hp["padding"]
         self.stencil = Stencil.conv(len(in_shape), kernel, stride, padding, 1)
         sp = self.stencil.dims[2:]
         self.kernel = tuple(w.kernel for w in sp)
@@ -38,7 +70,6 @@ class Pool(Layer):
             raise LayerError(f"layer '{self.name}' (pool): kernel {self.kernel} does not fit input {in_shape}")
         self.out_dist = dist
         self.in_dists = [dist]
-        from lbannpy.halo import HaloPlan
         self.halo = HaloPlan(dist, in_shape, self.stencil, self.ctx.rank, tag=self.ctx.new_tag(2))
 
     def _mask_padding(self, window):
