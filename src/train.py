@@ -255,7 +255,7 @@ class Trainer:
         cc = cfg["comm"]
         # replicated gradients (Lee et al.'s f) for the first replicate_fc fully-connected layers: their
         # weights are not in the buckets; each is updated just before its next forward
-        fcs = [layer for layer in self.model.layers if layer.type == "fc"]
+        fcs = [layer for layer in self.model.layers if hasattr(layer, "replicate_gradients")]
         f = int(cc.get("replicate_fc", 0) or 0)
         if f > len(fcs):
             raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
