@@ -2,7 +2,8 @@
 
 Spatially split like a convolution (windows that cross a block edge get their halo). Max pooling treats
 padding as -inf (it never wins), average pooling counts padding as zeros (PyTorch's
-``count_include_pad=True``). Channels and samples split freely; pooling has no parameters.
+``count_include_pad=True``). Channels and samples split freely; pooling has no parameters. The halo
+exchange overlaps the interior of the output block as in a convolution (the base class's stencil template).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import math
 
 from lbannpy.config.schema import Bool, Int, Key, Padding, PerDim, Str
 from lbannpy.dist import Distribution, Stencil
-from lbannpy.halo import HaloPlan
 
 from . import kernels as K
 from .base import Layer, LayerError
@@ -70,31 +70,36 @@ class Pool(Layer):
             raise LayerError(f"layer '{self.name}' (pool): kernel {self.kernel} does not fit input {in_shape}")
         self.out_dist = dist
         self.in_dists = [dist]
-        self.halo = HaloPlan(dist, in_shape, self.stencil, self.ctx.rank, tag=self.ctx.new_tag(2))
+        self.plan_halo(dist, in_shape, self.stencil)
 
     def _mask_padding(self, window):
-        """Set the parts of the window outside the tensor (padding) to -inf for max pooling."""
-        wbox = self.halo.window_box
-        for axis, ((lo, hi), n) in enumerate(zip(wbox, self.in_shapes[0])):
-            if axis < 2:
-                continue
-            sl = [slice(None)] * window.ndim
-            if lo < 0:
-                sl[axis] = slice(0, -lo)
-                window[tuple(sl)] = -float("inf")
-            if hi > n:
-                sl[axis] = slice(n - hi, None)
-                window[tuple(sl)] = -float("inf")
-        return window
+        """Set the parts of the window outside the tensor (padding) to -inf for max pooling. The exchange
+        never writes there, so this runs while it is in flight."""
+        for sl in self.halo.padding_slices:
+            window[sl] = -float("inf")
+
+    def _pool(self, window, y, index=None):
+        if self.mode == "max":
+            piece, arg = K.max_pool_forward(window, self.kernel, self.stride)
+        else:
+            piece, arg = K.avg_pool_forward(window, self.kernel, self.stride), None
+        if y is None:  # the whole block at once
+            self._arg = arg
+            return piece
+        y[...] = piece
+        if arg is not None:
+            self._arg[index] = arg
+        return None
 
     def fp_compute(self, xs):
         (x,) = xs
-        window = self.halo.start(self.ctx.comm, x).wait()
+        prepare = self._mask_padding if self.mode == "max" else None
+        local = self.out_dist.local_shape(self.out_shape, self.ctx.rank)
+        if self.mode == "max":  # the winning taps of the whole block, filled piece by piece
+            self._arg = self.ctx.xp.empty(local, dtype="int8" if math.prod(self.kernel) <= 127 else "int16")
+        window, y = self.halo_forward(x, self._pool, prepare=prepare)
         self._wshape = window.shape
-        if self.mode == "max":
-            y, self._arg = K.max_pool_forward(self._mask_padding(window), self.kernel, self.stride)
-            return y
-        return K.avg_pool_forward(window, self.kernel, self.stride)
+        return y
 
     def bp_compute(self, dy):
         if self.mode == "max":
@@ -102,4 +107,4 @@ class Pool(Layer):
             self._arg = None
         else:
             dwin = K.avg_pool_backward(dy, self._wshape, self.kernel, self.stride)
-        return [self.halo.accumulate_start(self.ctx.comm, dwin).wait()]
+        return [self.halo_backward(dwin)]
