@@ -24,6 +24,8 @@ from lbannpy.dist import Box, Distribution, DistributionError, Stencil, box_shap
 from lbannpy.shuffle import shuffle_plan
 from lbannpy.tensor import DistTensor
 
+from .kernels._buffers import Scratch
+
 
 class LayerError(ValueError):
     """A layer that cannot be built as asked: names the layer, distribution, shapes and the fix."""
@@ -64,7 +66,7 @@ class LayerContext:
         self.timer = timer or Timer()
         self._groups: dict = {}
         self._tags = 100
-        self._workspace: dict = {}
+        self._workspace = Scratch(xp)
 
     @property
     def rank(self) -> int:
@@ -97,13 +99,7 @@ class LayerContext:
         forward or backward (e.g. a convolution's window gradient until its halo accumulation ends); one
         buffer per slot, shared by every layer, grown to the largest request. A fresh array of that size
         on every call costs a page fault per page, which on a large image costs as much as the arithmetic."""
-        dtype = np.dtype(dtype)
-        need = math.prod(shape) * dtype.itemsize
-        buf = self._workspace.get(slot)
-        if buf is None or buf.nbytes < need:
-            buf = self._workspace[slot] = None  # drop the smaller buffer before allocating the larger
-            buf = self._workspace[slot] = self.xp.empty(need, dtype=np.uint8)
-        return buf[:need].view(dtype).reshape(tuple(shape))
+        return self._workspace.get(slot, shape, dtype)
 
     def new_tag(self, count: int = 1) -> int:
         """Message tags for a layer's halo plans (identical on all ranks: layers are set up in order)."""
