@@ -1,4 +1,4 @@
-"""The config schema: the one definition of every section, key, default, allowed value and layer type.
+"""The config schema: the one definition of every section, key, default and allowed value.
 
 Everything else in :mod:`lbannpy.config` is driven by the tree built here:
 
@@ -6,7 +6,8 @@ Everything else in :mod:`lbannpy.config` is driven by the tree built here:
 * structural validation (each :class:`Type` checks a value and returns its normal form),
 * the YAML and HDF5 round trip (the normal form is the only thing written),
 * documentation (:func:`schema_text`, printed by ``python -m lbannpy.config schema``),
-* the layer registry other packages query (:func:`layer_types`, :func:`layer_params`, :func:`layer_type`).
+* the layer types (:func:`layer_types`, :func:`layer_params`, :func:`layer_type`): a view of
+  :mod:`lbannpy.layers.registry`, where each layer family declares its keys beside its implementation.
 
 The normal form is a tree of plain ``dict``/``list``/``int``/``float``/``bool``/``str``; keys appear in
 schema order, every key with a default is present, and a key that is unset and has no default is absent
@@ -676,5 +677,5 @@ def _copy(v):
 
 __all__ = ["SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "DIMS", "REQUIRED", "UNSET",
            "Type", "Int", "Float", "Bool", "Str", "ListOf", "PerDim", "Padding", "Key", "OneOf", "Section",
-           "MapOf", "LayerType", "LayerList", "layer_types", "layer_type", "layer_params", "normalize",
-           "lookup", "schema_text"]
+           "MapOf", "Registered", "LayerType", "LayerList", "layer_types", "layer_type", "layer_params",
+           "normalize", "lookup", "schema_text"]

@@ -1,7 +1,7 @@
 """The model graph of a spec: layers in topological order with shapes, FLOPs and parameter counts.
 
-This is the project's one shape-inference function. It is pure (no arrays, no MPI): the config loader calls
-it to validate a spec, the strategy selector to cost it, the runtime to size its tensors.
+Each layer's shapes come from its type's own declaration in :mod:`lbannpy.layers.registry` (pure: no arrays,
+no MPI): the config loader calls this to validate a spec, the strategy selector to cost it.
 
 Shapes are global and include the sample dimension: ``(N, C)`` after a fully-connected layer, ``(N, C, H, W)``
 for 2-D images, ``(N, C, D, H, W)`` for 3-D volumes. FLOPs count a multiply-add as two floating-point
