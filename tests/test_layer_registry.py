@@ -167,3 +167,25 @@ def test_a_toy_type_trains_under_a_spatial_split_like_one_rank(tmp_path):
     for k in one:
         err = np.abs(one[k] - two[k]).max() / max(np.abs(one[k]).max(), 1e-30)
         assert err <= 1e-10, f"{k} differs by {err:.3g} between 1 rank and 2 ranks (h2)"
+
+
+def test_config_and_strategy_load_no_layer_family_and_no_mpi():
+    code = ("import sys\n"
+            "import lbannpy.config, lbannpy.strategy\n"
+            "fam = [m for m in sys.modules if m.startswith('lbannpy.layers.') and m != 'lbannpy.layers.registry']\n"
+            "from lbannpy.strategy.graph import build_graph\n"
+            "from lbannpy.strategy.planner import plan\n"
+            "g = build_graph({'input': {'channels': 3, 'spatial': [8, 8]}, 'layers': [{'name': 'c', 'type': "
+            "'conv', 'filters': 4}, {'name': 'f', 'type': 'fc', 'units': 2}]}, 4)\n"
+            "plan(g, 2)\n"
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('mpi4py', 'torch', 'cupy')]\n"
+            "print(fam, heavy)\n")
+    assert sh([sys.executable, "-c", code]).stdout.split() == ["[]", "[]"]
+
+
+@pytest.mark.parametrize("first", ["lbannpy.layers.conv", "lbannpy.layers.loss", "lbannpy.layers.base",
+                                   "lbannpy.model", "lbannpy.strategy.cost", "lbannpy.config.checks"])
+def test_any_import_order_gives_the_whole_registry(first):
+    code = (f"import {first}\nfrom lbannpy.layers.registry import layer_specs, loss_specs\n"
+            "print(len(layer_specs()), len(loss_specs()))\n")
+    assert sh([sys.executable, "-c", code]).stdout.split() == ["10", "2"]
