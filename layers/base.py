@@ -199,7 +199,7 @@ class Layer:
         for s, src, dst in zip(self.in_shapes, parent_dists, self.in_dists):
             same = src == dst or (src.ranks == dst.ranks and all(
                 src.box(s, r) == dst.box(s, r) for r in range(src.ranks)))
-            # the same cached plan object as its reverse's reverse (src/shuffle.py), built once per layout pair
+            # from the cache that also serves the reverse plans (src/shuffle.py): one plan per layout pair
             self._in_plans.append(None if same else shuffle_plan(src, dst, s, ctx.rank))
 
     @staticmethod
@@ -253,7 +253,8 @@ class Layer:
         # the reverse redistributions of all inputs are posted before any is waited for (the parents'
         # backward needs every one of them, so none can be left in flight past this call)
         t0 = time.perf_counter()
-        backs = [None if dx is None or plan is None else plan.reverse() for plan, dx in zip(self._in_plans, dxs)]
+        backs = [None if dx is None or plan is None else plan.reverse()
+                 for plan, dx in zip(self._in_plans, dxs)]
         moving = [None if b is None else b.start(ctx.comm, dx) for b, dx in zip(backs, dxs)]
         out = []
         for i, (dx, back, h) in enumerate(zip(dxs, backs, moving)):
@@ -277,11 +278,12 @@ class Layer:
     def halo_forward(self, x, compute, window_out=None, prepare=None):
         """Collective over the spatial group: the forward of a stencil layer on its local input ``x``.
 
-        Starts the halo exchange of ``self.halo`` (into ``window_out`` when given), calls ``prepare(window)``
-        (e.g. fill padding) while it is in flight, then ``compute(window_piece, y_piece, index)`` (``y_piece``
-        is ``y[index]``, to be written) on the interior of the output block (computable from owned input and padding alone) while it is still in flight, waits,
-        and computes the boundary pieces from the received window. Without an interior (a block thinner
-        than the stencil) it waits and calls ``compute(window, None, None)``, which returns the whole output.
+        Starts the halo exchange of ``self.halo`` (into ``window_out`` when given) and calls
+        ``prepare(window)`` (e.g. to fill padding) while it is in flight; then ``compute(window_piece,
+        y_piece, index)`` (``y_piece`` is ``y[index]``, to be written) on the interior of the output block
+        (computable from owned input and padding alone), still while it is in flight; waits; and computes
+        the boundary pieces from the received window. Without an interior (a block thinner than the stencil)
+        it waits and calls ``compute(window, None, None)``, which returns the whole output.
         ``LayerContext.overlap = False`` computes the same pieces after the wait, so turning overlap off
         changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size).
         Returns ``(window, y)``.

@@ -134,7 +134,8 @@ def test_a_toy_type_is_planned_through_the_registry():
             "node = g['t1']\n"
             "p = plan(g, 2)\n"
             "print(json.dumps({'shape': node.out_shape, 'params': node.n_params, 'flops': node.flops_fwd,\n"
-            "    'splits': sorted(str(d) for d in enumerate_splits(node, 2)), 'chosen': str(p.choice['t1'])}))\n")
+            "    'splits': sorted(str(d) for d in enumerate_splits(node, 2)),\n"
+            "    'chosen': str(p.choice['t1'])}))\n")
     out = json.loads(sh([sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
     assert out["shape"] == [4, 4, 32, 32] and out["params"] == 4 and out["flops"] == 4 * 4 * 32 * 32
     assert len(out["splits"]) >= 3 and out["chosen"]
@@ -143,7 +144,8 @@ def test_a_toy_type_is_planned_through_the_registry():
 @pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
 def test_a_toy_type_trains_under_a_spatial_split_like_one_rank(tmp_path):
     data = tmp_path / "mesh.h5"
-    sh([sys.executable, "-m", "lbannpy.data", "mesh", "--size", "32", "--samples", "16", "-o", str(data), "-q"])
+    sh([sys.executable, "-m", "lbannpy.data", "mesh", "--size", "32", "--samples", "16", "-o", str(data),
+        "-q"])
 
     def run(ranks: int, parallel: dict, tag: str) -> dict:
         cfg = {"model": TOY_MODEL, "data": {"train": {"path": str(data)}},
@@ -172,7 +174,8 @@ def test_a_toy_type_trains_under_a_spatial_split_like_one_rank(tmp_path):
 def test_config_and_strategy_load_no_layer_family_and_no_mpi():
     code = ("import sys\n"
             "import lbannpy.config, lbannpy.strategy\n"
-            "fam = [m for m in sys.modules if m.startswith('lbannpy.layers.') and m != 'lbannpy.layers.registry']\n"
+            "fam = [m for m in sys.modules\n"
+            "       if m.startswith('lbannpy.layers.') and m != 'lbannpy.layers.registry']\n"
             "from lbannpy.strategy.graph import build_graph\n"
             "from lbannpy.strategy.planner import plan\n"
             "g = build_graph({'input': {'channels': 3, 'spatial': [8, 8]}, 'layers': [{'name': 'c', 'type': "
