@@ -7,6 +7,12 @@ and a :class:`LayerContext`; they never import MPI. A layer that is inherently c
 statistics, a model-parallel fully-connected layer) uses one explicit collective on a group communicator
 that the context hands out.
 
+Stencil layers (a window over space: conv, pool) use the template's halo part: ``plan_halo`` in ``setup``,
+``halo_forward`` (the exchange in flight while the interior of the output block is computed, then the
+boundary) and ``halo_backward`` (the accumulation in flight while e.g. the weight gradient is computed).
+A layer type's declaration (keys and defaults, arity, splits, shape inference) is its ``spec``, registered
+beside the class (:mod:`lbannpy.layers.registry`).
+
 Weight gradients are *local partial sums*; each :class:`Param` names the group over which they must be
 summed, and the trainer's gradient synchronisation does that (never the layer).
 """
