@@ -26,7 +26,7 @@ class GradSync:
         self.timer = timer
         self.clock = clock
         self.progress = progress
-        fcs = [layer for layer in model.layers if layer.type == "fc"]
+        fcs = [layer for layer in model.layers if hasattr(layer, "replicate_gradients")]
         f = int(cfg_comm.get("replicate_fc", 0) or 0)
         if f > len(fcs):
             raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
