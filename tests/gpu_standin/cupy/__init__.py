@@ -65,8 +65,8 @@ def _call(fn, args, kwargs, what, writes_out=True):
         else:
             k[key] = _unwrap(v, dev, allocs, what)
     stream = cuda.get_current_stream()
+    _standin.launch(stream, reads=allocs, writes=outs, what=what)  # check stream order before running
     r = fn(*a, **k)
-    _standin.launch(stream, reads=allocs, writes=outs, what=what)
     if "out" in kwargs:
         return kwargs["out"]
     return _wrap_result(r, allocs, stream, what)
