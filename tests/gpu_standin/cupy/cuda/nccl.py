@@ -120,7 +120,7 @@ def _submit(post):
 class NcclCommunicator:
     """``NcclCommunicator(ndev, commId, rank)``: collective over the ``ndev`` members (each passes its rank)."""
 
-    def __init__(self, ndev, commId, rank):
+    def __init__(self, ndev, commId, rank, config=None):
         from mpi4py import MPI
         uid = _uid_bytes(commId)
         if not 0 <= rank < ndev:
@@ -260,7 +260,8 @@ class NcclCommunicator:
         comm, src = self._live(), s.copy()
         _submit(lambda: (comm.Iallgather(src, r), None))
 
-    def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+    def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        sendbuf, recvbuf = sendbuff, recvbuff
         ra, r = self._buf(recvbuf, count, datatype, "broadcast")
         reads = []
         if self._rank == root:
