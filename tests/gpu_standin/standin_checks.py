@@ -149,3 +149,15 @@ def test_nccl_pointer_checks_single_rank():
     with pytest.raises(_standin.RaceError):  # collective on `side` not ordered after that write
         c.allReduce(x.data.ptr, y.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, side.ptr)
     c.destroy()
+
+
+def test_unique_id_as_bytes(monkeypatch):
+    from cupy.cuda import nccl
+    monkeypatch.setenv("LBANNPY_STANDIN_NCCL_UID", "bytes")
+    uid = nccl.get_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    c = nccl.NcclCommunicator(1, uid, 0)
+    assert (c.rank_id(), c.size(), c.device_id()) == (0, 1, 0)
+    c.destroy()
+    with pytest.raises(nccl.NcclError):
+        nccl.NcclCommunicator(1, b"short", 0)
