@@ -161,3 +161,9 @@ def test_unique_id_as_bytes(monkeypatch):
     c.destroy()
     with pytest.raises(nccl.NcclError):
         nccl.NcclCommunicator(1, b"short", 0)
+
+
+def test_numpy_index_and_assigned_value_are_uploaded_like_cupy():
+    x = cupy.zeros(4, dtype=np.float32)
+    x[np.array([1, 3])] = np.array([5.0, 6.0], np.float32)
+    np.testing.assert_array_equal(x[np.array([3, 1])].get(), [6, 5])

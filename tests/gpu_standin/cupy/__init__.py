@@ -72,6 +72,15 @@ def _call(fn, args, kwargs, what, writes_out=True):
     return _wrap_result(r, allocs, stream, what)
 
 
+def _upload_index(key):
+    """CuPy accepts NumPy index arrays (it uploads them)."""
+    if isinstance(key, _np.ndarray):
+        return asarray(key)
+    if isinstance(key, tuple):
+        return tuple(asarray(k) if isinstance(k, _np.ndarray) else k for k in key)
+    return key
+
+
 class ndarray:
     """A device array: a NumPy view over a stand-in allocation of one device."""
 
@@ -192,12 +201,14 @@ class ndarray:
         return _call(func, args, kwargs, f"cupy.{func.__name__}")
 
     def __getitem__(self, key):
-        return _call(lambda a, k: a[k], (self, key), {}, "getitem")
+        return _call(lambda a, k: a[k], (self, _upload_index(key)), {}, "getitem")
 
     def __setitem__(self, key, value):
         def f(a, k, v):
             a[k] = v
-        _call(f, (self, key, value), {}, "setitem")
+        if isinstance(value, _np.ndarray):  # CuPy uploads a NumPy right-hand side of an assignment
+            value = asarray(value)
+        _call(f, (self, _upload_index(key), value), {}, "setitem")
         _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="setitem")
 
     def _method(name):
