@@ -11,7 +11,7 @@
 
 Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
 point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
-model :meth:`lbannpy.machine.Machine.allreduce_time` uses), whatever algorithm the MPI picks underneath;
+model of :func:`lbannpy.machine.ring_allreduce_time`), whatever algorithm the MPI picks underneath;
 small-message allreduce in MPI is usually recursive doubling, so the fitted α is an effective per-step
 latency. γ = GEMM time / (2 m n k) seconds per FLOP.
 
@@ -26,11 +26,11 @@ import os
 import socket
 import sys
 import time
-from importlib import resources
 
 import numpy as np
 
 from lbannpy.comm import Runtime
+from lbannpy.machine import machine_from_dict, machines_dir, ring_from_fit
 
 from .launch import relaunch_if_needed
 
@@ -237,17 +237,12 @@ def fit_alpha_beta(points) -> tuple[float, float, float]:
     return float(a), float(b), err
 
 
-def ring_from_fit(a: float, b: float, p: int) -> tuple[float, float]:
-    """α, β of the ring model ``2(p-1) α + 2(p-1)/p n β`` from a fitted ``a + b n``."""
-    return a / (2 * (p - 1)), b * p / (2 * (p - 1))
-
-
 # -------------------------------------------------------------------------------------------------------
 # machine file
 
 
 def _package_machines_dir() -> str:
-    return os.path.realpath(str(resources.files("lbannpy").joinpath("machines")))
+    return os.path.realpath(str(machines_dir()))
 
 
 def check_output(path: str) -> None:
@@ -425,6 +420,8 @@ def main(argv=None) -> int:
                       f"# alpha in seconds, beta in seconds per byte, gamma in seconds per FLOP, mem in\n"
                       f"# seconds per byte of memory traffic, kernel overhead in seconds per kernel call.\n")
             print("\n\n".join(tables), flush=True)
+            # checked by the parser the planner reads it with: never write a file `strategy --machine` refuses
+            machine_from_dict(data, args.output)
             write_machine(args.output, data, header)
             print(f"\nwrote {args.output}", flush=True)
         comm.barrier()

@@ -22,12 +22,15 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from lbannpy.comm import Runtime
 
-from .calibrate import allreduce_times, fit_alpha_beta, message_sizes, pingpong, ring_from_fit
+from lbannpy.machine import Link, load_machine, ring_allreduce_time, ring_from_fit
+
+from .calibrate import allreduce_times, fit_alpha_beta, message_sizes, pingpong
 from .launch import relaunch_if_needed
 
 
@@ -63,34 +66,26 @@ def median_time(comm, fn, reps: int, xp) -> float:
     return comm.allreduce_obj(float(np.median(times)), "max")
 
 
+@dataclass(frozen=True)
 class Model:
-    """α-β model: from a machine file, or fitted here."""
+    """The links the exchange and the allreduce are compared against (priced by :mod:`lbannpy.machine`'s
+    α-β functions), and where their numbers come from."""
 
-    def __init__(self, p2p_alpha, p2p_beta, ar_alpha, ar_beta, source):
-        self.p2p_alpha, self.p2p_beta = p2p_alpha, p2p_beta  # seconds, seconds per byte
-        self.ar_alpha, self.ar_beta = ar_alpha, ar_beta
-        self.source = source
-
-    def p2p(self, nbytes: float) -> float:
-        return self.p2p_alpha + self.p2p_beta * nbytes
-
-    def allreduce(self, nbytes: float, p: int) -> float:
-        return 2 * (p - 1) * self.ar_alpha + 2 * (p - 1) / p * nbytes * self.ar_beta
+    p2p: Link  # the intra-node link: the bench's ranks share a node
+    allreduce: Link  # the ring allreduce's link
+    source: str
 
 
 def get_model(args, comm, xp) -> Model:
     path = args.machine or ("machine.yaml" if os.path.exists("machine.yaml") else None)
     if path is not None:
-        from lbannpy.machine import load_machine
         m = load_machine(path)
-        return Model(m.intra.alpha_s, m.intra.beta_s_per_byte, m.allreduce.alpha_s,
-                     m.allreduce.beta_s_per_byte, f"machine {path} ({m.name})")
+        return Model(m.intra, m.ring_link, f"machine {path} ({m.name})")
     sizes = message_sizes(16 << 20, factor=8)
     a, b, _ = fit_alpha_beta(pingpong(comm, xp, 1, sizes, 0.01, 3))
     ra, rb, _ = fit_alpha_beta(allreduce_times(comm, xp, sizes, 0.01, 3))
-    ar_a, ar_b = ring_from_fit(ra, rb, comm.size)
-    return Model(a, b, ar_a, ar_b, "quick fit made now (8 B .. 16 MiB); "
-                                   "run `python -m lbannpy.bench calibrate` for a better one")
+    return Model(Link(a, b), Link(*ring_from_fit(ra, rb, comm.size)),
+                 "quick fit made now (8 B .. 16 MiB); run `python -m lbannpy.bench calibrate` for a better one")
 
 
 def box_filter(window, k: int, out):
@@ -126,8 +121,9 @@ def main(argv=None) -> int:
         dist = Distribution.make(len(shape), ranks=p, h=p)
         say(f"halo exchange of a {'x'.join(map(str, shape))} float32 tensor split {dist} over {p} ranks "
             f"(backend {rt.backend}, device {rt.device}); model: {model.source}")
-        say(f"p2p alpha {model.p2p_alpha:.3e} s, beta {model.p2p_beta:.3e} s/B; allreduce alpha "
-            f"{model.ar_alpha:.3e} s, beta {model.ar_beta:.3e} s/B; median of {args.reps} calls, slowest rank\n")
+        say(f"p2p alpha {model.p2p.alpha_s:.3e} s, beta {model.p2p.beta_s_per_byte:.3e} s/B; allreduce "
+            f"alpha {model.allreduce.alpha_s:.3e} s, beta {model.allreduce.beta_s_per_byte:.3e} s/B; median of "
+            f"{args.reps} calls, slowest rank\n")
 
         rows = []
         for k in kernels:
@@ -185,7 +181,7 @@ def main(argv=None) -> int:
             t_local = median_time(comm, local_part, args.reps, xp)
             hidden = float(np.clip((t_exch + t_comp - t_ovl) / t_exch, 0, 1))
             hidden_p = float(np.clip((t_exch + t_comp_p - t_ovl_p) / t_exch, 0, 1))
-            t_model = model.p2p(msg_max)
+            t_model = model.p2p.time(msg_max)
             rows.append((k, sent_max, t_exch, t_local, sent_max / t_exch, t_model, sent_max / t_model, t_comp,
                          t_ovl, hidden, t_comp_p, t_ovl_p, hidden_p))
 
@@ -209,7 +205,7 @@ def main(argv=None) -> int:
             buf = xp.ones(n, dtype=xp.float32)
             res = xp.empty_like(buf)
             t = median_time(comm, lambda: comm.allreduce(buf, "sum", out=res), max(3, args.reps // 4), xp)
-            tm = model.allreduce(n * 4, p)
+            tm = ring_allreduce_time(n * 4, p, model.allreduce)
             say(f"{mib:>6g} {t * 1e3:>9.3f} {n * 4 / t / 1e9:>7.3f} {tm * 1e3:>9.3f} {n * 4 / tm / 1e9:>10.3f}")
         comm.barrier()
     return 0

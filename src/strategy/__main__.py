@@ -13,7 +13,7 @@ import sys
 import yaml
 
 from .graph import ShapeError
-from .machine_model import MachineError
+from ..machine import DEFAULT_MACHINE, MachineError, preset_names
 from .planner import PlanError, plan
 from .report import compare, explain, strategy_table
 
@@ -24,8 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                                             "from a cost model (Dryden et al. 2019; Jia et al. 2018).")
     p.add_argument("config", help="spec (.yaml) or config (.h5)")
     p.add_argument("--ranks", type=int, required=True, help="number of ranks (GPUs or processes)")
-    p.add_argument("--machine", default="p100",
-                   help="machine file (.yaml) or name: p100, lassen, h100 or src/machines/NAME.yaml (default p100)")
+    p.add_argument("--machine", default=DEFAULT_MACHINE,
+                   help=f"machine file (.yaml, e.g. from `python -m lbannpy.bench calibrate`) or preset name: "
+                        f"{', '.join(preset_names())} (default {DEFAULT_MACHINE})")
     p.add_argument("--memory", type=float, default=None, help="memory per rank in GiB (default: the machine's)")
     p.add_argument("--batch-size", type=int, default=None, help="mini-batch size (default: trainer.batch_size)")
     p.add_argument("--search", default="auto", choices=("auto", "elimination", "shortest-path", "longest-path"))
