@@ -6,7 +6,7 @@ A machine file is YAML (read with ``yaml.safe_load``, never evaluated; at most `
     name: lassen
     source: where the numbers come from                    # optional (old files: comment)
     ranks_per_node: 4
-    cores_per_node: 0                                      # optional: compute slots per node; 0 = one per rank
+    cores_per_node: 0                                      # optional: compute slots per node, 0: one a rank
     memory_per_device_gib: 16
     intra: {alpha_s: 8.0e-6, beta_s_per_byte: 2.661e-11}   # point to point within a node
     inter: {alpha_s: 1.2e-6, beta_s_per_byte: 3.893e-11}   # point to point between nodes
@@ -199,9 +199,9 @@ class Machine:
 
 
 _LINK_KEYS = ("alpha_s", "beta_s_per_byte")
-_TOP_KEYS = ("name", "source", "comment", "ranks_per_node", "cores_per_node", "memory_per_device_gib", "intra",
-             "inter", "allreduce", "redistribution", "gradient_sync", "dtype_bytes", "compute", "measured_on",
-             "fit")
+_TOP_KEYS = ("name", "source", "comment", "ranks_per_node", "cores_per_node", "memory_per_device_gib",
+             "intra", "inter", "allreduce", "redistribution", "gradient_sync", "dtype_bytes", "compute",
+             "measured_on", "fit")
 _SECTION_KEYS = {"intra": _LINK_KEYS, "inter": _LINK_KEYS, "redistribution": _LINK_KEYS,
                  "allreduce": _LINK_KEYS + ("threshold_bytes", "algorithm"),
                  "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured")}
@@ -266,12 +266,13 @@ class _Reader:
                 if unknown:
                     raise ValueError(f"unknown key(s) {unknown}")
                 key = (str(row["type"]), tuple(int(s) for s in row["in"]), tuple(int(s) for s in row["out"]))
-                if row.get("split") is not None:  # timed in the code path of that split (see cost.compute_times)
+                if row.get("split") is not None:  # timed in that split's code path (see cost.compute_times)
                     key += (tuple(int(s) for s in row["split"]),)
                 if row.get("procs") is not None:  # timed with that many ranks running on the node
                     procs = row["procs"]
                     if len(key) < 4 or isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
-                        raise ValueError(f"procs must be a positive integer and come with split, got {procs!r}")
+                        raise ValueError(f"procs must be a positive integer and come with split, "
+                                         f"got {procs!r}")
                     key += (procs,)
                 out[key] = tuple(self.number(row.get(k, 0.0), f"{what}.{k}")
                                  for k in ("fwd_s", "bwd_data_s", "bwd_weights_s"))
@@ -291,7 +292,8 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
     unknown = sorted(set(tree) - set(_TOP_KEYS))
     if unknown:
         raise r.fail(f"unknown key(s) {unknown}; known keys are {list(_TOP_KEYS)}")
-    intra, inter = r.link(r.mapping(tree, "intra", True), "intra"), r.link(r.mapping(tree, "inter", True), "inter")
+    intra = r.link(r.mapping(tree, "intra", True), "intra")
+    inter = r.link(r.mapping(tree, "inter", True), "inter")
     if "name" not in tree and name is None:
         raise r.fail("'name' is missing")
     for k in ("ranks_per_node", "memory_per_device_gib"):
@@ -377,7 +379,8 @@ def preset_names() -> list[str]:
 
 
 class _Presets(Mapping):
-    """The shipped machine files as YAML trees, read when first asked for: the one definition of each preset."""
+    """The shipped machine files as YAML trees, read when first asked for: the one definition of each
+    preset."""
 
     def __getitem__(self, name: str) -> dict[str, Any]:
         f = machines_dir() / f"{name}.yaml"

@@ -10,7 +10,8 @@ import pytest
 
 from lbannpy.bench.__main__ import SUBCOMMANDS, main as bench_main
 from lbannpy.bench.calibrate import fit_alpha_beta, message_sizes
-from lbannpy.machine import MachineError, load_machine, machine_from_dict, preset_names, ring_allreduce_time, ring_from_fit
+from lbannpy.machine import (MachineError, load_machine, machine_from_dict, preset_names, ring_allreduce_time,
+                             ring_from_fit)
 
 
 @pytest.mark.parametrize("name", ["lassen", "p100", "h100"])
@@ -105,8 +106,8 @@ def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     from lbannpy import zoo
     spec = tmp_path / "mesh_tiny.yaml"
     spec.write_text(yaml.safe_dump(zoo.get_spec("mesh_tiny", batch_size=4), sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "2", "--machine", str(out)],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "2",
+                        "--machine", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "machine testbox" in r.stdout and "predicted step" in r.stdout
 

@@ -16,8 +16,8 @@ then scaled by what running P ranks at once on this node costs (P processes run 
 together, as ``mpiexec -n P`` does: shared caches and memory bandwidth, and where ranks outnumber the cores,
 their time slices), so that its rows are times of a rank among P on the node. Communication is the
 calibrated α-β model; ranks that outnumber the cores of a node share them, and their shared-memory copies
-are time-sliced too (:meth:`lbannpy.machine.Machine.compute_slowdown`). The ``roofline`` column is the same prediction
-from the calibrated γ alone, without the table.
+are time-sliced too (:meth:`lbannpy.machine.Machine.compute_slowdown`). The ``roofline`` column is the same
+prediction from the calibrated γ alone, without the table.
 
 The model adds communication to compute (Jia et al. eq. 1), so the training runs reduce gradients without
 the background overlap thread (``--overlap`` turns it on). Every rank runs single-threaded (OMP/OpenBLAS/MKL
@@ -27,8 +27,8 @@ the loss, the trainer's own bookkeeping.
 from .builders import (OPTIMIZER, STRATEGIES, BenchModel, classifier, default_models, hybrid_strategy,
                        parallel_layers, residual, segmenter, spatial_strategy, strategy_dists)
 from .corun import corun_calls, shared_node_factor
-from .harness import (Calls, StandIn, TableRow, block_ranks, build_chains, chains_plan, local_shapes, run_chains,
-                      table_key)
+from .harness import (Calls, StandIn, TableRow, block_ranks, build_chains, chains_plan, local_shapes,
+                      run_chains, table_key)
 from .report import TOLERANCE, Case, format_table, main, parse_args, ranking, run_benchmark
 from .runs import THREAD_VARS, OtherLoad, Quiet, measure_step, prepare, thread_env
 from .table import measure_compute_table, time_input_read, with_table
@@ -36,6 +36,6 @@ from .table import measure_compute_table, time_input_read, with_table
 __all__ = ["OPTIMIZER", "STRATEGIES", "BenchModel", "classifier", "default_models", "hybrid_strategy",
            "parallel_layers", "residual", "segmenter", "spatial_strategy", "strategy_dists", "corun_calls",
            "shared_node_factor", "Calls", "StandIn", "TableRow", "block_ranks", "build_chains", "chains_plan",
-           "local_shapes", "run_chains", "table_key", "TOLERANCE", "Case", "format_table", "main", "parse_args",
-           "ranking", "run_benchmark", "THREAD_VARS", "OtherLoad", "Quiet", "measure_step", "prepare",
-           "thread_env", "measure_compute_table", "time_input_read", "with_table"]
+           "local_shapes", "run_chains", "table_key", "TOLERANCE", "Case", "format_table", "main",
+           "parse_args", "ranking", "run_benchmark", "THREAD_VARS", "OtherLoad", "Quiet", "measure_step",
+           "prepare", "thread_env", "measure_compute_table", "time_input_read", "with_table"]

@@ -9,7 +9,8 @@ from .harness import Calls, TableRow, build_chains, run_chains
 
 
 def _corun_worker(plans, rank, rounds, optimizer, overlap, barrier, conn) -> None:
-    """One of the processes of :func:`corun_calls`: times rank ``rank``'s chains while the others time theirs."""
+    """One of the processes of :func:`corun_calls`: times rank ``rank``'s chains while the others time
+    theirs."""
     try:
         chains, notes = build_chains(plans, lambda nodes: [rank], optimizer, overlap)
         barrier.wait(timeout=300)

@@ -30,8 +30,8 @@ def table_key(node: Node, dist: Distribution) -> tuple:
 
 def block_ranks(dist: Distribution, limit: int = 8) -> list[int]:
     """The ranks whose local work a stand-in times: one holder of each distinct block (replicas do the same
-    work); beyond ``limit`` blocks, the first, the last and evenly spaced ones between (blocks at the edge of a
-    spatial split have one halo neighbour per side, inner ones two, and their windows differ)."""
+    work); beyond ``limit`` blocks, the first, the last and evenly spaced ones between (blocks at the edge of
+    a spatial split have one halo neighbour per side, inner ones two, and their windows differ)."""
     seen, out = set(), []
     for r in range(dist.ranks):
         c = tuple(dist.coords(r))
@@ -68,8 +68,8 @@ class StandIn:
         self.layer = layer_classes()[node.type](node.name, **dict(node.params))
         in_dists = [required_input(node, dist, s) for s in node.in_shapes]
         self.layer.configure(self.ctx, [tuple(s) for s in node.in_shapes], in_dists, dist)
-        self.matches = (list(self.layer.in_dists) == in_dists and tuple(self.layer.out_shape) == node.out_shape
-                        and self.layer.out_dist == dist)
+        self.matches = (list(self.layer.in_dists) == in_dists
+                        and tuple(self.layer.out_shape) == node.out_shape and self.layer.out_dist == dist)
         rng = np.random.default_rng(seed)
         self.xs = [DistTensor(rng.standard_normal(d.local_shape(s, rank)).astype(dtype), s, d, rank)
                    for s, d in zip(node.in_shapes, in_dists)]
@@ -161,8 +161,8 @@ def build_chains(plans, ranks_of: Callable[[list], list[int]], optimizer, overla
                 si = StandIn(node, d, rank, optimizer, ctx=ctx, overlap=overlap)
                 ctx = si.ctx
                 if not si.matches:
-                    notes.append(f"{node.name} ({node.type}) under {d}: the layer needs other input or output "
-                                 f"distributions than the cost model assumes; left to the roofline")
+                    notes.append(f"{node.name} ({node.type}) under {d}: the layer needs other input or "
+                                 f"output distributions than the cost model assumes; left to the roofline")
                     continue
                 chain.append((key, si))
             chains.append(chain)

@@ -175,7 +175,8 @@ def calibrate_here(path: str, quick: bool, timeout: float = 600) -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench costmodel", description="the strategy cost model against measured training steps")
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench costmodel",
+                                 description="the strategy cost model against measured training steps")
     ap.add_argument("--machine", default=None,
                     help="machine file or preset (default: run `python -m lbannpy.bench calibrate` first)")
     ap.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated (default 1,2,4)")

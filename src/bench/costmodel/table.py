@@ -16,9 +16,10 @@ from .corun import corun_calls, shared_node_factor
 from .harness import TableRow, block_ranks, build_chains, chains_plan, run_chains
 
 
-def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]], reps: int = 5,
-                          optimizer: Mapping[str, Any] | None = None, log: Callable[[str], None] | None = None,
-                          overlap: bool = False, procs: int = 1) -> tuple[list[TableRow], list[str]]:
+def measure_compute_table(graph: ModelGraph, strategies: Sequence[Mapping[str, Distribution]],
+                          reps: int = 5, optimizer: Mapping[str, Any] | None = None,
+                          log: Callable[[str], None] | None = None, overlap: bool = False, procs: int = 1
+                          ) -> tuple[list[TableRow], list[str]]:
     """Time every (layer, distribution) that ``strategies`` give the layers of ``graph``, Jia et al.'s t_C:
     a :class:`StandIn` per layer, strategy and block-holding rank (:func:`block_ranks`), a rank's stand-ins
     run as a training step runs them (forward in order, backward in reverse), so that between two uses of a
