@@ -308,7 +308,8 @@ def parse_args(argv):
                     help="largest message (default 64 MiB)")
     ap.add_argument("--gemm", type=int, default=1024, help="GEMM size n for gamma (n x n x n, default 1024)")
     ap.add_argument("--target-ms", type=float, default=20.0, help="length of one timed batch (default 20 ms)")
-    ap.add_argument("--batches", type=int, default=5, help="the calls per size last about batches x target-ms")
+    ap.add_argument("--batches", type=int, default=5,
+                    help="the calls per size last about batches x target-ms")
     ap.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 3 batches, GEMM 512")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
     return ap.parse_args(argv)
