@@ -43,10 +43,21 @@ def test_allreduce_ring_model():
     ({"ranks_per_node": 0}, "ranks_per_node must be a positive integer"),
     ({"compute": {"gamma_s_per_flop": "fast"}}, "compute.gamma_s_per_flop must be a finite number"),
     ({"colour": "red"}, "unknown key"),
-], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key"])
+    ({"compute": {"gamma_s_per_flop": 1e-12, "colour": "red"}}, r"unknown key\(s\) \['colour'\] in 'compute'"),
+    ({"allreduce": {"alpha_s": 1e-6, "beta_s_per_byte": 1e-9, "threshold": 1}}, "in 'allreduce'"),
+    ({"inter": {"alpha_s": 1e-6, "beta_s_per_byte": 0.0}}, r"inter.beta_s_per_byte must be > 0"),
+    ({"allreduce": {"alpha_s": 1e-6}}, "allreduce.beta_s_per_byte is missing"),
+    ({"memory_per_device_gib": None}, "'memory_per_device_gib' is missing"),
+    ({"allreduce": {"algorithm": "tree"}}, "allreduce.algorithm must be one of auto, ring"),
+], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key", "unknown-compute-key",
+        "unknown-allreduce-key", "zero-beta", "half-a-link", "no-memory", "bad-algorithm"])
 def test_bad_machine_files_are_refused(change, match):
+    """One parser, one way: every reader of machine files (planner, cost model, calibrate, halo bench) gets
+    these refusals; the unchanged preset is the control."""
     d = load_machine("p100").to_dict()
+    assert machine_from_dict(dict(d), "test.yaml") == load_machine("p100")
     d.update(change)
+    d = {k: v for k, v in d.items() if v is not None}
     with pytest.raises(MachineError, match=match):
         machine_from_dict(d, "test.yaml")
 
