@@ -43,7 +43,8 @@ def test_allreduce_ring_model():
     ({"ranks_per_node": 0}, "ranks_per_node must be a positive integer"),
     ({"compute": {"gamma_s_per_flop": "fast"}}, "compute.gamma_s_per_flop must be a finite number"),
     ({"colour": "red"}, "unknown key"),
-    ({"compute": {"gamma_s_per_flop": 1e-12, "colour": "red"}}, r"unknown key\(s\) \['colour'\] in 'compute'"),
+    ({"compute": {"gamma_s_per_flop": 1e-12, "colour": "red"}},
+     r"unknown key\(s\) \['colour'\] in 'compute'"),
     ({"allreduce": {"alpha_s": 1e-6, "beta_s_per_byte": 1e-9, "threshold": 1}}, "in 'allreduce'"),
     ({"inter": {"alpha_s": 1e-6, "beta_s_per_byte": 0.0}}, r"inter.beta_s_per_byte must be > 0"),
     ({"allreduce": {"alpha_s": 1e-6}}, "allreduce.beta_s_per_byte is missing"),
@@ -102,8 +103,8 @@ def test_bench_dispatch(capsys):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install mpich)")
 def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     out = tmp_path / "machine.yaml"
-    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes", "4096",
-                        "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes",
+                        "4096", "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
