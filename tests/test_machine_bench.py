@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from lbannpy.bench.__main__ import SUBCOMMANDS, main as bench_main
-from lbannpy.bench.calibrate import fit_alpha_beta, message_sizes, ring_from_fit
-from lbannpy.machine import MachineError, load_machine, machine_from_dict, preset_names
+from lbannpy.bench.calibrate import fit_alpha_beta, message_sizes
+from lbannpy.machine import (MachineError, load_machine, machine_from_dict, preset_names, ring_allreduce_time,
+                             ring_from_fit)
 
 
 @pytest.mark.parametrize("name", ["lassen", "p100", "h100"])
@@ -32,7 +33,8 @@ def test_allreduce_ring_model():
     m = load_machine("lassen")
     n, p = 1e8, 8
     want = 2 * (p - 1) * 1.2e-6 + 2 * (p - 1) / p * n * 3.893e-11
-    assert m.allreduce_time(n, p) == pytest.approx(want) and m.allreduce_time(n, 1) == 0
+    assert ring_allreduce_time(n, p, m.ring_link) == pytest.approx(want)
+    assert ring_allreduce_time(n, 1, m.ring_link) == 0
 
 
 @pytest.mark.parametrize("change, match", [
@@ -41,10 +43,22 @@ def test_allreduce_ring_model():
     ({"ranks_per_node": 0}, "ranks_per_node must be a positive integer"),
     ({"compute": {"gamma_s_per_flop": "fast"}}, "compute.gamma_s_per_flop must be a finite number"),
     ({"colour": "red"}, "unknown key"),
-], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key"])
+    ({"compute": {"gamma_s_per_flop": 1e-12, "colour": "red"}},
+     r"unknown key\(s\) \['colour'\] in 'compute'"),
+    ({"allreduce": {"alpha_s": 1e-6, "beta_s_per_byte": 1e-9, "threshold": 1}}, "in 'allreduce'"),
+    ({"inter": {"alpha_s": 1e-6, "beta_s_per_byte": 0.0}}, r"inter.beta_s_per_byte must be > 0"),
+    ({"allreduce": {"alpha_s": 1e-6}}, "allreduce.beta_s_per_byte is missing"),
+    ({"memory_per_device_gib": None}, "'memory_per_device_gib' is missing"),
+    ({"allreduce": {"algorithm": "tree"}}, "allreduce.algorithm must be one of auto, ring"),
+], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key", "unknown-compute-key",
+        "unknown-allreduce-key", "zero-beta", "half-a-link", "no-memory", "bad-algorithm"])
 def test_bad_machine_files_are_refused(change, match):
+    """One parser, one way: every reader of machine files (planner, cost model, calibrate, halo bench) gets
+    these refusals; the unchanged preset is the control."""
     d = load_machine("p100").to_dict()
+    assert machine_from_dict(dict(d), "test.yaml") == load_machine("p100")
     d.update(change)
+    d = {k: v for k, v in d.items() if v is not None}
     with pytest.raises(MachineError, match=match):
         machine_from_dict(d, "test.yaml")
 
@@ -89,8 +103,8 @@ def test_bench_dispatch(capsys):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install mpich)")
 def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     out = tmp_path / "machine.yaml"
-    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes", "4096",
-                        "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes",
+                        "4096", "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -98,13 +112,59 @@ def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     assert "redistribution (lbannpy shuffle" in r.stdout
     m = load_machine(out)
     assert m.name == "testbox" and m.measured_on["ranks"] == "2" and m.intra.beta_s_per_byte > 0
-    from lbannpy.strategy.machine_model import load_machine_model
-    mm = load_machine_model(out)
-    assert mm.gamma_s_per_flop == pytest.approx(m.gamma_s_per_flop)
-    assert mm.redistribution_link is not None and mm.redistribution_link.beta_s_per_byte > 0
+    assert m.redistribution_link is not None and m.redistribution_link.beta_s_per_byte > 0
+    # the round trip: what calibrate writes is what the planner plans with
+    import yaml
+    from lbannpy import zoo
+    spec = tmp_path / "mesh_tiny.yaml"
+    spec.write_text(yaml.safe_dump(zoo.get_spec("mesh_tiny", batch_size=4), sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "2",
+                        "--machine", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "machine testbox" in r.stdout and "predicted step" in r.stdout
 
 
 def test_calibrate_refuses_to_overwrite_presets():
     from lbannpy.bench.calibrate import check_output, _package_machines_dir
     with pytest.raises(SystemExit, match="refusing"):
         check_output(f"{_package_machines_dir()}/local.yaml")
+
+
+def test_the_planner_refuses_what_the_machine_parser_refuses(tmp_path, capsys):
+    """Negative control of the round trip: a machine file with a key the parser does not know is refused by
+    ``python -m lbannpy.strategy --machine`` (exit 2, the key named), not silently planned for."""
+    import yaml
+    from lbannpy import zoo
+    from lbannpy.strategy.__main__ import main as strategy_main
+    bad = tmp_path / "machine.yaml"
+    bad.write_text(yaml.safe_dump(dict(load_machine("lassen").to_dict(), colour="red")))
+    spec = tmp_path / "mesh_tiny.yaml"
+    spec.write_text(yaml.safe_dump(zoo.get_spec("mesh_tiny", batch_size=4), sort_keys=False))
+    assert strategy_main([str(spec), "--ranks", "2", "--machine", str(bad)]) == 2
+    assert "unknown key(s) ['colour']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["lassen", "p100", "h100"])
+def test_to_dict_round_trips_every_field(name, tmp_path):
+    import yaml
+    m = load_machine(name)
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(m.to_dict()))
+    back = load_machine(f)
+    assert back == m and back.measured == m.measured and back.measured_on == m.measured_on
+
+
+def test_one_default_machine_everywhere():
+    """``python -m lbannpy.strategy``, ``plan()`` and ``parallel.machine`` of a config all default to
+    DEFAULT_MACHINE, so ``strategy`` and ``strategy: auto`` plan for the same machine."""
+    import inspect
+    from lbannpy.config import normalize
+    from lbannpy.machine import DEFAULT_MACHINE
+    from lbannpy.strategy import plan
+    from lbannpy.strategy.__main__ import _parser
+    spec = {"model": {"input": {"channels": 3, "spatial": [8, 8]},
+                      "layers": [{"name": "f1", "type": "fc", "units": 2}]}}
+    assert normalize(spec)["parallel"]["machine"] == DEFAULT_MACHINE
+    assert _parser().parse_args(["c.yaml", "--ranks", "2"]).machine == DEFAULT_MACHINE
+    assert inspect.signature(plan).parameters["machine"].default == DEFAULT_MACHINE
+    assert load_machine().name == DEFAULT_MACHINE == "lassen"

@@ -10,11 +10,11 @@ from lbannpy import zoo
 from lbannpy.dist import Distribution
 from lbannpy.strategy import cost
 from lbannpy.strategy.graph import build_graph
-from lbannpy.strategy.machine_model import MachineError, MachineModel, load_machine_model
+from lbannpy.machine import MachineError, Machine, load_machine
 from lbannpy.strategy.planner import (PlanError, baseline_strategies, evaluate_strategy, filter_reason,
                                       layer_candidates, plan)
 
-M = load_machine_model("p100")
+M = load_machine("p100")
 
 
 def _graph(layers, spatial=(32, 32), channels=8, batch=8):
@@ -72,7 +72,7 @@ def test_halo_widths_and_dryden_terms():
 
 def test_fc_decomposition_matches_gholami_eq8_bandwidth_terms():
     """Layer-wise terms of a chain of fc layers on Pr x Pc equal eq. 8 (bandwidth part; α set to 0)."""
-    mach = MachineModel.from_dict({**_p100_tree(), "intra": {"alpha_s": 0, "beta_s_per_byte": 1e-9},
+    mach = Machine.from_dict({**_p100_tree(), "intra": {"alpha_s": 0, "beta_s_per_byte": 1e-9},
                                    "inter": {"alpha_s": 0, "beta_s_per_byte": 1e-9},
                                    "allreduce": {"threshold_bytes": 0},
                                    "gradient_sync": "allreduce"})  # eq. 8 reduces dL/dW by allreduce
@@ -95,22 +95,22 @@ def test_fc_decomposition_matches_gholami_eq8_bandwidth_terms():
 
 
 def _p100_tree():
-    from lbannpy.strategy.machine_model import PRESETS
+    from lbannpy.machine import PRESETS
     return dict(PRESETS["p100"])
 
 
 def test_machine_model_errors_and_yaml(tmp_path):
     with pytest.raises(MachineError, match="intra"):
-        MachineModel.from_dict({"compute": {"gamma_s_per_flop": 1e-12}})
+        Machine.from_dict({"compute": {"gamma_s_per_flop": 1e-12}})
     with pytest.raises(MachineError, match="unknown machine"):
-        load_machine_model("nonexistent-machine")
+        load_machine("nonexistent-machine")
     import yaml
     tree = _p100_tree()
     tree["compute"] = {**tree["compute"], "measured": [
         {"type": "relu", "in": [2, 8, 32, 32], "out": [2, 8, 32, 32], "fwd_s": 0.5, "bwd_data_s": 0.25}]}
     f = tmp_path / "m.yaml"
     f.write_text(yaml.safe_dump(tree))
-    m = load_machine_model(str(f))
+    m = load_machine(str(f))
     node = _graph([{"name": "r", "type": "relu", "parents": ["x"]}], batch=8)["r"]
     assert cost.compute_times(node, Distribution.make(4, 4, n=4), m) == (0.5, 0.25, 0.0)
     assert cost.compute_times(node, Distribution.make(4, 4, n=4), M)[0] < 0.01
@@ -171,21 +171,21 @@ def test_a_measured_redistribution_link_prices_shuffles():
     """``redistribution`` in a machine file (what ``bench calibrate`` measures of lbannpy's shuffles) replaces
     the point-to-point link in t_X: ⌈log2 peers⌉·α + received bytes·β of the slowest rank."""
     from lbannpy.strategy import cost
-    from lbannpy.strategy.machine_model import MachineError, MachineModel, PRESETS
+    from lbannpy.machine import MachineError, Machine, PRESETS
     base = dict(PRESETS["p100"])
-    m = MachineModel.from_dict({**base, "redistribution": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9}})
+    m = Machine.from_dict({**base, "redistribution": {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9}})
     src = Distribution.make(4, 2, c=2)
     dst = Distribution.make(4, 2, replicate=["c"], c=2)
     shape = (2, 4, 3, 5)
     received = 2 * 2 * 3 * 5 * 4  # the other rank's two channels, float32
     assert cost.shuffle_time(shape, src, dst, m) == pytest.approx(1e-3 + received * 1e-9, rel=1e-12)
     assert cost.shuffle_time(shape, dst, src, m) == 0.0  # every rank already holds its piece
-    plain = MachineModel.from_dict(base)
+    plain = Machine.from_dict(base)
     assert plain.redistribution_link is None
     assert cost.shuffle_time(shape, src, dst, plain) == pytest.approx(
         plain.intra.alpha_s + received * plain.intra.beta_s_per_byte, rel=1e-12)
     with pytest.raises(MachineError, match="'redistribution' must be a mapping"):
-        MachineModel.from_dict({**base, "redistribution": {"alpha_s": 1e-3}})
+        Machine.from_dict({**base, "redistribution": {"alpha_s": 1e-3}})
 
 
 @pytest.mark.parametrize("name", ["p100", "lassen", "h100"])
@@ -193,12 +193,12 @@ def test_presets_are_the_shipped_files_and_price_memory_bound_layers(name):
     """One definition per preset (src/machines/NAME.yaml), and a roofline with a memory term: a ReLU moves its
     input and output once each, so on a GPU preset it costs bytes · mem_s_per_byte plus the kernel overhead,
     not the nothing its FLOPs alone would give."""
-    from lbannpy.strategy.machine_model import PRESETS, machines_dir
+    from lbannpy.machine import PRESETS, machines_dir
     import yaml
     tree = yaml.safe_load((machines_dir() / f"{name}.yaml").read_text())
     assert PRESETS[name] == tree and name in set(PRESETS)
-    m = load_machine_model(name)
-    assert m == MachineModel.from_dict(tree, name=name) and m.mem_s_per_byte > 0 and m.kernel_overhead_s > 0
+    m = load_machine(name)
+    assert m == Machine.from_dict(tree, name=name) and m.mem_s_per_byte > 0 and m.kernel_overhead_s > 0
     g = build_graph({"name": "r", "input": {"channels": 64, "spatial": [224, 224]},
                      "layers": [{"name": "a", "type": "relu"}]}, 32)
     node = g["a"]

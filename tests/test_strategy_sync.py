@@ -11,7 +11,7 @@ from lbannpy import zoo
 from lbannpy.dist import Distribution
 from lbannpy.strategy import cost
 from lbannpy.strategy.graph import build_graph
-from lbannpy.strategy.machine_model import Link, MachineError, MachineModel, PRESETS, load_machine_model
+from lbannpy.machine import PRESETS, Link, Machine, MachineError, load_machine
 from lbannpy.strategy.planner import evaluate_strategy, plan
 
 INTRA = Link(alpha_s=1e-5, beta_s_per_byte=1e-10)  # 10 µs, 10 GB/s
@@ -31,7 +31,7 @@ def test_parameter_server_time_hand_computed():
 
 
 def test_parameter_server_grows_with_copies_unlike_ring():
-    m = MachineModel("t", INTRA, INTRA, 64, 16, 1e-12, allreduce_threshold_bytes=0)
+    m = Machine("t", INTRA, INTRA, 64, 16, 1e-12, allreduce_threshold_bytes=0)
     mb = 1e8
     ps = [cost.parameter_server_time(mb, p, p, INTRA, INTRA) for p in (2, 4, 8)]
     ring = [cost.allreduce_time(mb, p, INTRA, m) for p in (2, 4, 8)]
@@ -60,12 +60,12 @@ def test_sync_group_follows_the_runtime_block_group(dist, group):
 def test_gradient_sync_time_by_scheme():
     node = _conv_graph()["c"]
     nb = (8 * 8 * 9 + 8) * 4  # weights and bias, float32: 2336 bytes
-    p100 = load_machine_model("p100")
+    p100 = load_machine("p100")
     assert p100.gradient_sync == "parameter_server"
     d = Distribution.make(4, 4, n=4)
     want = 2 * 3 * (p100.intra.alpha_s + nb * p100.intra.beta_s_per_byte)
     assert cost.gradient_sync_time(node, d, p100) == pytest.approx(want, rel=1e-12)
-    ring = MachineModel.from_dict({**PRESETS["p100"], "gradient_sync": "allreduce"})
+    ring = Machine.from_dict({**PRESETS["p100"], "gradient_sync": "allreduce"})
     assert cost.gradient_sync_time(node, d, ring) == pytest.approx(
         cost.allreduce_time(nb, 4, ring.intra, ring), rel=1e-12)
     assert cost.layer_cost(node, d, p100).t_s == pytest.approx(want, rel=1e-12)
@@ -73,13 +73,11 @@ def test_gradient_sync_time_by_scheme():
 
 
 def test_machine_setting():
-    assert load_machine_model("lassen").gradient_sync == "allreduce"
-    assert load_machine_model("h100").gradient_sync == "allreduce"
-    assert MachineModel.from_dict(PRESETS["p100"]).gradient_sync == "parameter_server"
+    assert load_machine("lassen").gradient_sync == "allreduce"
+    assert load_machine("h100").gradient_sync == "allreduce"
+    assert Machine.from_dict(PRESETS["p100"]).gradient_sync == "parameter_server"
     with pytest.raises(MachineError, match="gradient_sync must be one of allreduce, parameter_server"):
-        MachineModel.from_dict({**PRESETS["p100"], "gradient_sync": "gossip"})
-    from lbannpy.machine import load_machine  # the other reader of the same files accepts the key
-    assert load_machine("p100").name == "p100"
+        Machine.from_dict({**PRESETS["p100"], "gradient_sync": "gossip"})
 
 
 def test_elimination_equals_brute_force_with_parameter_server():
@@ -91,7 +89,7 @@ def test_elimination_equals_brute_force_with_parameter_server():
                        {"name": "c2", "type": "conv", "filters": 16, "kernel": 3, "padding": 1},
                        {"name": "s", "type": "sum", "parents": ["c1", "c2"]},
                        {"name": "f", "type": "fc", "units": 512}]}
-    mach = load_machine_model("p100")
+    mach = load_machine("p100")
     for batch in (8, 64):
         g = build_graph(spec, batch)
         p = plan(g, 4, mach, max_candidates=5, compare=False)

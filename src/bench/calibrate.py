@@ -11,7 +11,7 @@
 
 Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
 point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
-model :meth:`lbannpy.machine.Machine.allreduce_time` uses), whatever algorithm the MPI picks underneath;
+model of :func:`lbannpy.machine.ring_allreduce_time`), whatever algorithm the MPI picks underneath;
 small-message allreduce in MPI is usually recursive doubling, so the fitted α is an effective per-step
 latency. γ = GEMM time / (2 m n k) seconds per FLOP.
 
@@ -26,11 +26,11 @@ import os
 import socket
 import sys
 import time
-from importlib import resources
 
 import numpy as np
 
 from lbannpy.comm import Runtime
+from lbannpy.machine import machine_from_dict, machines_dir, ring_from_fit
 
 from .launch import relaunch_if_needed
 
@@ -237,17 +237,12 @@ def fit_alpha_beta(points) -> tuple[float, float, float]:
     return float(a), float(b), err
 
 
-def ring_from_fit(a: float, b: float, p: int) -> tuple[float, float]:
-    """α, β of the ring model ``2(p-1) α + 2(p-1)/p n β`` from a fitted ``a + b n``."""
-    return a / (2 * (p - 1)), b * p / (2 * (p - 1))
-
-
 # -------------------------------------------------------------------------------------------------------
 # machine file
 
 
 def _package_machines_dir() -> str:
-    return os.path.realpath(str(resources.files("lbannpy").joinpath("machines")))
+    return os.path.realpath(str(machines_dir()))
 
 
 def check_output(path: str) -> None:
@@ -302,15 +297,19 @@ def _memory_gib(xp, ranks_per_node: int) -> float:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate", description=__doc__.split("\n")[0])
-    ap.add_argument("-o", "--output", default="machine.yaml", help="machine file to write (default ./machine.yaml)")
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("-o", "--output", default="machine.yaml",
+                    help="machine file to write (default ./machine.yaml)")
     ap.add_argument("--name", default=None, help="machine name in the file (default: the host name)")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--backend", choices=("auto", "mpi", "nccl"), default="auto")
-    ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="largest message (default 64 MiB)")
-    ap.add_argument("--gemm", type=int, default=1024, help="GEMM size n for gamma (n×n×n, default 1024)")
+    ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                    help="largest message (default 64 MiB)")
+    ap.add_argument("--gemm", type=int, default=1024, help="GEMM size n for gamma (n x n x n, default 1024)")
     ap.add_argument("--target-ms", type=float, default=20.0, help="length of one timed batch (default 20 ms)")
-    ap.add_argument("--batches", type=int, default=5, help="the calls per size last about batches x target-ms")
+    ap.add_argument("--batches", type=int, default=5,
+                    help="the calls per size last about batches x target-ms")
     ap.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 3 batches, GEMM 512")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
     return ap.parse_args(argv)
@@ -325,6 +324,83 @@ def _table(title: str, rows, model) -> str:
     for n, t in rows:
         lines.append(f"{n:>10} {_us(t)} {_us(model(n))} {n / t / 1e9:8.3f}")
     return "\n".join(lines)
+
+
+def measure_links(comm, xp, hosts: list[str], sizes, target: float, batches: int
+                  ) -> tuple[dict, dict, list[str], str]:
+    """Ping-pong of rank 0 with a partner on its node (``intra``) and one on another node (``inter``), each
+    fitted ``α + β n``; a kind no partner exists for copies the other. Returns the links, the fits, the
+    tables and a note on copied links. Collective over ``comm``."""
+    p = comm.size
+    intra_peer = next((r for r in range(1, p) if hosts[r] == hosts[0]), None)
+    inter_peer = next((r for r in range(1, p) if hosts[r] != hosts[0]), None)
+    links, fits, tables = {}, {}, []
+    for kind, peer in (("intra", intra_peer), ("inter", inter_peer)):
+        if peer is None:
+            continue
+        pts = pingpong(comm, xp, peer, sizes, target, batches)
+        a, b, err = fit_alpha_beta(pts)
+        links[kind] = {"alpha_s": a, "beta_s_per_byte": b}
+        fits[kind] = {"max_relative_error": round(err, 3), "ranks": [0, peer]}
+        tables.append(_table(f"point to point, rank 0 <-> rank {peer} ({kind}-node), one way; "
+                             f"fit alpha {a:.3e} s, beta {b:.3e} s/B", pts, lambda n, a=a, b=b: a + b * n))
+    note = ""
+    if "inter" not in links:
+        links["inter"] = dict(links["intra"])
+        note = "inter copied from intra: all ranks ran on one node. "
+    if "intra" not in links:
+        links["intra"] = dict(links["inter"])
+        note = "intra copied from inter: one rank per node. "
+    return links, fits, tables, note
+
+
+def measure_collectives(comm, xp, sizes, max_bytes: int, target: float, batches: int
+                        ) -> tuple[dict, dict, dict, list[str]]:
+    """The allreduce (ring model, :func:`lbannpy.machine.ring_from_fit`) and lbannpy's redistribution
+    (``⌈log2 p⌉·α + received bytes·β``, the cost model's shuffle_times). Returns the allreduce and
+    redistribution links, their fits and tables. Collective over ``comm``."""
+    p = comm.size
+    fits, tables = {}, []
+    pts = allreduce_times(comm, xp, sizes, target, batches)
+    a, b, err = fit_alpha_beta(pts)
+    ar_alpha, ar_beta = ring_from_fit(a, b, p)
+    fits["allreduce"] = {"max_relative_error": round(err, 3), "ranks": p,
+                         "model": "ring: 2(p-1)*alpha + 2(p-1)/p*n*beta"}
+    tables.append(_table(f"allreduce over {p} ranks (float32), ring model alpha {ar_alpha:.3e} s, "
+                         f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
+
+    rd_sizes = [n for n in sizes if 4096 <= n <= min(max_bytes, 16 << 20)]
+    if len(rd_sizes) < 2:  # a fit needs two sizes at least
+        rd_sizes = [4096, 16384]
+    pts = redistribution_times(comm, xp, rd_sizes, target, batches)
+    ra, rb, err = fit_alpha_beta(pts)
+    msgs = math.ceil(math.log2(max(p, 2)))  # the cost model's messages per redistribution (shuffle_times)
+    rd_alpha, rd_beta = ra / msgs, rb
+    fits["redistribution"] = {"max_relative_error": round(err, 3), "ranks": p,
+                              "model": "ceil(log2 p)*alpha + received bytes*beta"}
+    tables.append(_table(f"redistribution (lbannpy shuffle, a channel-split block gathered) over {p} ranks, "
+                         f"by bytes received per rank: alpha {rd_alpha:.3e} s, beta {rd_beta:.3e} s/B", pts,
+                         lambda n: ra + rb * n))
+    ar_link = {"alpha_s": ar_alpha, "beta_s_per_byte": ar_beta}
+    return ar_link, {"alpha_s": rd_alpha, "beta_s_per_byte": rd_beta}, fits, tables
+
+
+def measure_compute(comm, xp, hosts: list[str], gemm: int, quick: bool, local_size: int
+                    ) -> tuple[dict, int, list[str]]:
+    """γ (GEMM), the streaming rate and the fixed cost of a layer call on every rank at once, and the
+    compute slots of rank 0's node. Returns the ``compute`` section, the slots and the tables. Collective
+    over ``comm``."""
+    gamma, per_rank = gemm_gamma(comm, xp, gemm)
+    mem = stream_rate(comm, xp, 16 << 20 if quick else 64 << 20)
+    overhead = layer_call_overhead(comm, xp)
+    slots = compute_slots(comm, xp, hosts)
+    kind = "GPUs" if xp.__name__ == "cupy" else "CPU cores"
+    tables = [f"GEMM float32 {gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP ({1 / gamma / 1e9:.2f} "
+              f"GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})",
+              f"streaming c = a + b on every rank: {mem:.3e} s/B ({1 / mem / 1e9:.2f} GB/s per rank); fixed "
+              f"cost of a layer call {overhead * 1e6:.1f} us",
+              f"compute slots on {hosts[0]}: {slots} ({kind}; {local_size} rank(s) ran there)"]
+    return {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem, "kernel_overhead_s": overhead}, slots, tables
 
 
 def main(argv=None) -> int:
@@ -344,64 +420,16 @@ def main(argv=None) -> int:
         if p < 2:
             raise SystemExit("lbannpy.bench calibrate needs at least 2 ranks (mpiexec -n 2 ...)")
         hosts = comm.allgather_obj(socket.gethostname())
-        intra_peer = next((r for r in range(1, p) if hosts[r] == hosts[0]), None)
-        inter_peer = next((r for r in range(1, p) if hosts[r] != hosts[0]), None)
         sizes = message_sizes(args.max_bytes)
         target = args.target_ms / 1e3
-        say = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
-        say(f"calibrating on {p} ranks ({len(set(hosts))} node(s)), backend {rt.backend}, device {rt.device}, "
-            f"messages {sizes[0]} B .. {sizes[-1]} B")
-
-        links, fits, tables = {}, {}, []
-        for kind, peer in (("intra", intra_peer), ("inter", inter_peer)):
-            if peer is None:
-                continue
-            pts = pingpong(comm, xp, peer, sizes, target, args.batches)
-            a, b, err = fit_alpha_beta(pts)
-            links[kind] = {"alpha_s": a, "beta_s_per_byte": b}
-            fits[kind] = {"max_relative_error": round(err, 3), "ranks": [0, peer]}
-            tables.append(_table(f"point to point, rank 0 <-> rank {peer} ({kind}-node), one way; "
-                                 f"fit alpha {a:.3e} s, beta {b:.3e} s/B", pts, lambda n, a=a, b=b: a + b * n))
-        note = ""
-        if "inter" not in links:
-            links["inter"] = dict(links["intra"])
-            note = "inter copied from intra: all ranks ran on one node. "
-        if "intra" not in links:
-            links["intra"] = dict(links["inter"])
-            note = "intra copied from inter: one rank per node. "
-
-        pts = allreduce_times(comm, xp, sizes, target, args.batches)
-        a, b, err = fit_alpha_beta(pts)
-        ar_alpha, ar_beta = ring_from_fit(a, b, p)
-        fits["allreduce"] = {"max_relative_error": round(err, 3), "ranks": p,
-                             "model": "ring: 2(p-1)*alpha + 2(p-1)/p*n*beta"}
-        tables.append(_table(f"allreduce over {p} ranks (float32), ring model alpha {ar_alpha:.3e} s, "
-                             f"beta {ar_beta:.3e} s/B", pts, lambda n: a + b * n))
-
-        rd_sizes = [n for n in sizes if 4096 <= n <= min(args.max_bytes, 16 << 20)]
-        if len(rd_sizes) < 2:  # a fit needs two sizes at least
-            rd_sizes = [4096, 16384]
-        pts = redistribution_times(comm, xp, rd_sizes, target, args.batches)
-        a, b, err = fit_alpha_beta(pts)
-        msgs = math.ceil(math.log2(max(p, 2)))  # the cost model's messages per redistribution (shuffle_times)
-        rd_alpha, rd_beta = a / msgs, b
-        fits["redistribution"] = {"max_relative_error": round(err, 3), "ranks": p,
-                                  "model": "ceil(log2 p)*alpha + received bytes*beta"}
-        tables.append(_table(f"redistribution (lbannpy shuffle, a channel-split block gathered) over {p} ranks, "
-                             f"by bytes received per rank: alpha {rd_alpha:.3e} s, beta {rd_beta:.3e} s/B", pts,
-                             lambda n: a + b * n))
-
-        gamma, per_rank = gemm_gamma(comm, xp, args.gemm)
-        mem = stream_rate(comm, xp, 16 << 20 if args.quick else 64 << 20)
-        overhead = layer_call_overhead(comm, xp)
-        slots = compute_slots(comm, xp, hosts)
-        tables.append(f"GEMM float32 {args.gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP "
-                      f"({1 / gamma / 1e9:.2f} GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})")
-        tables.append(f"streaming c = a + b on every rank: {mem:.3e} s/B ({1 / mem / 1e9:.2f} GB/s per "
-                      f"rank); fixed cost of a layer call {overhead * 1e6:.1f} us")
-        kind = "GPUs" if xp.__name__ == "cupy" else "CPU cores"
-        tables.append(f"compute slots on {hosts[0]}: {slots} ({kind}; {rt.local_size} rank(s) ran there)")
-
+        if comm.rank == 0:
+            print(f"calibrating on {p} ranks ({len(set(hosts))} node(s)), backend {rt.backend}, device "
+                  f"{rt.device}, messages {sizes[0]} B .. {sizes[-1]} B", flush=True)
+        links, fits, tables, note = measure_links(comm, xp, hosts, sizes, target, args.batches)
+        ar, rd, more_fits, more_tables = measure_collectives(comm, xp, sizes, args.max_bytes, target,
+                                                             args.batches)
+        compute, slots, compute_tables = measure_compute(comm, xp, hosts, args.gemm, args.quick,
+                                                         rt.local_size)
         if comm.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             data = {
@@ -413,18 +441,19 @@ def main(argv=None) -> int:
                 "memory_per_device_gib": _memory_gib(xp, rt.local_size),
                 "intra": links["intra"],
                 "inter": links["inter"],
-                "allreduce": {"alpha_s": ar_alpha, "beta_s_per_byte": ar_beta},
-                "redistribution": {"alpha_s": rd_alpha, "beta_s_per_byte": rd_beta},
-                "compute": {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem,
-                            "kernel_overhead_s": overhead},
+                "allreduce": ar,
+                "redistribution": rd,
+                "compute": compute,
                 "measured_on": {"date": now, "host": ",".join(sorted(set(hosts))), "ranks": str(p),
                                 "device": rt.device, "backend": rt.backend},
-                "fit": fits,
+                "fit": {**fits, **more_fits},
             }
             header = (f"# Machine file written by `python -m lbannpy.bench calibrate` ({now}).\n"
                       f"# alpha in seconds, beta in seconds per byte, gamma in seconds per FLOP, mem in\n"
                       f"# seconds per byte of memory traffic, kernel overhead in seconds per kernel call.\n")
-            print("\n\n".join(tables), flush=True)
+            print("\n\n".join(tables + more_tables + compute_tables), flush=True)
+            # checked by the parser the planner reads it with: never write a file `strategy --machine` refuses
+            machine_from_dict(data, args.output)
             write_machine(args.output, data, header)
             print(f"\nwrote {args.output}", flush=True)
         comm.barrier()

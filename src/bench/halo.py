@@ -22,12 +22,15 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from lbannpy.comm import Runtime
 
-from .calibrate import allreduce_times, fit_alpha_beta, message_sizes, pingpong, ring_from_fit
+from lbannpy.machine import Link, load_machine, ring_allreduce_time, ring_from_fit
+
+from .calibrate import allreduce_times, fit_alpha_beta, message_sizes, pingpong
 from .launch import relaunch_if_needed
 
 
@@ -63,34 +66,26 @@ def median_time(comm, fn, reps: int, xp) -> float:
     return comm.allreduce_obj(float(np.median(times)), "max")
 
 
+@dataclass(frozen=True)
 class Model:
-    """α-β model: from a machine file, or fitted here."""
+    """The links the exchange and the allreduce are compared against (priced by :mod:`lbannpy.machine`'s
+    α-β functions), and where their numbers come from."""
 
-    def __init__(self, p2p_alpha, p2p_beta, ar_alpha, ar_beta, source):
-        self.p2p_alpha, self.p2p_beta = p2p_alpha, p2p_beta  # seconds, seconds per byte
-        self.ar_alpha, self.ar_beta = ar_alpha, ar_beta
-        self.source = source
-
-    def p2p(self, nbytes: float) -> float:
-        return self.p2p_alpha + self.p2p_beta * nbytes
-
-    def allreduce(self, nbytes: float, p: int) -> float:
-        return 2 * (p - 1) * self.ar_alpha + 2 * (p - 1) / p * nbytes * self.ar_beta
+    p2p: Link  # the intra-node link: the bench's ranks share a node
+    allreduce: Link  # the ring allreduce's link
+    source: str
 
 
 def get_model(args, comm, xp) -> Model:
     path = args.machine or ("machine.yaml" if os.path.exists("machine.yaml") else None)
     if path is not None:
-        from lbannpy.machine import load_machine
         m = load_machine(path)
-        return Model(m.intra.alpha_s, m.intra.beta_s_per_byte, m.allreduce.alpha_s,
-                     m.allreduce.beta_s_per_byte, f"machine {path} ({m.name})")
+        return Model(m.intra, m.ring_link, f"machine {path} ({m.name})")
     sizes = message_sizes(16 << 20, factor=8)
     a, b, _ = fit_alpha_beta(pingpong(comm, xp, 1, sizes, 0.01, 3))
     ra, rb, _ = fit_alpha_beta(allreduce_times(comm, xp, sizes, 0.01, 3))
-    ar_a, ar_b = ring_from_fit(ra, rb, comm.size)
-    return Model(a, b, ar_a, ar_b, "quick fit made now (8 B .. 16 MiB); "
-                                   "run `python -m lbannpy.bench calibrate` for a better one")
+    return Model(Link(a, b), Link(*ring_from_fit(ra, rb, comm.size)), "quick fit made now (8 B .. 16 MiB); "
+                 "run `python -m lbannpy.bench calibrate` for a better one")
 
 
 def box_filter(window, k: int, out):
@@ -105,14 +100,110 @@ def box_filter(window, k: int, out):
     return out
 
 
+def time_kernel(comm, xp, dist, shape: tuple[int, ...], k: int, args, model: Model) -> tuple:
+    """One row of the halo table: a k×k 'same' stencil's exchange alone, its local part, the interior work
+    alone and overlapped with the exchange (in one piece and in ``args.pokes`` pieces). Collective over
+    ``comm``."""
+    from lbannpy.dist import Stencil
+    from lbannpy.halo import HaloPlan
+
+    me = comm.rank
+    stencil = Stencil.conv(len(shape), k, stride=1, padding="same")
+    plan = HaloPlan(dist, shape, stencil, me)
+    rng = np.random.default_rng(me)
+    local = xp.asarray(rng.standard_normal(plan.local_shape, dtype=np.float32))
+    window = xp.empty(plan.window_shape, dtype=xp.float32)
+    out_int = xp.empty(tuple(s.stop - s.start for s in plan.interior_slices), dtype=xp.float32)
+    win_int = plan.interior_window_slices
+    itemsize = 4
+    msg_bytes = max([s.size for s in plan.sends], default=0) * itemsize
+    sent = plan.send_size * itemsize
+    sent_max = comm.allreduce_obj(sent, "max")
+    msg_max = comm.allreduce_obj(msg_bytes, "max")
+
+    def exchange():
+        plan.start(comm, local, out=window).wait()
+
+    def compute():
+        box_filter(window[win_int], k, out_int)
+
+    pieces = max(1, min(args.pokes, out_int.shape[-2]))
+    bounds = np.linspace(0, out_int.shape[-2], pieces + 1).astype(int)
+
+    def local_part():  # what start() does besides messages: owned copy into the window, padding
+        for sl in plan.padding_slices:
+            window[sl] = 0
+        if plan.owned_box is not None:
+            window[plan.owned_window_slices] = local[plan.owned_local_slices]
+
+    def compute_pieces():
+        src = window[win_int]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            box_filter(src[..., lo:hi + k - 1, :], k, out_int[..., lo:hi, :])
+
+    def overlapped():
+        h = plan.start(comm, local, out=window)
+        compute()
+        h.wait()
+
+    def overlapped_poked():
+        h = plan.start(comm, local, out=window)
+        src = window[win_int]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            box_filter(src[..., lo:hi + k - 1, :], k, out_int[..., lo:hi, :])
+            h.test()
+        h.wait()
+
+    t_exch = median_time(comm, exchange, args.reps, xp)
+    t_comp = median_time(comm, compute, max(3, args.reps // 4), xp)
+    t_ovl = median_time(comm, overlapped, max(3, args.reps // 4), xp)
+    t_comp_p = median_time(comm, compute_pieces, max(3, args.reps // 4), xp)
+    t_ovl_p = median_time(comm, overlapped_poked, max(3, args.reps // 4), xp)
+    t_local = median_time(comm, local_part, args.reps, xp)
+    hidden = float(np.clip((t_exch + t_comp - t_ovl) / t_exch, 0, 1))
+    hidden_p = float(np.clip((t_exch + t_comp_p - t_ovl_p) / t_exch, 0, 1))
+    t_model = model.p2p.time(msg_max)
+    return (k, sent_max, t_exch, t_local, sent_max / t_exch, t_model, sent_max / t_model, t_comp,
+            t_ovl, hidden, t_comp_p, t_ovl_p, hidden_p)
+
+
+def print_halo_table(say, rows, pokes: int) -> None:
+    """The rows of :func:`time_kernel` with a legend (``say`` prints on rank 0)."""
+    say("t_exch: start()+wait() of the plan; t_local: its local part alone (owned block copied into the "
+        "window, padding zeroed);\nGB/s: halo bytes sent per rank / t_exch; model: alpha + beta * largest "
+        "message. t_comp/t_ovl: interior work alone / overlapped\nwith the exchange; '+poke': the work in "
+        f"{pokes} pieces with test() between them (t_comp measured in pieces too).")
+    say(f"{'kernel':>6} {'bytes/rank':>10} {'t_exch us':>10} {'t_local us':>10} {'GB/s':>7} {'model us':>9} "
+        f"{'model GB/s':>10} {'t_comp ms':>9} {'t_ovl ms':>8} {'hidden':>6} {'t_comp ms':>9} "
+        f"{'t_ovl ms':>8} {'hidden':>6}")
+    say(f"{'':>94}{'+poke':>10}{'+poke':>9}{'+poke':>7}")
+    for k, nb, te, tl, bw, tm, bwm, tc, to, hid, tcp, top, hidp in rows:
+        say(f"{k:>6} {nb:>10} {te * 1e6:>10.1f} {tl * 1e6:>10.1f} {bw / 1e9:>7.3f} {tm * 1e6:>9.1f} "
+            f"{bwm / 1e9:>10.3f} {tc * 1e3:>9.2f} {to * 1e3:>8.2f} {hid:>6.0%} {tcp * 1e3:>9.2f} "
+            f"{top * 1e3:>8.2f} {hidp:>6.0%}")
+
+
+def allreduce_table(comm, xp, args, model: Model, say) -> None:
+    """Allreduce times of ``args.allreduce_mib`` against the ring model. Collective over ``comm``."""
+    p = comm.size
+    say(f"\nallreduce over {p} ranks (float32)")
+    say(f"{'MiB':>6} {'time ms':>9} {'GB/s':>7} {'model ms':>9} {'model GB/s':>10}")
+    for mib in [float(x) for x in args.allreduce_mib.split(",")]:
+        n = int(mib * (1 << 20)) // 4
+        buf = xp.ones(n, dtype=xp.float32)
+        res = xp.empty_like(buf)
+        t = median_time(comm, lambda: comm.allreduce(buf, "sum", out=res), max(3, args.reps // 4), xp)
+        tm = ring_allreduce_time(n * 4, p, model.allreduce)
+        say(f"{mib:>6g} {t * 1e3:>9.3f} {n * 4 / t / 1e9:>7.3f} {tm * 1e3:>9.3f} {n * 4 / tm / 1e9:>10.3f}")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     code = relaunch_if_needed("halo", argv, args.ranks)
     if code is not None:
         return code
-    from lbannpy.dist import Distribution, Stencil
-    from lbannpy.halo import HaloPlan
+    from lbannpy.dist import Distribution
 
     shape = tuple(int(s) for s in args.shape.split(","))
     kernels = [int(k) for k in args.kernels.split(",")]
@@ -126,91 +217,13 @@ def main(argv=None) -> int:
         dist = Distribution.make(len(shape), ranks=p, h=p)
         say(f"halo exchange of a {'x'.join(map(str, shape))} float32 tensor split {dist} over {p} ranks "
             f"(backend {rt.backend}, device {rt.device}); model: {model.source}")
-        say(f"p2p alpha {model.p2p_alpha:.3e} s, beta {model.p2p_beta:.3e} s/B; allreduce alpha "
-            f"{model.ar_alpha:.3e} s, beta {model.ar_beta:.3e} s/B; median of {args.reps} calls, slowest rank\n")
+        say(f"p2p alpha {model.p2p.alpha_s:.3e} s, beta {model.p2p.beta_s_per_byte:.3e} s/B; allreduce "
+            f"alpha {model.allreduce.alpha_s:.3e} s, beta {model.allreduce.beta_s_per_byte:.3e} s/B; "
+            f"median of {args.reps} calls, slowest rank\n")
 
-        rows = []
-        for k in kernels:
-            stencil = Stencil.conv(len(shape), k, stride=1, padding="same")
-            plan = HaloPlan(dist, shape, stencil, me)
-            rng = np.random.default_rng(me)
-            local = xp.asarray(rng.standard_normal(plan.local_shape, dtype=np.float32))
-            window = xp.empty(plan.window_shape, dtype=xp.float32)
-            out_int = xp.empty(tuple(s.stop - s.start for s in plan.interior_slices), dtype=xp.float32)
-            win_int = plan.interior_window_slices
-            itemsize = 4
-            msg_bytes = max([s.size for s in plan.sends], default=0) * itemsize
-            sent = plan.send_size * itemsize
-            sent_max = comm.allreduce_obj(sent, "max")
-            msg_max = comm.allreduce_obj(msg_bytes, "max")
-
-            def exchange():
-                plan.start(comm, local, out=window).wait()
-
-            def compute():
-                box_filter(window[win_int], k, out_int)
-
-            pieces = max(1, min(args.pokes, out_int.shape[-2]))
-            bounds = np.linspace(0, out_int.shape[-2], pieces + 1).astype(int)
-
-            def local_part():  # what start() does besides messages: owned copy into the window, padding
-                for sl in plan.padding_slices:
-                    window[sl] = 0
-                if plan.owned_box is not None:
-                    window[plan.owned_window_slices] = local[plan.owned_local_slices]
-
-            def compute_pieces():
-                src = window[win_int]
-                for lo, hi in zip(bounds[:-1], bounds[1:]):
-                    box_filter(src[..., lo:hi + k - 1, :], k, out_int[..., lo:hi, :])
-
-            def overlapped():
-                h = plan.start(comm, local, out=window)
-                compute()
-                h.wait()
-
-            def overlapped_poked():
-                h = plan.start(comm, local, out=window)
-                src = window[win_int]
-                for lo, hi in zip(bounds[:-1], bounds[1:]):
-                    box_filter(src[..., lo:hi + k - 1, :], k, out_int[..., lo:hi, :])
-                    h.test()
-                h.wait()
-
-            t_exch = median_time(comm, exchange, args.reps, xp)
-            t_comp = median_time(comm, compute, max(3, args.reps // 4), xp)
-            t_ovl = median_time(comm, overlapped, max(3, args.reps // 4), xp)
-            t_comp_p = median_time(comm, compute_pieces, max(3, args.reps // 4), xp)
-            t_ovl_p = median_time(comm, overlapped_poked, max(3, args.reps // 4), xp)
-            t_local = median_time(comm, local_part, args.reps, xp)
-            hidden = float(np.clip((t_exch + t_comp - t_ovl) / t_exch, 0, 1))
-            hidden_p = float(np.clip((t_exch + t_comp_p - t_ovl_p) / t_exch, 0, 1))
-            t_model = model.p2p(msg_max)
-            rows.append((k, sent_max, t_exch, t_local, sent_max / t_exch, t_model, sent_max / t_model, t_comp,
-                         t_ovl, hidden, t_comp_p, t_ovl_p, hidden_p))
-
-        say("t_exch: start()+wait() of the plan; t_local: its local part alone (owned block copied into the "
-            "window, padding zeroed);\nGB/s: halo bytes sent per rank / t_exch; model: alpha + beta * largest "
-            "message. t_comp/t_ovl: interior work alone / overlapped\nwith the exchange; '+poke': the work in "
-            f"{args.pokes} pieces with test() between them (t_comp measured in pieces too).")
-        say(f"{'kernel':>6} {'bytes/rank':>10} {'t_exch us':>10} {'t_local us':>10} {'GB/s':>7} {'model us':>9} "
-            f"{'model GB/s':>10} {'t_comp ms':>9} {'t_ovl ms':>8} {'hidden':>6} {'t_comp ms':>9} "
-            f"{'t_ovl ms':>8} {'hidden':>6}")
-        say(f"{'':>94}{'+poke':>10}{'+poke':>9}{'+poke':>7}")
-        for k, nb, te, tl, bw, tm, bwm, tc, to, hid, tcp, top, hidp in rows:
-            say(f"{k:>6} {nb:>10} {te * 1e6:>10.1f} {tl * 1e6:>10.1f} {bw / 1e9:>7.3f} {tm * 1e6:>9.1f} "
-                f"{bwm / 1e9:>10.3f} {tc * 1e3:>9.2f} {to * 1e3:>8.2f} {hid:>6.0%} {tcp * 1e3:>9.2f} "
-                f"{top * 1e3:>8.2f} {hidp:>6.0%}")
-
-        say(f"\nallreduce over {p} ranks (float32)")
-        say(f"{'MiB':>6} {'time ms':>9} {'GB/s':>7} {'model ms':>9} {'model GB/s':>10}")
-        for mib in [float(x) for x in args.allreduce_mib.split(",")]:
-            n = int(mib * (1 << 20)) // 4
-            buf = xp.ones(n, dtype=xp.float32)
-            res = xp.empty_like(buf)
-            t = median_time(comm, lambda: comm.allreduce(buf, "sum", out=res), max(3, args.reps // 4), xp)
-            tm = model.allreduce(n * 4, p)
-            say(f"{mib:>6g} {t * 1e3:>9.3f} {n * 4 / t / 1e9:>7.3f} {tm * 1e3:>9.3f} {n * 4 / tm / 1e9:>10.3f}")
+        rows = [time_kernel(comm, xp, dist, shape, k, args, model) for k in kernels]
+        print_halo_table(say, rows, args.pokes)
+        allreduce_table(comm, xp, args, model, say)
         comm.barrier()
     return 0
 

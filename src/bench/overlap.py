@@ -74,7 +74,7 @@ def worker(units: int, batch: int, steps: int) -> dict:
         grad_bytes = sum(p.grad.nbytes for p in params)
         out["grad_mib"] = grad_bytes / 2**20
         # per-layer backward durations of the real computation, for the stand-in: the median of warm
-        # passes (a single cold pass pays first-touch page faults and varies 2x from run to run)
+        # passes (a single cold pass pays first-touch page faults, which vary from run to run)
         y = model.forward(x)
         dy = DistTensor(np.ones_like(y.local), y.global_shape, y.dist, comm.rank)
         samples: dict[str, list[float]] = {}

@@ -68,7 +68,7 @@ def section_vgg(machine: str) -> None:
         ours = ", ".join(f"{n}={p.choice[n]}" for n in layers) if layers else "(loss: not a layer here)"
         print(f"{label:22s} {cfg:40s} {ours}")
     rest = [n.name for n in p.graph if n.type not in ("conv", "pool", "fc")]
-    print(f"pointwise layers: " + ", ".join(f"{n}={p.choice[n]}" for n in rest))
+    print("pointwise layers: " + ", ".join(f"{n}={p.choice[n]}" for n in rest))
     print(JIA_TABLE5_TEXT)
     print(compare(p))
     # Jia's configurations where they differ from ours, priced by our model, term by term

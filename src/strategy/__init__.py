@@ -6,8 +6,8 @@
 >>> p.parallel_layers()["conv1_1"]                                              # doctest: +SKIP
 """
 from .graph import ModelGraph, Node, ShapeError, build_graph
-from .machine_model import MachineError, MachineModel, load_machine_model
+from ..machine import DEFAULT_MACHINE, Machine, MachineError, load_machine
 from .planner import Plan, PlanError, baseline_strategies, evaluate_strategy, plan
 
-__all__ = ["ModelGraph", "Node", "ShapeError", "build_graph", "MachineError", "MachineModel",
-           "load_machine_model", "Plan", "PlanError", "baseline_strategies", "evaluate_strategy", "plan"]
+__all__ = ["ModelGraph", "Node", "ShapeError", "build_graph", "DEFAULT_MACHINE", "Machine", "MachineError",
+           "load_machine", "Plan", "PlanError", "baseline_strategies", "evaluate_strategy", "plan"]

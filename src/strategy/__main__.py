@@ -1,4 +1,5 @@
-"""``python -m lbannpy.strategy CONFIG --ranks P [--machine M] [--memory GiB] [--write] [--explain] [--compare]``
+"""``python -m lbannpy.strategy CONFIG --ranks P [--machine M] [--memory GiB] [--write] [--explain]
+[--compare]``
 
 CONFIG is a YAML spec (``*.yaml``/``*.yml``) or a ``config.h5`` (read and written through
 :mod:`lbannpy.config`). ``--write`` stores the chosen split degrees in ``parallel.layers`` of CONFIG.
@@ -13,26 +14,35 @@ import sys
 import yaml
 
 from .graph import ShapeError
-from .machine_model import MachineError
+from ..machine import DEFAULT_MACHINE, MachineError, preset_names
 from .planner import PlanError, plan
 from .report import compare, explain, strategy_table
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lbannpy.strategy",
-                                description="Choose a per-layer parallel strategy (sample/channel/spatial splits) "
-                                            "from a cost model (Dryden et al. 2019; Jia et al. 2018).")
+                                description="Choose a per-layer parallel strategy (sample/channel/spatial "
+                                            "splits) from a cost model (Dryden et al. 2019; Jia et al. "
+                                            "2018).")
     p.add_argument("config", help="spec (.yaml) or config (.h5)")
     p.add_argument("--ranks", type=int, required=True, help="number of ranks (GPUs or processes)")
-    p.add_argument("--machine", default="p100",
-                   help="machine file (.yaml) or name: p100, lassen, h100 or src/machines/NAME.yaml (default p100)")
-    p.add_argument("--memory", type=float, default=None, help="memory per rank in GiB (default: the machine's)")
-    p.add_argument("--batch-size", type=int, default=None, help="mini-batch size (default: trainer.batch_size)")
-    p.add_argument("--search", default="auto", choices=("auto", "elimination", "shortest-path", "longest-path"))
-    p.add_argument("--time-budget", type=float, default=10.0, help="seconds for the search (best so far after)")
+    p.add_argument("--machine", default=DEFAULT_MACHINE,
+                   help=f"machine file (.yaml, e.g. from `python -m lbannpy.bench calibrate`) or preset "
+                        f"name: "
+                        f"{', '.join(preset_names())} (default {DEFAULT_MACHINE})")
+    p.add_argument("--memory", type=float, default=None,
+                   help="memory per rank in GiB (default: the machine's)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="mini-batch size (default: trainer.batch_size)")
+    p.add_argument("--search", default="auto",
+                   choices=("auto", "elimination", "shortest-path", "longest-path"))
+    p.add_argument("--time-budget", type=float, default=10.0,
+                   help="seconds for the search (best so far after)")
     p.add_argument("--max-candidates", type=int, default=12, help="candidates kept per layer (default 12)")
-    p.add_argument("--write", action="store_true", help="write the chosen splits into parallel.layers of CONFIG")
-    p.add_argument("--explain", action="store_true", help="per-layer costs and why candidates were dropped")
+    p.add_argument("--write", action="store_true",
+                   help="write the chosen splits into parallel.layers of CONFIG")
+    p.add_argument("--explain", action="store_true",
+                   help="per-layer costs and why candidates were dropped")
     p.add_argument("--compare", action="store_true",
                    help="step time of data-parallel, model-parallel, OWT and the chosen strategy")
     return p

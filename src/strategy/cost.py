@@ -35,7 +35,7 @@ from lbannpy.layers.registry import layer_spec
 
 from ..dist import Distribution, block_range
 from .graph import Node
-from .machine_model import Link, MachineModel
+from ..machine import Link, Machine as MachineModel, allgather_time, allreduce_time
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -83,31 +83,6 @@ def _group_span(dist: Distribution, dims: Sequence[str]) -> int:
         return 1
     first = min(idx)
     return math.prod(dist.split[first:])
-
-
-# --------------------------------------------------------------------------------------------------------
-# collectives (Thakur, Rabenseifner & Gropp 2005)
-
-
-def allreduce_time(nbytes_: float, p: int, link: Link, machine: MachineModel) -> float:
-    """Seconds to allreduce ``nbytes_`` bytes over ``p`` ranks: recursive doubling ``⌈log2 p⌉(α + nβ)`` below
-    the machine's threshold, ring ``2(p-1)α + 2(p-1)/p·nβ`` at or above it."""
-    if p <= 1 or nbytes_ <= 0:
-        return 0.0
-    link = machine.allreduce_link or link
-    algo = machine.allreduce_algorithm
-    if algo == "auto":
-        algo = "recursive_doubling" if nbytes_ < machine.allreduce_threshold_bytes else "ring"
-    if algo == "recursive_doubling":
-        return math.ceil(math.log2(p)) * (link.alpha_s + nbytes_ * link.beta_s_per_byte)
-    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes_ * link.beta_s_per_byte
-
-
-def allgather_time(nbytes_total: float, p: int, link: Link) -> float:
-    """Bruck allgather of ``nbytes_total`` bytes in all: ``⌈log2 p⌉α + (p-1)/p·nβ``."""
-    if p <= 1:
-        return 0.0
-    return math.ceil(math.log2(p)) * link.alpha_s + (p - 1) / p * nbytes_total * link.beta_s_per_byte
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -191,7 +166,7 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
     def kernel(fl: float, by: float) -> float:
         if fl == 0 and by == 0:
             return 0.0
-        return max(fl * machine.gamma_s_per_flop, by * machine.mem_s_per_byte) + machine.kernel_overhead_s
+        return machine.kernel_time(fl, by)
 
     fwd = kernel(flops, moved) * slow
     if spec.reduces_channels:

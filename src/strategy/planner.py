@@ -23,7 +23,7 @@ from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_widths, layer_cost, max_local_shape, redistribution_matrix,
                    redistribution_time, required_input)
 from .graph import INPUT_NAMES, ModelGraph, Node, build_graph
-from .machine_model import MachineModel, load_machine_model
+from ..machine import DEFAULT_MACHINE, Machine as MachineModel, load_machine as load_machine_model
 from .search import Problem, SearchResult, eliminate, longest_path_heuristic, shortest_path_chain
 
 GIB = 1024 ** 3
@@ -285,7 +285,8 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
 # the plan
 
 
-def plan(spec: Mapping[str, Any] | ModelGraph, ranks: int, machine: str | MachineModel | Mapping = "p100", *,
+def plan(spec: Mapping[str, Any] | ModelGraph, ranks: int,
+         machine: str | MachineModel | Mapping = DEFAULT_MACHINE, *,
          memory_gib: float | None = None, batch_size: int | None = None, search: str = "auto",
          time_budget_s: float = 10.0, max_candidates: int = 12, imbalance_tol: float = 0.25,
          compare: bool = True, heuristic: bool = False) -> Plan:

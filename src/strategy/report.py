@@ -16,21 +16,22 @@ def _ms(s: float) -> str:
 def strategy_table(plan: Plan) -> str:
     g = plan.graph
     c = plan.chosen
-    lines = [f"strategy for {g.name} (batch {g.batch_size}) on {plan.ranks} ranks, machine {plan.machine.name}, "
-             f"memory limit {plan.memory_limit_bytes / GIB:.2f} GiB, gradient sync by "
+    lines = [f"strategy for {g.name} (batch {g.batch_size}) on {plan.ranks} ranks, machine "
+             f"{plan.machine.name}, memory limit {plan.memory_limit_bytes / GIB:.2f} GiB, gradient sync by "
              f"{SYNC_NAMES[plan.machine.gradient_sync]}",
-             f"search: {plan.result.method}, {len(g)} layers, {sum(len(v) for v in plan.candidates.values())} "
-             f"candidates, {plan.result.final_nodes} layers left after eliminations; tables "
+             f"search: {plan.result.method}, {len(g)} layers, "
+             f"{sum(len(v) for v in plan.candidates.values())} candidates, {plan.result.final_nodes} layers "
+             f"left after eliminations; tables "
              f"{plan.table_seconds:.3f} s, search {plan.search_seconds:.3f} s",
              f"{'layer':28s} {'type':10s} {'distribution':14s} {'compute ms':>10s} {'comm ms':>9s} "
              f"{'t_X in ms':>9s} {'mem MiB':>9s}"]
     for node in g:
         lc = c.layer[node.name]
-        lines.append(f"{node.name:28s} {node.type:10s} {str(c.dists[node.name]):14s} {_ms(lc.compute_s):>10s} "
-                     f"{_ms(lc.comm_s):>9s} {_ms(c.transfer_in[node.name]):>9s} "
+        lines.append(f"{node.name:28s} {node.type:10s} {str(c.dists[node.name]):14s} "
+                     f"{_ms(lc.compute_s):>10s} {_ms(lc.comm_s):>9s} {_ms(c.transfer_in[node.name]):>9s} "
                      f"{lc.mem_persistent_bytes / 2 ** 20:9.1f}")
-    lines.append(f"predicted step: {c.step_s * 1e3:.3f} ms (compute {c.compute_s * 1e3:.3f} ms, communication "
-                 f"{c.comm_s * 1e3:.3f} ms), memory {c.memory_bytes / GIB:.2f} GiB per rank")
+    lines.append(f"predicted step: {c.step_s * 1e3:.3f} ms (compute {c.compute_s * 1e3:.3f} ms, "
+                 f"communication {c.comm_s * 1e3:.3f} ms), memory {c.memory_bytes / GIB:.2f} GiB per rank")
     lines += [f"note: {m}" for m in plan.messages]
     return "\n".join(lines)
 
@@ -51,8 +52,8 @@ def explain(plan: Plan, max_dropped: int = 8) -> str:
                    f"({SYNC_NAMES[plan.machine.gradient_sync]} over {copies} "
                    f"rank{'' if copies == 1 else 's'} per weight block), "
                    f"redistribution in {c.transfer_in[node.name] * 1e3:.3f} ms; memory "
-                   f"{lc.mem_persistent_bytes / 2 ** 20:.1f} MiB kept + {lc.mem_transient_bytes / 2 ** 20:.1f} MiB "
-                   f"transient")
+                   f"{lc.mem_persistent_bytes / 2 ** 20:.1f} MiB kept + "
+                   f"{lc.mem_transient_bytes / 2 ** 20:.1f} MiB transient")
         others = [f"{k.dist} {k.cost.total_s * 1e3:.3f} ms"
                   + (f" (t_S {k.cost.t_s * 1e3:.3f})" if k.cost.t_s else "")
                   for k in plan.candidates[node.name] if k.dist != d]
