@@ -60,7 +60,9 @@ def auto_strategy(cfg: dict, world, batch_size: int) -> dict:
 
     Who calls: every rank (a broadcast)."""
     par = cfg["parallel"]
-    machine = par.get("machine") or "lassen"
+    from lbannpy.machine import DEFAULT_MACHINE
+
+    machine = par.get("machine") or DEFAULT_MACHINE
     layers, err = None, None
     if world.rank == 0:
         from lbannpy.strategy.planner import PlanError, plan
