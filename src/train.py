@@ -308,20 +308,17 @@ class Trainer:
     def _resume(self) -> None:
         from lbannpy import checkpoint
 
-        path, data = checkpoint.load_newest(self.ckpt_dir)
+        # collective: parameters, optimizer state and layer state, each rank reading its own hyperslabs
+        path, data = checkpoint.resume(self.world, self.ckpt_dir, self.model.params, self.optimizer,
+                                       self.model.layers, self.rt.xp)
         if path is None:
             raise UserError(f"--resume: no checkpoint in {self.ckpt_dir}/ (checkpoint.dir); run without "
                             f"--resume to start from scratch")
-        checkpoint.restore(data, self.model.params, self.optimizer, self.rt.xp)
         self.step = data["step"]
         meta = data["meta"]
         self.reader.load_state(meta["reader"])
         self.rows = meta.get("rows", [])
         self.evals = meta.get("evals", [])
-        for layer in self.model.layers:  # running statistics and step counters that live in layers
-            st = meta.get("layers", {}).get(layer.name)
-            if st:
-                layer.load_state(st)
         self.resumed_from = path
 
     # -- one step --------------------------------------------------------------------------------------
@@ -479,13 +476,10 @@ class Trainer:
 
         self.flush_replicated()
         self.watchdog.progress("checkpoint")
-        meta = {"reader": self.reader.state(), "rows": self.rows, "evals": self.evals,
-                "layers": {}}
-        for layer in self.model.layers:  # collective: every rank walks the layers in the same order
-            st = layer.state()
-            if st:
-                meta["layers"][layer.name] = st
-        checkpoint.save(self.world, self.ckpt_dir, self.step, self.model.params, self.optimizer, meta)
+        meta = {"reader": self.reader.state(), "rows": self.rows, "evals": self.evals}
+        # collective: each unique block of the parameters, optimizer and layer state written once
+        checkpoint.save(self.world, self.ckpt_dir, self.step, self.model.params, self.optimizer, meta,
+                        self.model.layers)
 
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
         world = self.world
