@@ -51,6 +51,7 @@ _V1_NAME = re.compile(r"ckpt-(\d{8})\.h5$")
 _V2_NAME = re.compile(r"ckpt-(\d{8})$")
 _MAX_NDIM = 8
 _MAX_ELEMENTS = 1 << 40  # refuses absurd shapes read from a damaged index before allocating anything
+_MAX_BLOCKS = 1 << 24  # blocks of one tensor in an index (one per writing rank at most)
 
 Box = tuple
 
@@ -100,6 +101,13 @@ def param_pieces(params, optimizer, rank: int) -> list[Piece]:
     return out
 
 
+def rank_pieces(params, optimizer, layers, rank: int) -> list[Piece]:
+    """Every piece rank ``rank`` holds in a checkpoint (parameters, optimizer slots, layer state tensors),
+    from a model built for that rank (e.g. against a recording communicator of any size). Not
+    collective; the input of :func:`save_plan` and :func:`restore_plan`."""
+    return param_pieces(params, optimizer, rank) + [pc for pc, _ in _layer_state(layers)[1]]
+
+
 @dataclass(frozen=True)
 class SavePlan:
     """What one rank does in a save: bytes it writes, bytes that move into it over the network or from
@@ -141,7 +149,7 @@ def restore_plan(index: dict, pieces: Sequence[Piece]) -> dict:
     ``{"reads": {key: [(shard, box), ...]}, "read_bytes": int, "index_bytes": int}``."""
     reads, total, ib = {}, 0, 0
     for pc in pieces:
-        gshape, boxes, shards = index[pc.key]
+        _, boxes, shards = index[pc.key]
         ib += boxes.nbytes + shards.nbytes
         rows = blocks_meeting(boxes, pc.box)
         lst = []
@@ -213,7 +221,7 @@ def _fsync_file(path: str) -> None:
 def parallel_hdf5(comm) -> bool:
     """Whether one shared file can be written with ``driver='mpio'``: h5py built with MPI and an MPI
     communicator underneath ``comm``."""
-    return bool(getattr(h5py.get_config(), "mpi", False)) and hasattr(comm, "_comm")
+    return bool(getattr(h5py.get_config(), "mpi", False)) and getattr(comm, "backend", "") == "mpi"
 
 
 def _box_slices(box: Box, origin=None) -> tuple:
@@ -261,6 +269,7 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
             index = _index_single(tmp, pieces) if single else _index_from_shards(tmp, [p for p, _ in pieces])
             _write_index(tmp, step, optimizer, meta, small, index, "single" if single else "shards",
                          comm.size)
+            _fsync_dir(tmp)  # the shard files' directory entries are durable before the rename
             if os.path.exists(final):  # an older complete checkpoint of the same step is replaced
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -306,8 +315,7 @@ def _write_single(comm, tmp: str, pieces) -> None:
     path = os.path.join(tmp, "data.h5")
     kw = {"driver": "mpio", "comm": comm._comm} if comm.size > 1 else {}
     with h5py.File(path, "w", **kw) as f:
-        dsets = [f.create_dataset(pc.key, shape=pc.global_shape, dtype=np.asarray(to_numpy(v)).dtype)
-                 for pc, v in pieces]
+        dsets = [f.create_dataset(pc.key, shape=pc.global_shape, dtype=np.dtype(v.dtype)) for pc, v in pieces]
         for ds, (pc, v) in zip(dsets, pieces):
             if pc.writer:
                 ds[_box_slices(pc.box)] = to_numpy(v)
@@ -344,7 +352,8 @@ def _index_from_shards(tmp: str, pieces: Sequence[Piece]) -> dict:
         shards = np.asarray([r for _, r in rows[key]], dtype=np.int64)
         vol = int(np.prod(boxes[:, :, 1] - boxes[:, :, 0], axis=1).sum())
         if vol != math.prod(gshape) or len({b.tobytes() for b in boxes}) != len(boxes):
-            raise CheckpointError(f"the blocks written of {key} (shape {gshape}) do not tile it: {len(boxes)} "
+            raise CheckpointError(f"the blocks written of {key} (shape {gshape}) do not tile it: "
+                                  f"{len(boxes)} "
                                   f"blocks of {vol} elements in all; a layer's block does not follow its "
                                   f"writer rule (checkpoint.is_writer)")
         index[key] = (gshape, boxes, shards)
@@ -428,7 +437,7 @@ class Checkpoint:
                 gshape = _check_shape(t.attrs["global_shape"], f"{ipath} tensor {key}")
                 bds, sds = t["boxes"], t["shards"]
                 n = sds.shape[0] if sds.ndim == 1 else -1
-                if n < 0 or bds.shape != (n, len(gshape), 2) or n > _MAX_ELEMENTS:
+                if n < 0 or bds.shape != (n, len(gshape), 2) or n > _MAX_BLOCKS:
                     raise CheckpointError(f"{ipath} tensor {key}: box table of shape {bds.shape} does not "
                                           f"match {n} blocks of a rank-{len(gshape)} tensor")
                 boxes = np.asarray(bds[()], dtype=np.int64)
@@ -442,7 +451,8 @@ class Checkpoint:
         self.layout = "v1"
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
-                raise CheckpointError(f"{path} is not an lbannpy checkpoint (format {f.attrs.get('format')!r})")
+                raise CheckpointError(f"{path} is not an lbannpy checkpoint "
+                                      f"(format {f.attrs.get('format')!r})")
             version = int(f.attrs.get("version", -1))
             if version != 1:
                 raise CheckpointError(f"{path} has checkpoint version {version}; this lbannpy reads 1 and "

@@ -55,7 +55,8 @@ def index_of(P, conv, fc, writer=is_writer) -> dict:
                 rows.setdefault(pc.key, (pc.global_shape, [], []))
                 rows[pc.key][1].append(pc.box)
                 rows[pc.key][2].append(r)
-    return {k: (g, np.asarray(b, dtype=np.int64), np.asarray(s, dtype=np.int64)) for k, (g, b, s) in rows.items()}
+    return {k: (g, np.asarray(b, dtype=np.int64), np.asarray(s, dtype=np.int64))
+            for k, (g, b, s) in rows.items()}
 
 
 def check_plan(P, conv, fc, P2, conv2, fc2, writer=is_writer):

@@ -92,6 +92,7 @@ def test_16_ranks_train_checkpoint_and_resume_on_8(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(os.environ.get("LBANNPY_CKPT_SCALE_64") != "1",
-                    reason="64 oversubscribed ranks take minutes on two cores; LBANNPY_CKPT_SCALE_64=1 runs it")
+                    reason="64 oversubscribed ranks take minutes on two cores; "
+                           "LBANNPY_CKPT_SCALE_64=1 runs it")
 def test_64_ranks_train_checkpoint_and_resume_on_32(tmp_path):
     run_scale(tmp_path, 64, {"n": 4, "h": 4, "w": 4}, 32, {"n": 2, "h": 4, "w": 4}, timeout=1500)
