@@ -274,7 +274,9 @@ class Layer:
 
     def load_state(self, state: dict) -> None:
         """Restore :meth:`state`, possibly written under another distribution or rank count: plain
-        numbers as written, tensors as :class:`lbannpy.checkpoint.StateReader` (``read(box)``)."""
+        numbers as written, tensors as :class:`lbannpy.checkpoint.StateReader` (``read(box)``). Called
+        first on a shallow copy of the layer (a dry run that must fail before anything changes), so it
+        assigns attributes rather than writing into existing arrays."""
 
     def fp_compute(self, xs: list) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -30,6 +30,7 @@ Version 1 checkpoints (one file ``ckpt-<step>.h5`` of global tensors) are still 
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import math
@@ -181,12 +182,16 @@ class StateReader:
         self.key = key
         self.global_shape = tuple(global_shape)
         self._read = read
+        self._cache: dict = {}
 
     def read(self, box: Box) -> np.ndarray:
+        box = tuple(tuple(int(v) for v in x) for x in box)
         for (a, e), s in zip(box, self.global_shape):
             if not 0 <= a <= e <= s:
                 raise CheckpointError(f"{self.key}: box {box} outside the written shape {self.global_shape}")
-        return self._read(self.key, tuple(tuple(x) for x in box))
+        if box not in self._cache:  # read once: the layer's dry run and its real load share the reads
+            self._cache[box] = self._read(self.key, box)
+        return self._cache[box].copy()
 
 
 def _layer_state(layers) -> tuple[dict, list[tuple[Piece, Any]]]:
@@ -560,8 +565,11 @@ def resume(comm, directory: str, params, optimizer, layers, xp) -> tuple[str | N
         try:
             ck = Checkpoint(path)
             staged = _stage(ck, params, optimizer, layers)
-            for layer in layers:  # the layer tensors' index entries are checked before anything changes
-                _layer_readers(ck, layer)
+            readers = [_layer_readers(ck, layer) for layer in layers]
+            for layer, st in zip(layers, readers):
+                # a dry run on a shallow copy reads (and caches) what the layer needs before anything changes
+                if st:
+                    copy.copy(layer).load_state(st)
         except (OSError, KeyError, ValueError, CheckpointError) as exc:
             err = f"rank {comm.rank}: {path}: {exc}"
         if comm.allreduce_obj(err is not None, op="or"):
@@ -574,7 +582,7 @@ def resume(comm, directory: str, params, optimizer, layers, xp) -> tuple[str | N
                       file=sys.stderr, flush=True)
             continue
         try:
-            _apply(ck, staged, params, optimizer, layers, xp)
+            _apply(staged, params, optimizer, layers, readers, xp)
         finally:
             ck.close()
         optimizer.t = ck.optimizer_steps
@@ -616,14 +624,13 @@ def _layer_readers(ck: Checkpoint, layer) -> dict:
     return st
 
 
-def _apply(ck, staged, params, optimizer, layers, xp) -> None:
+def _apply(staged, params, optimizer, layers, readers, xp) -> None:
     for p in params:
         p.value[...] = xp.asarray(staged["params"][p.name], dtype=p.value.dtype)
         st = optimizer.state[p.name]
         st.clear()
         for k, v in staged["optim"][p.name].items():
             st[k] = xp.asarray(v, dtype=p.value.dtype)
-    for layer in layers:  # layer state is small: read now, from the checkpoint every rank agreed on
-        st = _layer_readers(ck, layer)
+    for layer, st in zip(layers, readers):  # from the reads the dry run cached
         if st:
             layer.load_state(st)

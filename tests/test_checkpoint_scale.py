@@ -1,11 +1,11 @@
 """Past the core count: train, checkpoint and resume on half the ranks, oversubscribed on a small machine.
 
-A small segmentation model splits samples and space (``n·h·w``) over 16 ranks (default run) or 64 ranks
-(``LBANNPY_CKPT_SCALE_64=1``: minutes on two cores, so kept out of the default run), trains 3 steps,
-checkpoints, and resumes on half as many ranks with another layout for 3 more. Every step's loss equals a
-one-rank run of the same 6 steps (float64; batch norm synchronised over the batch so that the split does
-not change the math). Each rank's checkpoint write and read is its own blocks only (see
-tests/test_checkpoint.py for the per-rank byte counts).
+A small segmentation model splits samples and space (``n·h·w``, one layer its filters too) over 16
+ranks (default run) or 64 ranks (``LBANNPY_CKPT_SCALE_64=1``: over a minute on two cores, so kept out
+of the default run), trains 3 steps, checkpoints, and resumes on half as many ranks with another layout
+for 3 more. Every step's loss equals a one-rank run of the same 6 steps (float64; batch norm
+synchronised over the batch so that the split does not change the math). Each rank's checkpoint write
+and read is its own blocks only (see tests/test_checkpoint.py for the per-rank byte counts).
 """
 from __future__ import annotations
 
@@ -64,20 +64,22 @@ def losses(d, tag):
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
 
 
-def run_scale(d, ranks, split, ranks2, split2, timeout):
+def run_scale(d, ranks, split, ranks2, split2, writers, timeout):
     sh([PY, "-m", "lbannpy.data", "mesh", "--size", "32", "--samples", "24", "-o", d / "mesh.h5", "-q"], 120)
     sh([MPIEXEC, "-n", 1, PY, "-m", "lbannpy.train", config(d, "ref", 6, {}), "--quiet"], timeout)
     t_train = sh([MPIEXEC, "-n", ranks, PY, "-m", "lbannpy.train",
-                  config(d, "big", 3, {"default": split}), "--quiet"], timeout)
+                  config(d, "big", 3, split), "--quiet"], timeout)
     path = checkpoint.candidates(str(d / "big" / "ckpt"))[0]
     shards = sorted(f for f in os.listdir(path) if f.startswith("shard-"))
     t_resume = sh([MPIEXEC, "-n", ranks2, PY, "-m", "lbannpy.train",
-                   config(d, "big", 6, {"default": split2}), "--quiet", "--resume"], timeout)
+                   config(d, "big", 6, split2), "--quiet", "--resume"], timeout)
     want, got = losses(d, "ref"), losses(d, "big")
     print(f"\n{ranks} ranks {split}: 3 steps + checkpoint in {t_train:.1f} s ({len(shards)} shard files: "
           f"{', '.join(shards)}); resumed on {ranks2} ranks {split2} for 3 more in {t_resume:.1f} s")
     for (s, a), (_, b) in zip(got, want):
         print(f"  step {s}: loss {a:.15f}  one rank {b:.15f}  |diff| {abs(a - b):.1e}")
+    # one writer per distinct block: replicated weights by rank 0, each filter block of c2 by its first rank
+    assert len(shards) == writers, shards
     assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, 7))
     for (s, a), (_, b) in zip(got, want):
         assert abs(a - b) <= 1e-10 * max(1.0, abs(b)), f"step {s}: {a} vs one rank {b}"
@@ -86,7 +88,9 @@ def run_scale(d, ranks, split, ranks2, split2, timeout):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_16_ranks_train_checkpoint_and_resume_on_8(tmp_path):
-    run_scale(tmp_path, 16, {"n": 2, "h": 2, "w": 4}, 8, {"n": 2, "h": 4}, timeout=400)
+    run_scale(tmp_path, 16, {"default": {"n": 2, "h": 2, "w": 4},
+                             "layers": {"c2": {"n": 2, "c": 2, "h": 2, "w": 2}}},
+              8, {"default": {"n": 2, "h": 4}}, writers=2, timeout=400)
 
 
 @pytest.mark.slow
@@ -95,4 +99,6 @@ def test_16_ranks_train_checkpoint_and_resume_on_8(tmp_path):
                     reason="64 oversubscribed ranks take minutes on two cores; "
                            "LBANNPY_CKPT_SCALE_64=1 runs it")
 def test_64_ranks_train_checkpoint_and_resume_on_32(tmp_path):
-    run_scale(tmp_path, 64, {"n": 4, "h": 4, "w": 4}, 32, {"n": 2, "h": 4, "w": 4}, timeout=1500)
+    run_scale(tmp_path, 64, {"default": {"n": 4, "h": 4, "w": 4},
+                             "layers": {"c2": {"n": 4, "c": 4, "h": 2, "w": 2}}},
+              32, {"default": {"n": 2, "h": 4, "w": 4}}, writers=4, timeout=1500)

@@ -138,3 +138,33 @@ def test_one_writer_per_block_and_byte_equal_restore_on_every_smaller_count(comm
         comm.barrier()
         if comm.rank == 0:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_on_every_rank(comm):
+    """A shard of the newest checkpoint lost (or the one data file truncated): the ranks that need it
+    fail to read it, every rank agrees, and all restore the previous checkpoint."""
+    P = comm.size
+    ref = reference()
+    d = comm.bcast_obj(tempfile.mkdtemp(prefix="lbannpy-ck-") if comm.rank == 0 else None)
+    try:
+        dist = layout(P)
+        with collective_check(comm, "save"):
+            for step, scale in ((1, 1.0), (2, 2.0)):
+                params, opt, layers = model(dist, comm.rank, {k: v * scale for k, v in ref.items()})
+                newest = checkpoint.save(comm, d, step, params, opt, {}, layers)
+        if comm.rank == 0:
+            victim = sorted(f for f in os.listdir(newest) if f != "index.h5")[-1]
+            with open(os.path.join(newest, victim), "r+b") as f:
+                f.truncate(100)
+        comm.barrier()
+        with collective_check(comm, "resume"):
+            params2, opt2, layers2 = model(dist, comm.rank)
+            path, info = checkpoint.resume(comm, d, params2, opt2, layers2, np)
+            assert info["step"] == 1 and path.endswith("ckpt-00000001")
+            want = ref["w"][tuple(slice(a, e) for a, e in params2[0].box)]
+            assert params2[0].value.tobytes() == want.tobytes()
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
