@@ -61,6 +61,16 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def assemble(comm, global_shape, box, local) -> np.ndarray:
+    """Collective over ``comm``: the global tensor from every rank's (box, piece), on every rank. For tests
+    and small tools only (it moves every piece to every rank); checkpoints never call it."""
+    pieces = comm.allgather_obj((box, to_numpy(local)))
+    out = np.zeros(global_shape, dtype=np.float64)
+    for b, arr in pieces:
+        out[tuple(slice(a, e) for a, e in b)] = arr
+    return out
+
+
 # -- pieces and the pure plan -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Piece:
