@@ -340,12 +340,16 @@ class Layer:
         return dx
 
     def state(self) -> dict:
-        """Collective over the world: non-parameter state (running statistics, counters) in a
-        distribution-independent form of plain numbers and lists, for checkpoints."""
+        """Not collective: non-parameter state (running statistics, counters) for checkpoints, name ->
+        a plain number (the same on every rank; rank 0's is kept) or a
+        :class:`lbannpy.checkpoint.StateTensor` (this rank's block of a tensor, its writer marked)."""
         return {}
 
     def load_state(self, state: dict) -> None:
-        """Restore :meth:`state`, possibly written under another distribution or rank count."""
+        """Restore :meth:`state`, possibly written under another distribution or rank count: plain
+        numbers as written, tensors as :class:`lbannpy.checkpoint.StateReader` (``read(box)``). Called
+        first on a shallow copy of the layer (a dry run that must fail before anything changes), so it
+        assigns attributes rather than writing into existing arrays."""
 
     def fp_compute(self, xs: list) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

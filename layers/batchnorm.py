@@ -63,16 +63,37 @@ class BatchNorm(Layer):
         self.running_var = xp.ones(cbox[1] - cbox[0])
 
     def state(self) -> dict:
-        from lbannpy.checkpoint import assemble
+        """Not collective: the running statistics as tensors of shape (groups, C), one row per group of
+        ranks that share them (a sample block of the ``n`` split under ``sync: group``, one row under
+        ``sync: global``); replica 0 of the first rank of each (group, channel block) writes it."""
+        from lbannpy.checkpoint import StateTensor, is_writer
 
-        c = self.in_shapes[0][1]
-        return {k: assemble(self.ctx.comm, (c,), (self.cbox,), getattr(self, k)).tolist()
+        dist, rank = self.out_dist, self.ctx.rank
+        groups = dist.degree("n") if self.sync == "group" else 1
+        g = dist.coords(rank)[0] if self.sync == "group" else 0
+        shape = (groups, self.in_shapes[0][1])
+        box = ((g, g + 1), self.cbox)
+        writer = is_writer(dist, self.stat_dims, rank)
+        return {k: StateTensor(shape, box, getattr(self, k).reshape(1, -1), writer)
                 for k in ("running_mean", "running_var")}
 
     def load_state(self, state: dict) -> None:
-        a, b = self.cbox
+        """Each sample group gets its own statistics back when the checkpoint has as many groups as this
+        run; when the number of groups changed (another ``n`` split or ``sync``) every rank gets the
+        average over the written groups (of the means and of the variances), its channel block only."""
+        groups = self.out_dist.degree("n") if self.sync == "group" else 1
+        g = self.out_dist.coords(self.ctx.rank)[0] if self.sync == "group" else 0
         for k in ("running_mean", "running_var"):
-            setattr(self, k, self.ctx.xp.asarray(np.asarray(state[k], dtype=np.float64)[a:b]))
+            rd = state[k]
+            written, c = rd.global_shape
+            if c != self.in_shapes[0][1]:
+                raise LayerError(f"layer '{self.name}' (batchnorm): checkpoint {k} has {c} channels, the "
+                                 f"model {self.in_shapes[0][1]}")
+            if written == groups:
+                vals = rd.read(((g, g + 1), self.cbox))[0]
+            else:
+                vals = rd.read(((0, written), self.cbox)).mean(axis=0)
+            setattr(self, k, self.ctx.xp.asarray(np.ascontiguousarray(vals), dtype=np.float64))
 
     def fp_compute(self, xs):
         (x,) = xs

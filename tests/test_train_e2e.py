@@ -99,12 +99,10 @@ def train(ranks: int, config, *extra, timeout=240, check=True):
 
 
 def final_params(ckpt_dir) -> dict:
-    files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".h5"))
-    out = {}
-    with h5py.File(os.path.join(ckpt_dir, files[-1]), "r") as f:
-        for name, ds in f["params"].items():
-            out[name] = ds[()]
-    return out
+    from lbannpy import checkpoint
+
+    _, data = checkpoint.load_newest(str(ckpt_dir))
+    return {k[len("params/"):]: v for k, v in data["tensors"].items() if k.startswith("params/")}
 
 
 def assert_same_weights(a: dict, b: dict, rtol: float, what: str):
@@ -193,7 +191,8 @@ def test_interrupted_checkpoint_write_is_never_newest(work, tmp_path):
     ck = work / "ck" / "ckpt"
     good = checkpoint.candidates(str(ck))[0]
     # a write killed half-way leaves only the temporary name behind: it is never picked
-    (ck / "ckpt-00000099.h5.tmp").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    (ck / "ckpt-00000099.tmp").mkdir()
+    (ck / "ckpt-00000099.tmp" / "index.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
     assert checkpoint.candidates(str(ck))[0] == good
     path, data = checkpoint.load_newest(str(ck))
     assert path == good and data["step"] == 2

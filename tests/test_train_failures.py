@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
+from lbannpy import checkpoint
+
 MPIEXEC = shutil.which("mpiexec")
 PY = sys.executable
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -145,9 +147,9 @@ def _start_long_run(files, tmp_path, name: str, watchdog_s: float, every_steps: 
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list((tmp_path / "ck").glob("ckpt-*.h5"))) < checkpoints:
+        while time.monotonic() < deadline and len(checkpoint.candidates(str(tmp_path / "ck"))) < checkpoints:
             time.sleep(0.2)
-        assert len(list((tmp_path / "ck").glob("ckpt-*.h5"))) >= checkpoints, "no checkpoints were written"
+        assert len(checkpoint.candidates(str(tmp_path / "ck"))) >= checkpoints, "no checkpoints were written"
         pids = subprocess.run(["pgrep", "-f", f"lbannpy.train {cfg}"], capture_output=True,
                               text=True).stdout.split()
         ranks = sorted(int(p) for p in pids if int(p) != job.pid)

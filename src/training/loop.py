@@ -56,8 +56,8 @@ class Trainer:
             os.makedirs(s.out_dir, exist_ok=True)
 
     def _resume(self) -> None:
-        path, data = ckpt.load_newest(self.settings.ckpt_dir)
-        self.step, meta = ckpt.restore(data, self.model, self.optimizer, self.reader, self.rt.xp)
+        path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
+                                            self.reader, self.rt.xp)
         self.report.restore(meta)
         self.resumed_from = path
 
