@@ -690,8 +690,8 @@ class DeviceUploader:
     without blocking the host, after the compute stream is done with the memory it lands in (the copy
     stream waits on an event of the compute stream). The compute stream waits on the copy's event when the
     batch is handed out, so the first kernel that reads it is ordered after its copy and nothing
-    blocks the host. Two staging buffers alternate; before one is refilled the host waits on the event
-    of the copy that read it, issued a whole step earlier (complete by then on any GPU that keeps up).
+    blocks the host. Two staging buffers alternate; one is refilled once the copy that read it a step
+    earlier is done (asked without blocking; a fresh buffer otherwise).
 
     Labels are range-checked on the host before the upload (``num_classes``): a check on the device would
     stall every step.
@@ -710,6 +710,7 @@ class DeviceUploader:
         self._staging: list[dict] = [{}, {}]   # per slot: name -> (pinned host array, copy-done event)
         self._slot = 0
         self._ahead = None                     # (Batch with device arrays, copy-done event)
+        self._retired: list = []               # (pinned array, event) still read by a copy
 
     def __getattr__(self, name):
         if name == "reader":  # not set yet (during __init__ or unpickling): no recursion
@@ -717,13 +718,16 @@ class DeviceUploader:
         return getattr(self.reader, name)
 
     def _pinned(self, slot: dict, name: str, shape, dtype):
-        """The staging array ``name`` of a slot, reused while the shape fits; waits for its last copy."""
+        """The staging array ``name`` of a slot, reused when its last copy (issued a step ago) is done and
+        the shape fits. The host never waits: a buffer still being read is retired (kept alive until its
+        copy is done, asked without blocking) and a fresh one is used."""
+        self._retired = [(a, e) for a, e in self._retired if not e.done]
         have = slot.get(name)
         if have is not None:
             arr, done = have
-            if done is not None:
-                done.synchronize()  # the copy issued from this buffer one step ago
-            if arr.shape == tuple(shape) and arr.dtype == dtype:
+            if done is not None and not done.done:
+                self._retired.append((arr, done))
+            elif arr.shape == tuple(shape) and arr.dtype == dtype:
                 return arr
         nbytes = max(int(math.prod(shape)) * dtype.itemsize, 1)
         mem = self.xp.cuda.alloc_pinned_memory(nbytes)  # as cupyx.empty_pinned does
