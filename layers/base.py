@@ -7,6 +7,12 @@ and a :class:`LayerContext`; they never import MPI. A layer that is inherently c
 statistics, a model-parallel fully-connected layer) uses one explicit collective on a group communicator
 that the context hands out.
 
+Stencil layers (a window over space: conv, pool) use the template's halo part: ``plan_halo`` in ``setup``,
+``halo_forward`` (the exchange in flight while the interior of the output block is computed, then the
+boundary) and ``halo_backward`` (the accumulation in flight while e.g. the weight gradient is computed).
+A layer type's declaration (keys and defaults, arity, splits, shape inference) is its ``spec``, registered
+beside the class (:mod:`lbannpy.layers.registry`).
+
 Weight gradients are *local partial sums*; each :class:`Param` names the group over which they must be
 summed, and the trainer's gradient synchronisation does that (never the layer).
 """
@@ -20,9 +26,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lbannpy.dist import Box, Distribution, DistributionError, box_shape, shape_str
-from lbannpy.shuffle import ShufflePlan
+from lbannpy.dist import Box, Distribution, DistributionError, Stencil, box_shape, box_size, shape_str
+from lbannpy.shuffle import shuffle_plan
 from lbannpy.tensor import DistTensor
+
+from .kernels._buffers import Scratch
 
 
 class LayerError(ValueError):
@@ -94,7 +102,7 @@ class LayerContext:
         self.timer = timer or Timer()
         self._groups: dict = {}
         self._tags = 100
-        self._workspace: dict = {}
+        self._workspace = Scratch(xp)
 
     @property
     def rank(self) -> int:
@@ -127,13 +135,7 @@ class LayerContext:
         forward or backward (e.g. a convolution's window gradient until its halo accumulation ends); one
         buffer per slot, shared by every layer, grown to the largest request. A fresh array of that size
         on every call costs a page fault per page, which on a large image costs as much as the arithmetic."""
-        dtype = np.dtype(dtype)
-        need = math.prod(shape) * dtype.itemsize
-        buf = self._workspace.get(slot)
-        if buf is None or buf.nbytes < need:
-            buf = self._workspace[slot] = None  # drop the smaller buffer before allocating the larger
-            buf = self._workspace[slot] = self.xp.empty(need, dtype=np.uint8)
-        return buf[:need].view(dtype).reshape(tuple(shape))
+        return self._workspace.get(slot, shape, dtype)
 
     def new_tag(self, count: int = 1) -> int:
         """Message tags for a layer's halo plans (identical on all ranks: layers are set up in order)."""
@@ -173,6 +175,9 @@ class Layer:
     ``bp_compute`` (plus ``params`` when trainable)."""
 
     type = "layer"
+    #: the type's declaration (:class:`lbannpy.layers.registry.LayerSpec`), set with ``type``,
+    #: ``splittable`` and ``arity`` by ``@register(spec)``
+    spec = None
     #: tensor dimensions a layer of this type may split (Jia et al., Table 1)
     splittable = ("n", "c", "d", "h", "w")
     #: number of inputs (None: any number >= 1)
@@ -180,7 +185,8 @@ class Layer:
 
     def __init__(self, name: str, **params):
         self.name = name
-        self.hparams = params
+        # the declared defaults filled in once here, so that ``setup`` reads ``hparams[key]`` and repeats none
+        self.hparams = self.spec.resolve(params) if self.spec is not None else params
         self.params: list[Param] = []
         self.ctx: LayerContext | None = None
         self.in_shapes: list[tuple] = []
@@ -229,7 +235,8 @@ class Layer:
         for s, src, dst in zip(self.in_shapes, parent_dists, self.in_dists):
             same = src == dst or (src.ranks == dst.ranks and all(
                 src.box(s, r) == dst.box(s, r) for r in range(src.ranks)))
-            self._in_plans.append(None if same else ShufflePlan(src, dst, s, ctx.rank))
+            # from the cache that also serves the reverse plans (src/shuffle.py): one plan per layout pair
+            self._in_plans.append(None if same else shuffle_plan(src, dst, s, ctx.rank))
 
     @staticmethod
     def dist_dims(dist: Distribution) -> list[str]:
@@ -262,15 +269,13 @@ class Layer:
     # -- the fixed template ----------------------------------------------------------------------------
     def forward(self, inputs: Sequence[DistTensor]) -> DistTensor:
         ctx = self.ctx
-        xs = []
-        for i, x in enumerate(inputs):
-            plan = self._in_plans[i]
-            if plan is None:
-                xs.append(x.local)
-            else:
-                t0 = ctx.timer.now()
-                xs.append(plan.start(ctx.comm, x.local).wait())
-                ctx.timer.add((self.name, "shuffle"), t0, ctx.timer.now(), "comm")
+        # every redistribution is posted before any is waited for, so those of several inputs overlap
+        t0 = ctx.timer.now()
+        moving = [None if plan is None else plan.start(ctx.comm, x.local)
+                  for plan, x in zip(self._in_plans, inputs)]
+        xs = [x.local if h is None else h.wait() for h, x in zip(moving, inputs)]
+        if any(h is not None for h in moving):
+            ctx.timer.add((self.name, "shuffle"), t0, ctx.timer.now(), "comm")
         t0 = ctx.timer.now()
         y = self.fp_compute(xs)
         ctx.timer.add((self.name, "fp"), t0, ctx.timer.now())
@@ -281,20 +286,88 @@ class Layer:
         t0 = ctx.timer.now()
         dxs = self.bp_compute(dy.local)
         ctx.timer.add((self.name, "bp"), t0, ctx.timer.now())
+        # the reverse redistributions of all inputs are posted before any is waited for (the parents'
+        # backward needs every one of them, so none can be left in flight past this call)
+        t0 = ctx.timer.now()
+        backs = [None if dx is None or plan is None else plan.reverse()
+                 for plan, dx in zip(self._in_plans, dxs)]
+        moving = [None if b is None else b.start(ctx.comm, dx) for b, dx in zip(backs, dxs)]
         out = []
-        for i, dx in enumerate(dxs):
-            plan = self._in_plans[i]
+        for i, (dx, back, h) in enumerate(zip(dxs, backs, moving)):
             if dx is None:  # not wanted (needs_input_grad) and not computed
                 out.append(None)
-            elif plan is None:  # the parent's layout, as the parent gave it
+            elif h is None:  # the parent's layout, as the parent gave it
                 out.append(DistTensor(dx, self.in_shapes[i], self._parent_dists[i], ctx.rank))
             else:
-                t0 = ctx.timer.now()
-                back = plan.reverse()
-                out.append(DistTensor(back.start(ctx.comm, dx).wait(), self.in_shapes[i], back.dst_dist,
-                                      ctx.rank))
-                ctx.timer.add((self.name, "shuffle_bp"), t0, ctx.timer.now(), "comm")
+                out.append(DistTensor(h.wait(), self.in_shapes[i], back.dst_dist, ctx.rank))
+        if any(h is not None for h in moving):
+            ctx.timer.add((self.name, "shuffle_bp"), t0, ctx.timer.now(), "comm")
         return out
+
+    # -- stencil layers (a window over space: conv, pool) ----------------------------------------------
+    def plan_halo(self, in_dist: Distribution, in_shape: tuple, stencil: Stencil) -> None:
+        """Called from ``setup`` of a stencil layer: the halo plan of its input window (``self.halo``)."""
+        from lbannpy.halo import HaloPlan  # the halo module is only needed by stencil layers
+
+        self.halo = HaloPlan(in_dist, in_shape, stencil, self.ctx.rank, tag=self.ctx.new_tag(2))
+
+    def halo_forward(self, x, compute, window_out=None, prepare=None):
+        """Collective over the spatial group: the forward of a stencil layer on its local input ``x``.
+
+        Starts the halo exchange of ``self.halo`` (into ``window_out`` when given) and calls
+        ``prepare(window)`` (e.g. to fill padding) while it is in flight; then ``compute(window_piece,
+        y_piece, index)`` (``y_piece`` is ``y[index]``, to be written) on the interior of the output block
+        (computable from owned input and padding alone), still while it is in flight; waits; and computes
+        the boundary pieces from the received window. Without an interior (a block thinner than the stencil)
+        it waits and calls ``compute(window, None, None)``, which returns the whole output.
+        ``LayerContext.overlap = False`` computes the same pieces after the wait, so turning overlap off
+        changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size).
+        Returns ``(window, y)``.
+        """
+        ctx, plan = self.ctx, self.halo
+        t0 = ctx.timer.now()
+        exchange = plan.start(ctx.comm, x, out=window_out)
+        window = exchange.window
+        if prepare is not None:
+            prepare(window)
+        split = box_size(plan.interior_box) > 0
+        if split:
+            y = ctx.xp.empty(self.out_dist.local_shape(self.out_shape, ctx.rank), dtype=x.dtype)
+
+        def out(sl):  # the plan's output slices cover the input's channels in dim 1; the output's may differ
+            return (sl[0], slice(None)) + tuple(sl[2:])
+
+        def interior():
+            sl = out(plan.interior_slices)
+            compute(window[plan.interior_window_slices], y[sl], sl)
+        if split and ctx.overlap:
+            interior()
+        t1 = ctx.timer.now()
+        exchange.wait()
+        t2 = ctx.timer.now()
+        if split:
+            if not ctx.overlap:
+                interior()
+            for osl, wsl in zip(plan.boundary_slices, plan.boundary_window_slices):
+                compute(window[wsl], y[out(osl)], out(osl))
+        else:
+            y = compute(window, None)
+        ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
+        if ctx.timer.events is not None:
+            ctx.timer.add((self.name, "interior"), t0, t1)
+        return window, y
+
+    def halo_backward(self, dwindow, during=None):
+        """Collective over the spatial group: the input gradient of a stencil layer from the gradient of its
+        window. The halo accumulation (ghost contributions sent back to their owners and added) is in flight
+        while ``during()`` runs (e.g. the weight gradient); overlap off runs it after the wait."""
+        acc = self.halo.accumulate_start(self.ctx.comm, dwindow)
+        if during is not None and self.ctx.overlap:
+            during()
+        dx = acc.wait()
+        if during is not None and not self.ctx.overlap:
+            during()
+        return dx
 
     def state(self) -> dict:
         """Collective over the world: non-parameter state (running statistics, counters) in a

@@ -12,22 +12,40 @@ import math
 
 import numpy as np
 
-from lbannpy.dist import Distribution
+from lbannpy.config.schema import Float, Key, Str
+from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, register
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    x = lay.x
+    if len(x) < 2:
+        raise ShapeError(f"layer {lay.name!r}: batchnorm needs (N, C, ...) input, got {shape_str(x)}")
+    # statistics (2), normalise (2), scale-shift (1) per element; a scale and a shift per channel
+    return Inferred(x, 5 * math.prod(x), 2 * x[1])
+
+
+SPEC = LayerSpec("batchnorm", "batch normalization over samples and spatial dimensions, per channel", (
+    Key("eps", Float(0.0, lo_open=True), 1e-5, "added to the variance"),
+    Key("momentum", Float(0.0, 1.0), 0.1, "weight of the new batch in the running statistics"),
+    Key("sync", Str(("group", "global")), "group",
+        "statistics over the ranks holding one sample (group) or over all ranks (global)")),
+    _infer, weights_split=True, spatial_statistics=True, pointwise=True, order=30)
+
+
+@register(SPEC)
 class BatchNorm(Layer):
-    type = "batchnorm"
 
     def setup(self, dist: Distribution) -> None:
         super().setup(dist)
         (in_shape,) = self.in_shapes
         hp = self.hparams
-        self.eps = float(hp.get("eps", 1e-5))
-        self.momentum = float(hp.get("momentum", 0.1))
-        self.sync = hp.get("sync", "group")
+        self.eps = float(hp["eps"])
+        self.momentum = float(hp["momentum"])
+        self.sync = hp["sync"]
         if self.sync not in ("group", "global"):
             raise LayerError(f"layer '{self.name}' (batchnorm): sync must be 'group' or 'global', "
                              f"got {self.sync!r}")

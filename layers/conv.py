@@ -10,7 +10,7 @@ Distributions
   computes its own slice of filters; the input gradient is a partial sum over filters, summed by one
   allreduce over the ``c`` group.
 
-Overlap
+Overlap (the stencil template of :class:`~lbannpy.layers.base.Layer`, shared with pooling)
 -------
 Forward: the halo exchange is started, the interior of the output block (computable from owned input
 alone) is computed while it is in flight, then the boundary from the received window.
@@ -23,19 +23,45 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from lbannpy.dist import Distribution, Stencil, box_size, relative_slices
-from lbannpy.halo import HaloPlan
+from lbannpy.config.schema import REQUIRED, Bool, Key, Padding, PerDim, Int
+from lbannpy.dist import Distribution, Stencil
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    needs_image(lay, "move the layer before the fully-connected layers")
+    x, p = lay.x, lay.params
+    filters = int_param(lay, "filters")
+    st = window_stencil(lay, x, int_param(lay, "kernel"), int_param(lay, "stride"), p["padding"],
+                        int_param(lay, "dilation"))
+    out = (x[0], filters) + st.output_shape(x)[2:]
+    ksize = math.prod(w.kernel for w in st.dims[2:])
+    n_params = filters * x[1] * ksize + (filters if p["bias"] else 0)
+    return Inferred(out, 2 * math.prod(out) * x[1] * ksize, n_params, st)
+
+
+def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
+    # every input channel for this rank's filters: the input's c grid axis is replicated over the filter split
+    return Distribution(dist.split, dist.ranks, (1,) if dist.split[1] > 1 else ())
+
+
+_POS = Int(1)
+SPEC = LayerSpec(
+    "conv", "N-d convolution (cross-correlation) over the spatial dimensions", (
+        Key("filters", _POS, REQUIRED, "output channels"),
+        Key("kernel", PerDim(_POS), 3, "kernel size"),
+        Key("stride", PerDim(_POS), 1, "stride"),
+        Key("padding", Padding(), 0, "zero padding on each side"),
+        Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
+        Key("bias", Bool(), True, "learn an additive bias")),
+    _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=10)
+
+
+@register(SPEC)
 class Conv(Layer):
-    type = "conv"
-    splittable = ("n", "c", "d", "h", "w")
-
     def setup(self, dist: Distribution) -> None:
         hp = self.hparams
         (in_shape,) = self.in_shapes
@@ -44,9 +70,8 @@ class Conv(Layer):
             raise LayerError(f"layer '{self.name}' (conv) needs an (n, c, [d,] h, w) input, got shape "
                              f"{in_shape}; put it before any fully-connected layer")
         self.filters = int(hp["filters"])
-        self.stencil = Stencil.conv(ndim, hp.get("kernel", 3), hp.get("stride", 1), hp.get("padding", 0),
-                                    hp.get("dilation", 1))
-        self.use_bias = bool(hp.get("bias", True))
+        self.stencil = Stencil.conv(ndim, hp["kernel"], hp["stride"], hp["padding"], hp["dilation"])
+        self.use_bias = bool(hp["bias"])
         sp = self.stencil.dims[2:]
         self.kernel = tuple(w.kernel for w in sp)
         self.stride = tuple(w.stride for w in sp)
@@ -61,8 +86,7 @@ class Conv(Layer):
         if 1 in dist.replicate:
             raise LayerError(f"layer '{self.name}' (conv): its output distribution {dist} cannot replicate c")
         self.in_dists = [Distribution(dist.split, dist.ranks, (1,) if cdeg > 1 else ())]
-        self.halo = HaloPlan(self.in_dists[0], in_shape, self.stencil, self.ctx.rank,
-                             tag=self.ctx.new_tag(2))
+        self.plan_halo(self.in_dists[0], in_shape, self.stencil)
         self._window_buf = None  # the window kept from step to step when keeps_window (see fp_compute)
         cin = in_shape[1]
         wshape = (self.filters, cin) + self.kernel
@@ -77,60 +101,33 @@ class Conv(Layer):
         self.cgroup = self.ctx.grid_comm(self.in_dists[0], ["c"]) if cdeg > 1 else None
 
     # -- forward ---------------------------------------------------------------------------------------
-    def _conv(self, xwin, out=None):
+    def _conv(self, xwin, out=None, index=None):
         return K.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
                               self.stride, self.dilation, out=out)
 
     def fp_compute(self, xs):
         (x,) = xs
-        ctx, plan, xp = self.ctx, self.halo, self.ctx.xp
-        t0 = ctx.timer.now()
         # the window lives from this forward to the layer's backward, which frees it: the windows of layers
         # already back-propagated make room for the gradients of the layers still to go (kept from step to
         # step, they raised the peak of the full mesh1k model by 10 %). A layer reading the model input is
         # back-propagated last, so its window is alive through every backward anyway: it keeps one buffer
         # from step to step, which spares the page faults of a fresh one (on a 4x18x1024^2 input, 300 MB)
         if self.keeps_window and (self._window_buf is None or self._window_buf.dtype != x.dtype):
-            self._window_buf = xp.empty(plan.window_shape, dtype=x.dtype)
-        exchange = plan.start(ctx.comm, x, out=self._window_buf if self.keeps_window else None)
-        window = exchange.window
-        # interior and boundary are computed apart, with or without overlap, so that turning overlap off
-        # changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size)
-        split = box_size(plan.interior_box) > 0
-        if split:
-            y = xp.empty(self.out_dist.local_shape(self.out_shape, ctx.rank), dtype=x.dtype)
-
-        def out(sl):  # the plan's output slices cover input channels in dim 1; ours cover all filters
-            return (sl[0], slice(None)) + tuple(sl[2:])
-
-        def interior():
-            self._conv(window[plan.interior_window_slices], out=y[out(plan.interior_slices)])
-        if split and ctx.overlap:
-            interior()
-        t1 = ctx.timer.now()
-        exchange.wait()
-        t2 = ctx.timer.now()
-        if split:
-            if not ctx.overlap:
-                interior()
-            for osl, wsl in zip(plan.boundary_slices, plan.boundary_window_slices):
-                self._conv(window[wsl], out=y[out(osl)])
-        else:
-            y = self._conv(window)
-        ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
-        if ctx.timer.events is not None:
-            ctx.timer.add((self.name, "interior"), t0, t1)
-        self._window = window
+            self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)
+        self._window, y = self.halo_forward(x, self._conv, self._window_buf if self.keeps_window else None)
         return y
 
     # -- backward --------------------------------------------------------------------------------------
     def bp_compute(self, dy):
         ctx = self.ctx
         window = self._window
-        if not self.needs_input_grad:  # the model input: only the weight gradient
+
+        def weight_grads():
             self.w.grad += K.conv_backward_filter(window, dy, self.w.value.shape, self.stride, self.dilation)
             if self.b is not None:
                 self.b.grad += K.conv_backward_bias(dy)
+        if not self.needs_input_grad:  # the model input: only the weight gradient
+            weight_grads()
             self._window = None
             return [None]
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers
@@ -138,13 +135,6 @@ class Conv(Layer):
                                     out=ctx.workspace("conv window gradient", window.shape, dy.dtype))
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
-        acc = self.halo.accumulate_start(ctx.comm, dwin)
-        if not ctx.overlap:
-            dx = acc.wait()
-        self.w.grad += K.conv_backward_filter(window, dy, self.w.value.shape, self.stride, self.dilation)
-        if self.b is not None:
-            self.b.grad += K.conv_backward_bias(dy)
-        if ctx.overlap:
-            dx = acc.wait()
+        dx = self.halo_backward(dwin, weight_grads)
         self._window = None
         return [dx]

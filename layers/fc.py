@@ -23,15 +23,33 @@ from __future__ import annotations
 
 import math
 
+from lbannpy.config.schema import REQUIRED, Bool, Int, Key
 from lbannpy.dist import Distribution
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import Inferred, LayerArgs, LayerSpec, int_param, register
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    x, units = lay.x, int_param(lay, "units")
+    d_in = math.prod(x[1:])
+    n_params = d_in * units + (units if lay.params["bias"] else 0)
+    return Inferred((x[0], units), 2 * x[0] * d_in * units, n_params)
+
+
+def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
+    # features flattened from (c, spatial...): samples split like the output, the c grid axis replicated
+    pn, pc = dist.split[0], dist.split[1]
+    return Distribution((pn, pc) + (1,) * (ndim_in - 2), dist.ranks, (1,) if pc > 1 else ())
+
+
+@register(LayerSpec("fc", "fully connected (flattens a spatial input)", (
+    Key("units", Int(1), REQUIRED, "output features"),
+    Key("bias", Bool(), True, "learn an additive bias")), _infer, split_dims=("n", "c"),
+    input_dist=_input_dist,
+    weights_split=True, reduces_channels=True, dense=True, flat_output=True, order=90))
 class FullyConnected(Layer):
-    type = "fc"
-    splittable = ("n", "c")
 
     def setup(self, dist: Distribution) -> None:
         (in_shape,) = self.in_shapes
@@ -49,7 +67,7 @@ class FullyConnected(Layer):
         self.out_dist = dist
         # the input keeps its own rank (4-D from a conv): n split Pc ways, c grid axis (Pr) replicated
         self.in_dists = [Distribution((pc, pr) + (1,) * (nin - 2), dist.ranks, (1,) if pr > 1 else ())]
-        self.use_bias = bool(self.hparams.get("bias", True))
+        self.use_bias = bool(self.hparams["bias"])
         w0 = self.rng("weight").standard_normal((units, self.features)) * math.sqrt(2.0 / self.features)
         cbox = dist.box(self.out_shape, self.ctx.rank)[1]
         self.w = self.new_param("weight", (units, self.features), w0, (cbox, (0, self.features)), dist, ("n",))

@@ -15,13 +15,33 @@ from __future__ import annotations
 import numpy as np
 
 from lbannpy.backend import to_numpy
-from lbannpy.dist import Distribution
+from lbannpy.dist import Distribution, shape_str
 from lbannpy.shuffle import ShufflePlan
 from lbannpy.tensor import DistTensor
 
 from . import kernels as K
 from .base import LayerContext, LayerError
 from .kernels.loss import check_label_range, correct_count
+from .registry import LossSpec, ShapeError, register_loss
+
+
+def _check_cross_entropy(model: str, last: str, out_shape: tuple) -> None:
+    if len(out_shape) != 2:
+        raise ShapeError(
+            f"model {model!r}: loss cross_entropy needs a (N, classes) output but the last layer {last!r} "
+            f"gives {shape_str(out_shape)}; end with an fc layer (or use pixel_cross_entropy for "
+            f"segmentation)")
+
+
+def _check_pixel_cross_entropy(model: str, last: str, out_shape: tuple) -> None:
+    if len(out_shape) < 3:
+        raise ShapeError(
+            f"model {model!r}: loss pixel_cross_entropy needs a (N, classes, spatial...) output but the last "
+            f"layer {last!r} gives {shape_str(out_shape)}; end with a conv layer")
+
+
+register_loss(LossSpec("cross_entropy", "one label per sample", _check_cross_entropy))
+register_loss(LossSpec("pixel_cross_entropy", "one label per pixel", _check_pixel_cross_entropy))
 
 
 class Loss:

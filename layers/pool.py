@@ -2,33 +2,65 @@
 
 Spatially split like a convolution (windows that cross a block edge get their halo). Max pooling treats
 padding as -inf (it never wins), average pooling counts padding as zeros (PyTorch's
-``count_include_pad=True``). Channels and samples split freely; pooling has no parameters.
+``count_include_pad=True``). Channels and samples split freely; pooling has no parameters. The halo
+exchange overlaps the interior of the output block as in a convolution (the base class's stencil template).
 """
 from __future__ import annotations
 
+import math
+
+from lbannpy.config.schema import Bool, Int, Key, Padding, PerDim, Str
 from lbannpy.dist import Distribution, Stencil
 
 from . import kernels as K
 from .base import Layer, LayerError
+from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, needs_image, register,
+                       window_stencil)
 
 
+def _infer(lay: LayerArgs) -> Inferred:
+    needs_image(lay, "pool before flattening")
+    x, p = lay.x, lay.params
+    if p["mode"] not in ("max", "avg"):
+        raise ShapeError(f"layer {lay.name!r}: pool mode must be 'max' or 'avg', got {p['mode']!r}")
+    if p["global"]:
+        kernel, stride, padding = list(x[2:]), 1, 0
+    else:
+        kernel = int_param(lay, "kernel")
+        stride = int_param(lay, "stride", kernel)
+        padding = p["padding"]
+    st = window_stencil(lay, x, kernel, stride, padding, 1)
+    out = st.output_shape(x)
+    return Inferred(out, math.prod(out) * math.prod(w.kernel for w in st.dims[2:]), 0, st)
+
+
+_POS = Int(1)
+SPEC = LayerSpec(
+    "pool", "max or average pooling over the spatial dimensions", (
+        Key("mode", Str(("max", "avg")), "max", "max or average"),
+        Key("kernel", PerDim(_POS), 2, "window size"),
+        Key("stride", PerDim(_POS), default_from="kernel", doc="stride; default: the kernel size"),
+        Key("padding", Padding(), 0, "padding on each side (ignored by max, zeros for avg)"),
+        Key("global", Bool(), False, "pool each channel over its whole spatial extent (kernel, stride and "
+                                     "padding unused)")),
+    _infer, order=20)
+
+
+@register(SPEC)
 class Pool(Layer):
-    type = "pool"
 
     def setup(self, dist: Distribution) -> None:
         (in_shape,) = self.in_shapes
         if len(in_shape) not in (4, 5):
             raise LayerError(f"layer '{self.name}' (pool) needs an (n, c, [d,] h, w) input, got {in_shape}")
         hp = self.hparams
-        self.mode = hp.get("mode", "max")
+        self.mode = hp["mode"]
         if self.mode not in ("max", "avg"):
             raise LayerError(f"layer '{self.name}' (pool): mode must be max or avg, got {self.mode!r}")
-        if hp.get("global", False):  # one window over the whole spatial extent (fetched by the halo plan)
+        if hp["global"]:  # one window over the whole spatial extent (fetched by the halo plan)
             kernel, stride, padding = tuple(in_shape[2:]), 1, 0
         else:
-            kernel = hp.get("kernel", 2)
-            stride = hp.get("stride") or kernel
-            padding = hp.get("padding", 0)
+            kernel, stride, padding = hp["kernel"], hp["stride"], hp["padding"]
         self.stencil = Stencil.conv(len(in_shape), kernel, stride, padding, 1)
         sp = self.stencil.dims[2:]
         self.kernel = tuple(w.kernel for w in sp)
@@ -38,32 +70,36 @@ class Pool(Layer):
             raise LayerError(f"layer '{self.name}' (pool): kernel {self.kernel} does not fit input {in_shape}")
         self.out_dist = dist
         self.in_dists = [dist]
-        from lbannpy.halo import HaloPlan
-        self.halo = HaloPlan(dist, in_shape, self.stencil, self.ctx.rank, tag=self.ctx.new_tag(2))
+        self.plan_halo(dist, in_shape, self.stencil)
 
     def _mask_padding(self, window):
-        """Set the parts of the window outside the tensor (padding) to -inf for max pooling."""
-        wbox = self.halo.window_box
-        for axis, ((lo, hi), n) in enumerate(zip(wbox, self.in_shapes[0])):
-            if axis < 2:
-                continue
-            sl = [slice(None)] * window.ndim
-            if lo < 0:
-                sl[axis] = slice(0, -lo)
-                window[tuple(sl)] = -float("inf")
-            if hi > n:
-                sl[axis] = slice(n - hi, None)
-                window[tuple(sl)] = -float("inf")
-        return window
+        """Set the parts of the window outside the tensor (padding) to -inf for max pooling. The exchange
+        never writes there, so this runs while it is in flight."""
+        for sl in self.halo.padding_slices:
+            window[sl] = -float("inf")
+
+    def _pool(self, window, y, index=None):
+        if self.mode == "max":
+            piece, arg = K.max_pool_forward(window, self.kernel, self.stride)
+        else:
+            piece, arg = K.avg_pool_forward(window, self.kernel, self.stride), None
+        if y is None:  # the whole block at once
+            self._arg = arg
+            return piece
+        y[...] = piece
+        if arg is not None:
+            self._arg[index] = arg
+        return None
 
     def fp_compute(self, xs):
         (x,) = xs
-        window = self.halo.start(self.ctx.comm, x).wait()
+        prepare = self._mask_padding if self.mode == "max" else None
+        local = self.out_dist.local_shape(self.out_shape, self.ctx.rank)
+        if self.mode == "max":  # the winning taps of the whole block, filled piece by piece
+            self._arg = self.ctx.xp.empty(local, dtype="int8" if math.prod(self.kernel) <= 127 else "int16")
+        window, y = self.halo_forward(x, self._pool, prepare=prepare)
         self._wshape = window.shape
-        if self.mode == "max":
-            y, self._arg = K.max_pool_forward(self._mask_padding(window), self.kernel, self.stride)
-            return y
-        return K.avg_pool_forward(window, self.kernel, self.stride)
+        return y
 
     def bp_compute(self, dy):
         if self.mode == "max":
@@ -71,4 +107,4 @@ class Pool(Layer):
             self._arg = None
         else:
             dwin = K.avg_pool_backward(dy, self._wshape, self.kernel, self.stride)
-        return [self.halo.accumulate_start(self.ctx.comm, dwin).wait()]
+        return [self.halo_backward(dwin)]

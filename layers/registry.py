@@ -1,15 +1,274 @@
-"""Layer type name -> class. The config schema's layer registry lists the same names and parameters."""
+"""The layer registry: the one place every other package learns what a layer type is.
+
+Each layer family declares, beside its implementation (its module in this package), a :class:`LayerSpec`:
+its spec keys with their defaults (the config schema's ``Key`` objects), how many parents it takes, the
+tensor dimensions it may split, its pure shape inference (input shapes -> output shape, FLOPs, parameter
+count, stencil) and the few facts the cost model prices it by. ``@register(spec)`` on the layer class records
+both. The config schema, the model builder, the strategy graph, the planner and the cost model read the
+registry; none of them names a layer type.
+
+This module is light on purpose (the standard library and :mod:`lbannpy.dist` only): the config and strategy
+packages import it at start-up. The families themselves are imported on the first query of the registry,
+by walking this package (every module but this one, ``base`` and the ``kernels`` package), so a new layer
+type is a new module here (plus its kernel) and nothing else.
+"""
 from __future__ import annotations
 
-from .base import Layer
+import importlib
+import math
+import pkgutil
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from lbannpy.dist import Distribution, DistributionError, Stencil, shape_str
+
+#: names a layer's ``parents`` use for the model input; no layer may take one of them as its name
+INPUT_NAMES = ("x", "input")
+#: every tensor dimension a layer may split, in the order of :data:`lbannpy.dist.DIM_NAMES` of a 3-D image
+ALL_DIMS = ("n", "c", "d", "h", "w")
 
 
-def layer_classes() -> dict[str, type[Layer]]:
-    from .batchnorm import BatchNorm
-    from .conv import Conv
-    from .fc import FullyConnected
-    from .pool import Pool
-    from .simple import Concat, Dropout, Flatten, LeakyReLU, ReLU, Sum
+class ShapeError(ValueError):
+    """A spec whose shapes do not fit together. The message names the layer, the shapes and the fix."""
 
-    classes = (Conv, Pool, BatchNorm, ReLU, LeakyReLU, Dropout, Sum, Concat, Flatten, FullyConnected)
-    return {c.type: c for c in classes}
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """What shape inference sees of one layer: its parameters (defaults filled), parents and their shapes."""
+
+    name: str
+    type: str
+    params: Mapping[str, Any]
+    parents: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def x(self) -> tuple[int, ...]:
+        return self.in_shapes[0]
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """The result of shape inference: output shape, forward FLOPs of the whole mini-batch (a multiply-add
+    is two), learnable parameters, and the window geometry on the input (None for pointwise layers)."""
+
+    out_shape: tuple[int, ...]
+    flops: int
+    n_params: int = 0
+    stencil: Stencil | None = None
+
+
+def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
+    return dist
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer type. ``params`` are :class:`lbannpy.config.schema.Key` objects (name, type, default, doc,
+    aliases); ``max_parents`` None means any number. The cost facts:
+
+    * ``input_dist(dist, ndim_in)``: the distribution the layer needs its input in, given its output's;
+    * ``weights_split``: its weights are cut along the output channels like its output;
+    * ``reduces_channels``: each output sums over all input channels (its backward costs two forwards, its
+      weights are read by the kernel, and a channel split leaves dL/dx as partial sums to allreduce);
+    * ``spatial_statistics``: a spatial split needs an allreduce of 2 numbers per channel each way;
+    * ``pointwise``: the planner lets it follow its parent's split instead of enumerating its own;
+    * ``no_kernel``: a view (no arithmetic, no memory traffic);
+    * ``dense``: where the "one weird trick" baseline turns model-parallel;
+    * ``flat_output``: the output is (n, features) whatever the input's rank.
+    """
+
+    name: str
+    doc: str
+    params: tuple = ()
+    infer: Callable[[LayerArgs], Inferred] | None = None
+    min_parents: int = 1
+    max_parents: int | None = 1
+    split_dims: tuple[str, ...] = ALL_DIMS
+    input_dist: Callable[[Distribution, int], Distribution] = _same_split
+    weights_split: bool = False
+    reduces_channels: bool = False
+    spatial_statistics: bool = False
+    pointwise: bool = False
+    no_kernel: bool = False
+    dense: bool = False
+    flat_output: bool = False
+    #: where the type is listed (schema text, error messages): ascending, then in registration order
+    order: int = 1000
+
+    def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with aliases renamed and every unset key that has a default filled in (the schema's
+        defaults, also for specs that did not pass through the schema, e.g. built in a test)."""
+        from lbannpy.config.schema import REQUIRED, UNSET
+
+        out = dict(params)
+        for k in self.params:
+            for a in k.aliases:
+                if a in out and out.get(k.name) is None:
+                    out[k.name] = out.pop(a)
+        for k in self.params:
+            if out.get(k.name) is None and k.default_from is None and k.default not in (REQUIRED, UNSET):
+                out[k.name] = k.default
+        for k in self.params:
+            if out.get(k.name) is None and k.default_from is not None and out.get(k.default_from) is not None:
+                out[k.name] = out[k.default_from]
+        return out
+
+    def accepts(self) -> tuple[str, ...]:
+        """Every key a layer of this type takes (names and aliases)."""
+        return tuple(k.name for k in self.params) + tuple(a for k in self.params for a in k.aliases)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss on the model output. ``check(model, last_layer_name, out_shape)`` raises :class:`ShapeError`
+    when the model's output cannot feed it."""
+
+    name: str
+    doc: str
+    check: Callable[[str, str, tuple], None]
+
+
+_LAYERS: dict[str, LayerSpec] = {}
+_CLASSES: dict[str, type] = {}
+_LOSSES: dict[str, LossSpec] = {}
+_lock = threading.RLock()
+_discovered = False
+_SKIP = ("base", "registry")
+
+
+def register(spec: LayerSpec):
+    """Class decorator: record ``spec`` and its layer class (which gets ``spec``, ``type``, ``splittable``
+    and ``arity`` from it). Registering a second type under a taken name is an error."""
+
+    def deco(cls):
+        with _lock:
+            old = _CLASSES.get(spec.name)
+            if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"layer type {spec.name!r} is registered twice: by {old.__module__}."
+                                 f"{old.__qualname__} and {cls.__module__}.{cls.__qualname__}; rename one")
+            cls.spec = spec
+            cls.type = spec.name
+            cls.splittable = spec.split_dims
+            cls.arity = spec.max_parents if spec.max_parents == spec.min_parents else None
+            _LAYERS[spec.name] = spec
+            _CLASSES[spec.name] = cls
+        return cls
+
+    return deco
+
+
+def register_loss(spec: LossSpec) -> LossSpec:
+    with _lock:
+        _LOSSES[spec.name] = spec
+    return spec
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    with _lock:
+        if _discovered:
+            return
+        import lbannpy.layers as pkg
+
+        for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+            if not mod.ispkg and mod.name not in _SKIP and not mod.name.startswith("_"):
+                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        _discovered = True
+
+
+def layer_specs() -> dict[str, LayerSpec]:
+    """Every registered layer type, by name (a copy), in listing order."""
+    _discover()
+    return dict(sorted(_LAYERS.items(), key=lambda kv: kv[1].order))
+
+
+def layer_spec(name: str) -> LayerSpec:
+    """The spec of a layer type; KeyError naming the known types for an unknown one."""
+    _discover()
+    try:
+        return _LAYERS[name]
+    except KeyError:
+        raise KeyError(f"unknown layer type {name!r}; known: {sorted(_LAYERS)}") from None
+
+
+def layer_classes() -> dict[str, type]:
+    """Layer type name -> class, in listing order."""
+    return {name: _CLASSES[name] for name in layer_specs()}
+
+
+def loss_specs() -> dict[str, LossSpec]:
+    _discover()
+    return dict(_LOSSES)
+
+
+class RegistryView(Mapping):
+    """A read-only live view of the registry (new registrations show), for module-level constants such as
+    the schema's ``LAYER_TYPES`` that must not import the families when their module is imported."""
+
+    def __init__(self, source: Callable[[], dict]):
+        self._source = source
+
+    def __getitem__(self, key):
+        return self._source()[key]
+
+    def __iter__(self):
+        return iter(self._source())
+
+    def __len__(self) -> int:
+        return len(self._source())
+
+    def __repr__(self) -> str:
+        return f"RegistryView({list(self)})"
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers for the families' shape inference (pure)
+
+
+def int_param(lay: LayerArgs, key: str, default=None, minimum: int = 1):
+    """An integer parameter (or one per spatial dimension) of at least ``minimum``; ShapeError otherwise."""
+    v = lay.params.get(key, default)
+    if v is None:
+        raise ShapeError(f"layer {lay.name!r} ({lay.type}) needs '{key}'")
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= minimum for x in vals):
+        raise ShapeError(f"layer {lay.name!r}: '{key}' must be an integer >= {minimum} (or one per spatial "
+                         f"dimension), got {v!r}")
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def window_stencil(lay: LayerArgs, in_shape: Sequence[int], kernel, stride, padding, dilation) -> Stencil:
+    """The sliding-window geometry of a conv-like layer; ShapeError when the window does not fit."""
+    in_shape = tuple(in_shape)
+    try:
+        st = Stencil.conv(len(in_shape), kernel, stride, padding, dilation)
+    except (DistributionError, TypeError, ValueError) as exc:
+        raise ShapeError(f"layer {lay.name!r} ({lay.type}) on input {shape_str(in_shape)}: {exc}") from None
+    for i, (w, n) in enumerate(zip(st.dims[2:], in_shape[2:])):
+        if w.output_size(n) < 1:
+            raise ShapeError(
+                f"layer {lay.name!r} ({lay.type}): input {shape_str(in_shape)} is too small along spatial "
+                f"dimension {i} (size {n}, padded {n + w.pad_lo + w.pad_hi}) for a window of reach "
+                f"{w.reach}; "
+                f"use a larger input, more padding or a smaller kernel/stride")
+    return st
+
+
+def needs_image(lay: LayerArgs, what: str) -> None:
+    """ShapeError unless the (first) input is an image (N, C, spatial...)."""
+    if len(lay.x) < 3:
+        raise ShapeError(f"layer {lay.name!r} ({lay.type}) needs an image input (N, C, spatial...), got "
+                         f"{shape_str(lay.x)} from {lay.parents[0]!r}; {what}")
+
+
+def elementwise(flops_per_element: int = 1) -> Callable[[LayerArgs], Inferred]:
+    """Shape inference of a one-input elementwise layer: same shape, ``flops_per_element`` per element."""
+
+    def infer(lay: LayerArgs) -> Inferred:
+        return Inferred(lay.x, flops_per_element * math.prod(lay.x))
+
+    return infer

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.dist import Distribution
+from lbannpy.config.schema import Float, Int, Key
+from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K
 from .base import Layer, LayerError, stable_seed
+from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, elementwise, register
 
-
+@register(LayerSpec("relu", "rectified linear unit", (), elementwise(1), pointwise=True, order=40))
 class ReLU(Layer):
-    type = "relu"
 
     def fp_compute(self, xs):
         (x,) = xs
@@ -26,12 +27,13 @@ class ReLU(Layer):
         return [K.relu_backward(dy, self._x)]
 
 
+@register(LayerSpec("leaky_relu", "leaky rectified linear unit", (
+    Key("slope", Float(0.0), 0.01, "slope for negative inputs", aliases=("negative_slope",)),),
+    elementwise(2), pointwise=True, order=50))
 class LeakyReLU(Layer):
-    type = "leaky_relu"
-
     def fp_compute(self, xs):
         (x,) = xs
-        self.slope = float(self.hparams.get("slope", 0.01))
+        self.slope = float(self.hparams["slope"])
         self._x = x
         return K.leaky_relu_forward(x, self.slope)
 
@@ -39,12 +41,20 @@ class LeakyReLU(Layer):
         return [K.leaky_relu_backward(dy, self._x, self.slope)]
 
 
-class Dropout(Layer):
-    type = "dropout"
+def _dropout_infer(lay: LayerArgs) -> Inferred:
+    rate = lay.params["p"]
+    if not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+        raise ShapeError(f"layer {lay.name!r}: dropout rate must be in [0, 1), got {rate!r}")
+    return elementwise(2)(lay)
 
+
+@register(LayerSpec("dropout", "inverted dropout (identity at evaluation)", (
+    Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element", aliases=("rate",)),),
+    _dropout_infer, pointwise=True, order=60))
+class Dropout(Layer):
     def setup(self, dist):
         super().setup(dist)
-        self.p = float(self.hparams.get("p", 0.5))
+        self.p = float(self.hparams["p"])
         if not 0.0 <= self.p < 1.0:
             raise LayerError(f"layer '{self.name}' (dropout): p must be in [0, 1), got {self.p}")
         self.step = 0
@@ -71,11 +81,21 @@ class Dropout(Layer):
         return [dy if self._scale is None else K.dropout_backward(dy, self._scale)]
 
 
+def _sum_infer(lay: LayerArgs) -> Inferred:
+    x = lay.x
+    for par, s in zip(lay.parents, lay.in_shapes):
+        if s != x:
+            raise ShapeError(
+                f"layer {lay.name!r} (sum): input {par!r} has shape {shape_str(s)} but {lay.parents[0]!r} "
+                f"has {shape_str(x)}; all inputs of a sum need one shape (add a 1x1 conv with a stride to "
+                f"the shortcut, or fix the filters/stride of one branch)")
+    return Inferred(x, (len(lay.in_shapes) - 1) * math.prod(x))
+
+
+@register(LayerSpec("sum", "elementwise sum of its parents (residual connections)", (), _sum_infer, 2, None,
+                    order=70))
 class Sum(Layer):
     """Elementwise sum of inputs of one shape (residual connections)."""
-
-    type = "sum"
-    arity = None
 
     def setup(self, dist):
         shapes = set(self.in_shapes)
@@ -94,11 +114,15 @@ class Sum(Layer):
         return [dy] * len(self.in_shapes)
 
 
+def _flatten_input(dist: Distribution, ndim_in: int) -> Distribution:
+    return Distribution((dist.split[0],) + (1,) * (ndim_in - 1), dist.ranks)
+
+
+@register(LayerSpec("flatten", "reshape (n, c, spatial...) to (n, c*prod(spatial))", (),
+                    lambda lay: Inferred((lay.x[0], math.prod(lay.x[1:])), 0), split_dims=("n",),
+                    input_dist=_flatten_input, no_kernel=True, flat_output=True, order=100))
 class Flatten(Layer):
     """``(n, c, *spatial)`` -> ``(n, c·prod(spatial))``; samples may be split, nothing else."""
-
-    type = "flatten"
-    splittable = ("n",)
 
     def setup(self, dist: Distribution):
         (in_shape,) = self.in_shapes
@@ -117,15 +141,27 @@ class Flatten(Layer):
         return [dy.reshape(self._shape)]
 
 
+def _concat_infer(lay: LayerArgs) -> Inferred:
+    x, axis = lay.x, lay.params["axis"]
+    if axis not in (1, "c", "channels"):
+        raise ShapeError(f"layer {lay.name!r}: concat joins along channels (axis 1) only, got axis={axis!r}")
+    for par, s in zip(lay.parents, lay.in_shapes):
+        if len(s) != len(x) or s[0] != x[0] or s[2:] != x[2:]:
+            raise ShapeError(
+                f"layer {lay.name!r} (concat): input {par!r} has shape {shape_str(s)} but {lay.parents[0]!r} "
+                f"has {shape_str(x)}; inputs of a channel concat must agree in all but the channel "
+                f"dimension (match strides/padding of the branches)")
+    return Inferred((x[0], sum(s[1] for s in lay.in_shapes)) + x[2:], 0)
+
+
+@register(LayerSpec("concat", "concatenation of its parents along one dimension", (
+    Key("axis", Int(1), 1, "tensor dimension to concatenate along (1: channels)"),), _concat_infer, 2, None,
+    split_dims=("n", "d", "h", "w"), order=80))
 class Concat(Layer):
     """Concatenation along channels (inception); channels are not split in this layer."""
 
-    type = "concat"
-    arity = None
-    splittable = ("n", "d", "h", "w")
-
     def setup(self, dist: Distribution):
-        if int(self.hparams.get("axis", 1)) != 1:
+        if int(self.hparams["axis"]) != 1:
             raise LayerError(f"layer '{self.name}' (concat): only axis 1 (channels) is supported, got "
                              f"axis {self.hparams.get('axis')}")
         first = self.in_shapes[0]

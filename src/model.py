@@ -11,10 +11,8 @@ from typing import Any
 
 from lbannpy.dist import DIM_NAMES, Distribution, DistributionError
 from lbannpy.layers.base import Layer, LayerContext, LayerError
-from lbannpy.layers.registry import layer_classes
+from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, layer_classes
 from lbannpy.tensor import DistTensor
-
-INPUT_NAMES = ("x", "input")
 
 
 class ModelError(ValueError):
@@ -26,7 +24,7 @@ def layer_dist(layer_type: str, splittable, ndim: int, ranks: int, default: dict
     by the layer), else the default restricted to what this layer type can split and its tensor has."""
     names = DIM_NAMES[ndim]
     if override is not None:
-        degrees = {k: int(v) for k, v in override.items() if k in ("n", "c", "d", "h", "w")}
+        degrees = {k: int(v) for k, v in override.items() if k in ALL_DIMS}
         extra = [k for k, v in degrees.items() if k not in names and v > 1]
         if extra:
             raise ModelError(f"a {layer_type} layer has a rank-{ndim} output {names}; it cannot split {extra}")
@@ -48,7 +46,7 @@ class Model:
         default = parallel.get("default") or {}
         overrides = parallel.get("layers") or {}
         in_override = next((overrides[n] for n in INPUT_NAMES if n in overrides), None)
-        self.input_dist = layer_dist("input", ("n", "c", "d", "h", "w"), len(self.input_shape), ranks,
+        self.input_dist = layer_dist("input", ALL_DIMS, len(self.input_shape), ranks,
                                      default, in_override)
         classes = layer_classes()
         self.layers: list[Layer] = []
@@ -70,7 +68,7 @@ class Model:
                     raise ModelError(f"model.layers[{i}] '{name}': parent '{p}' is not an earlier layer")
             layer = classes[ltype](name, **spec)
             in_shapes = [shapes[p] for p in parents]
-            ndim = 2 if ltype in ("fc", "flatten") else len(in_shapes[0])
+            ndim = 2 if layer.spec.flat_output else len(in_shapes[0])
             try:
                 dist = layer_dist(ltype, layer.splittable, ndim, ranks, default, overrides.get(name))
                 layer.configure(ctx, in_shapes, [dists[p] for p in parents], dist)

@@ -39,13 +39,14 @@ import functools
 import itertools
 import math
 import os
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from lbannpy.backend import array_module, is_gpu_array
 
+from ._buffers import addr as _addr
+from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
 from ._geometry import KernelShapeError, per_dim, tap_view, valid_output_shape
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
@@ -185,26 +186,6 @@ def _compiled(*arrays, channels: int = 0, row: int = COMPILED_MIN_ROW) -> bool:
     return (_cconv is not None and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
             and all(isinstance(a, np.ndarray) for a in arrays if a is not None)
             and channels <= COMPILED_MAX_CHANNELS and row >= COMPILED_MIN_ROW)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(slot: str, shape, dtype):
-    """A reused, uninitialised array for temporaries of the compiled path (phase splits, padded ``dy``),
-    one buffer per slot and thread, grown to the largest request: fresh multi-MB arrays cost a page fault
-    per 4 KiB on every call once malloc hands them back to the system."""
-    dtype = np.dtype(dtype)
-    need = math.prod(shape) * dtype.itemsize
-    buf = getattr(_SCRATCH, slot, None)
-    if buf is None or buf.nbytes < need:
-        buf = np.empty(need, dtype=np.uint8)
-        setattr(_SCRATCH, slot, buf)
-    return buf[:need].view(dtype).reshape(shape)
-
-
-def _addr(a) -> int:
-    return a.__array_interface__["data"][0]
 
 
 def _elem_strides(a) -> tuple[int, ...] | None:

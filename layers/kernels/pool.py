@@ -19,7 +19,7 @@ import numpy
 from lbannpy.backend import array_module
 
 from ._geometry import KernelShapeError, per_dim, tap_slices, valid_output_shape
-from .conv import _addr
+from ._buffers import addr as _addr
 
 try:  # the compiled kernels (built by pip install where a C compiler is present; see _cconv.c)
     from . import _cconv

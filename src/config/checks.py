@@ -12,7 +12,6 @@ from ..dist import DIM_NAMES, Distribution, DistributionError, Stencil
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import INPUT_NAMES, LAYER_TYPES, normalize
 
-_STENCIL_TYPES = ("conv", "pool")
 _PER_DIM_KEYS = ("kernel", "stride", "dilation")
 
 
@@ -49,7 +48,7 @@ def check_references(cfg: dict) -> None:
                     else f"at least {spec.min_parents}")
             raise ConfigError(f"{path}.parents", f"a {layer['type']} layer takes {want} parent(s), got {n}",
                               f"give {want} parent(s)")
-        if layer["type"] in _STENCIL_TYPES:
+        if any(k.name == "kernel" for k in spec.params):  # a sliding window (conv, pool)
             _check_stencil(layer, path, nsp)
     _check_cycles(layers, index)
     for name in cfg["parallel"]["layers"]:
@@ -108,15 +107,7 @@ def check_graph(cfg: dict):
     from ..strategy import graph as G  # imported late: the config package must load without the strategy
 
     user_errors = tuple({ValueError, getattr(G, "ShapeError", ValueError)})
-    model = cfg["model"]
-    known = getattr(G, "LAYER_PARAMS", None)
-    if known is not None:
-        # The graph refuses parameters missing from its own list; the schema has already checked every
-        # parameter, so hand it only those it reads (schema-only ones such as batchnorm.sync do not change
-        # shapes).
-        common = {"name", "type", "parents"}
-        model = dict(model, layers=[{k: v for k, v in layer.items() if k in common or k in known.get(
-            layer["type"], ())} for layer in model["layers"]])
+    model = cfg["model"]  # the graph and the schema read one registry: every key the schema passed is known
     try:
         return G.build_graph(model, cfg["trainer"]["batch_size"])
     except ConfigError:

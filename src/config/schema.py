@@ -1,4 +1,4 @@
-"""The config schema: the one definition of every section, key, default, allowed value and layer type.
+"""The config schema: the one definition of every section, key, default and allowed value.
 
 Everything else in :mod:`lbannpy.config` is driven by the tree built here:
 
@@ -6,7 +6,8 @@ Everything else in :mod:`lbannpy.config` is driven by the tree built here:
 * structural validation (each :class:`Type` checks a value and returns its normal form),
 * the YAML and HDF5 round trip (the normal form is the only thing written),
 * documentation (:func:`schema_text`, printed by ``python -m lbannpy.config schema``),
-* the layer registry other packages query (:func:`layer_types`, :func:`layer_params`, :func:`layer_type`).
+* the layer types (:func:`layer_types`, :func:`layer_params`, :func:`layer_type`): a view of
+  :mod:`lbannpy.layers.registry`, where each layer family declares its keys beside its implementation.
 
 The normal form is a tree of plain ``dict``/``list``/``int``/``float``/``bool``/``str``; keys appear in
 schema order, every key with a default is present, and a key that is unset and has no default is absent
@@ -23,11 +24,12 @@ from typing import Any
 
 from numpy import bool_ as np_bool
 
+from lbannpy.layers.registry import INPUT_NAMES, LayerSpec, RegistryView, layer_specs, loss_specs
+
 from .errors import ConfigError, did_you_mean, join_path
 
 # Names of layers become HDF5 group names and ``--set`` path segments: no '/', '.', '[' or spaces.
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
-INPUT_NAMES = ("x", "input")  # the model input, as in lbannpy.strategy.graph; no layer may use these names
 INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
 DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES
 MAX_SPATIAL_DIMS = 3
@@ -169,6 +171,20 @@ class Str(Type):
 
     def describe(self):
         return "|".join(self.choices) if self.choices else "str"
+
+
+class Registered(Str):
+    """A string naming an entry of a registry (e.g. the losses that layers/ declares): a :class:`Str` whose
+    ``choices`` are read when a value is checked, not when the schema is built (the schema module must load
+    without the layer families)."""
+
+    def __init__(self, what: str, names):
+        for k, v in (("pattern", None), ("nonempty", True), ("what", what), ("names", names)):
+            object.__setattr__(self, k, v)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.names())
 
 
 @dataclass(frozen=True)
@@ -401,15 +417,9 @@ class MapOf(Type):
 # the layer registry
 
 
-@dataclass(frozen=True)
-class LayerType:
-    """A layer type: its parameters and how many parents it takes (``max_parents`` None: any number)."""
-
-    name: str
-    doc: str
-    params: tuple[Key, ...] = ()
-    min_parents: int = 1
-    max_parents: int | None = 1
+# A layer type's entry is the :class:`lbannpy.layers.registry.LayerSpec` its module declares beside its
+# implementation (name, doc, ``params`` keys, min/max parents): the schema holds no list of its own.
+LayerType = LayerSpec
 
 
 NAME_KEY = Key("name", Str(pattern=NAME_RE), REQUIRED, "unique layer name (letters, digits, '_', '-')")
@@ -420,42 +430,9 @@ PARENTS_KEY = Key("parents", ListOf(Str(pattern=NAME_RE)), UNSET,
 COMMON_LAYER_KEYS = (NAME_KEY, TYPE_KEY, PARENTS_KEY)
 
 _POS = Int(1)
-_BIAS = Key("bias", Bool(), True, "learn an additive bias")
 
-LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
-    LayerType("conv", "N-d convolution (cross-correlation) over the spatial dimensions", (
-        Key("filters", _POS, REQUIRED, "output channels"),
-        Key("kernel", PerDim(_POS), 3, "kernel size"),
-        Key("stride", PerDim(_POS), 1, "stride"),
-        Key("padding", Padding(), 0, "zero padding on each side"),
-        Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
-        _BIAS)),
-    LayerType("pool", "max or average pooling over the spatial dimensions", (
-        Key("mode", Str(("max", "avg")), "max", "max or average"),
-        Key("kernel", PerDim(_POS), 2, "window size"),
-        Key("stride", PerDim(_POS), default_from="kernel", doc="stride; default: the kernel size"),
-        Key("padding", Padding(), 0, "padding on each side (ignored by max, zeros for avg)"),
-        Key("global", Bool(), False, "pool each channel over its whole spatial extent (kernel, stride and "
-                                     "padding unused)"))),
-    LayerType("batchnorm", "batch normalization over samples and spatial dimensions, per channel", (
-        Key("eps", Float(0.0, lo_open=True), 1e-5, "added to the variance"),
-        Key("momentum", Float(0.0, 1.0), 0.1, "weight of the new batch in the running statistics"),
-        Key("sync", Str(("group", "global")), "group",
-            "statistics over the ranks holding one sample (group) or over all ranks (global)"))),
-    LayerType("relu", "rectified linear unit"),
-    LayerType("leaky_relu", "leaky rectified linear unit", (
-        Key("slope", Float(0.0), 0.01, "slope for negative inputs", aliases=("negative_slope",)),)),
-    LayerType("dropout", "inverted dropout (identity at evaluation)", (
-        Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element",
-            aliases=("rate",)),)),
-    LayerType("sum", "elementwise sum of its parents (residual connections)", (), 2, None),
-    LayerType("concat", "concatenation of its parents along one dimension", (
-        Key("axis", Int(1), 1, "tensor dimension to concatenate along (1: channels)"),), 2, None),
-    LayerType("fc", "fully connected (flattens a spatial input)", (
-        Key("units", _POS, REQUIRED, "output features"),
-        _BIAS)),
-    LayerType("flatten", "reshape (n, c, spatial...) to (n, c*prod(spatial))"),
-)}
+#: layer type name -> :class:`LayerSpec`, a live view of the layer registry (families load on first use)
+LAYER_TYPES = RegistryView(layer_specs)
 
 
 def layer_types() -> list[str]:
@@ -536,7 +513,7 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             Key("spatial", ListOf(_POS, 1, MAX_SPATIAL_DIMS), REQUIRED, "[H, W] or [D, H, W] (or [W])"),
         )),
         Key("layers", LayerList(), REQUIRED, "the layers; parents default to the previous layer"),
-        Key("loss", Str(("cross_entropy", "pixel_cross_entropy")), "cross_entropy",
+        Key("loss", Registered("loss", loss_specs), "cross_entropy",
             "cross_entropy (one label per sample) or pixel_cross_entropy (one label per pixel)"),
     )),
     Section("data", "training and validation data (HDF5)", (
@@ -700,5 +677,5 @@ def _copy(v):
 
 __all__ = ["SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "DIMS", "REQUIRED", "UNSET",
            "Type", "Int", "Float", "Bool", "Str", "ListOf", "PerDim", "Padding", "Key", "OneOf", "Section",
-           "MapOf", "LayerType", "LayerList", "layer_types", "layer_type", "layer_params", "normalize",
-           "lookup", "schema_text"]
+           "MapOf", "Registered", "LayerType", "LayerList", "layer_types", "layer_type", "layer_params",
+           "normalize", "lookup", "schema_text"]

@@ -31,11 +31,11 @@ from typing import Sequence
 
 import numpy as np
 
+from lbannpy.layers.registry import layer_spec
+
 from ..dist import Distribution, block_range
 from .graph import Node
 from .machine_model import Link, MachineModel
-
-REDUCES_CHANNELS = ("conv", "fc")  # layers whose outputs sum over all input channels
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -67,20 +67,13 @@ def required_input(node: Node, dist: Distribution, in_shape: Sequence[int]) -> D
 
 @lru_cache(maxsize=65536)
 def _required(typ: str, dist: Distribution, ndim_in: int) -> Distribution:
-    P = dist.ranks
-    if typ == "fc":
-        pn, pc = dist.split[0], dist.split[1]
-        return Distribution((pn, pc) + (1,) * (ndim_in - 2), P, (1,) if pc > 1 else ())
-    if typ == "flatten":
-        return Distribution((dist.split[0],) + (1,) * (ndim_in - 1), P)
-    if typ == "conv":
-        return Distribution(dist.split, P, (1,) if dist.split[1] > 1 else ())
-    return dist
+    return layer_spec(typ).input_dist(dist, ndim_in)
 
 
 def weight_split(node: Node, dist: Distribution) -> int:
-    """Number of pieces the layer's weights are cut into (output-channel split for conv, fc, batchnorm)."""
-    return dist.split[1] if node.type in ("conv", "fc", "batchnorm") else 1
+    """Number of pieces the layer's weights are cut into (the output-channel split where the type's weights
+    follow it: conv, fc, batchnorm)."""
+    return dist.split[1] if layer_spec(node.type).weights_split else 1
 
 
 def _group_span(dist: Distribution, dims: Sequence[str]) -> int:
@@ -191,7 +184,8 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
     frac = math.prod(out_local) / math.prod(node.out_shape)
     flops = node.flops_fwd * frac
     moved = (math.prod(in_local) * len(node.in_shapes) + math.prod(out_local)) * machine.dtype_bytes
-    if node.type in ("conv", "fc"):
+    spec = layer_spec(node.type)
+    if spec.reduces_channels:  # the kernel reads the weights too
         moved += node.n_params / weight_split(node, dist) * machine.dtype_bytes
 
     def kernel(fl: float, by: float) -> float:
@@ -200,9 +194,9 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
         return max(fl * machine.gamma_s_per_flop, by * machine.mem_s_per_byte) + machine.kernel_overhead_s
 
     fwd = kernel(flops, moved) * slow
-    if node.type in REDUCES_CHANNELS:
+    if spec.reduces_channels:
         return fwd, (fwd if needs_dx else 0.0), fwd
-    if node.type in ("flatten",):
+    if spec.no_kernel:
         return 0.0, 0.0, 0.0
     return fwd, (fwd if needs_dx else 0.0), 0.0
 
@@ -276,12 +270,13 @@ def internal_comm_time(node: Node, dist: Distribution, machine: MachineModel, ne
     and for conv/fc with split output channels the allreduce of the partial sums of dL/dx over that split."""
     t = 0.0
     spatial = dist.dim_names[2:]
-    if node.type == "batchnorm" and any(dist.split[2:][i] > 1 for i in range(len(spatial))):
+    spec = layer_spec(node.type)
+    if spec.spatial_statistics and any(dist.split[2:][i] > 1 for i in range(len(spatial))):
         p = math.prod(dist.split[2:])
         c_local = ceil_div(node.out_shape[1], dist.split[1])
         link = machine.link(_group_span(dist, spatial))
         t += 2 * allreduce_time(2 * c_local * machine.dtype_bytes, p, link, machine)
-    if node.type in REDUCES_CHANNELS and dist.split[1] > 1 and needs_dx:
+    if spec.reduces_channels and dist.split[1] > 1 and needs_dx:
         in_dist = required_input(node, dist, node.in_shape)
         dx_bytes = nbytes(max_local_shape(node.in_shape, in_dist), machine)
         link = machine.link(_group_span(dist, ["c"]))

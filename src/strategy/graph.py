@@ -1,7 +1,7 @@
 """The model graph of a spec: layers in topological order with shapes, FLOPs and parameter counts.
 
-This is the project's one shape-inference function. It is pure (no arrays, no MPI): the config loader calls
-it to validate a spec, the strategy selector to cost it, the runtime to size its tensors.
+Each layer's shapes come from its type's own declaration in :mod:`lbannpy.layers.registry` (pure: no arrays,
+no MPI): the config loader calls this to validate a spec, the strategy selector to cost it.
 
 Shapes are global and include the sample dimension: ``(N, C)`` after a fully-connected layer, ``(N, C, H, W)``
 for 2-D images, ``(N, C, D, H, W)`` for 3-D volumes. FLOPs count a multiply-add as two floating-point
@@ -9,33 +9,14 @@ operations and are for the forward pass of the whole mini-batch.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..dist import DistributionError, Stencil, shape_str
+from lbannpy.layers.registry import INPUT_NAMES, LayerArgs, ShapeError, layer_spec, layer_specs, loss_specs
 
-INPUT_NAMES = ("x", "input")
+from ..dist import Stencil, shape_str
 
-# type -> parameters it accepts (besides name, type, parents); unknown keys are refused so that typos surface
-LAYER_PARAMS: dict[str, tuple[str, ...]] = {
-    "conv": ("filters", "kernel", "stride", "padding", "dilation", "groups", "bias"),
-    "batchnorm": ("eps", "momentum", "sync"),
-    "relu": (),
-    "leaky_relu": ("slope", "negative_slope"),
-    "pool": ("mode", "kernel", "stride", "padding", "global"),
-    "sum": (),
-    "concat": ("axis",),
-    "fc": ("units", "bias"),
-    "dropout": ("rate", "p"),
-    "flatten": (),
-}
-LOSSES = ("cross_entropy", "pixel_cross_entropy", "mse")
-WEIGHTED_TYPES = ("conv", "fc", "batchnorm")
-
-
-class ShapeError(ValueError):
-    """A spec whose shapes do not fit together. The message names the layer, the shapes and the fix."""
+__all__ = ["INPUT_NAMES", "ShapeError", "Node", "ModelGraph", "build_graph"]
 
 
 @dataclass(frozen=True)
@@ -189,14 +170,16 @@ def _normalise_layers(model: str, raw: Sequence[Any]) -> list[dict[str, Any]]:
             raise ShapeError(f"model {model!r}: two layers are named {lname!r}; layer names must be unique")
         seen.add(lname)
         ltype = lay.get("type")
-        if ltype not in LAYER_PARAMS:
-            raise ShapeError(f"layer {lname!r}: unknown type {ltype!r}; use one of {sorted(LAYER_PARAMS)}")
+        specs = layer_specs()
+        if ltype not in specs:
+            raise ShapeError(f"layer {lname!r}: unknown type {ltype!r}; use one of {sorted(specs)}")
         params = dict(lay.get("params") or {})
         params.update({k: v for k, v in lay.items() if k not in ("name", "type", "parents", "params")})
-        unknown = set(params) - set(LAYER_PARAMS[ltype])
+        accepts = specs[ltype].accepts()
+        unknown = set(params) - set(accepts)
         if unknown:
             raise ShapeError(f"layer {lname!r} ({ltype}): unknown parameter(s) {sorted(unknown)}; "
-                             f"a {ltype} layer takes {list(LAYER_PARAMS[ltype]) or 'no parameters'}")
+                             f"a {ltype} layer takes {list(accepts) or 'no parameters'}")
         parents = lay.get("parents") or [prev]
         if isinstance(parents, str):
             parents = [parents]
@@ -211,12 +194,16 @@ def _normalise_layers(model: str, raw: Sequence[Any]) -> list[dict[str, Any]]:
                 raise ShapeError(f"layer {lay['name']!r}: parent {p!r} is not a layer of model {model!r} "
                                  f"(use 'x' or 'input' for the model input)")
         n_in = len(lay["parents"])
-        if lay["type"] in ("sum", "concat") and n_in < 2:
-            raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) needs at least two parents, got "
-                             f"{list(lay['parents'])}")
-        if lay["type"] not in ("sum", "concat") and n_in != 1:
-            raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) takes exactly one parent, got "
-                             f"{list(lay['parents'])}; join branches with a 'sum' or 'concat' layer")
+        spec = layer_spec(lay["type"])
+        if n_in < spec.min_parents:
+            least = {2: "two", 3: "three"}.get(spec.min_parents, spec.min_parents)
+            raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) needs at least {least} parents, "
+                             f"got {list(lay['parents'])}")
+        if spec.max_parents is not None and n_in > spec.max_parents:
+            joins = sorted(n for n, s in layer_specs().items() if s.max_parents is None)
+            exactly = {1: "one parent"}.get(spec.max_parents, f"{spec.max_parents} parents")
+            raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) takes exactly {exactly}, "
+                             f"got {list(lay['parents'])}; join branches with a {' or '.join(joins)} layer")
     return out
 
 
@@ -248,140 +235,18 @@ def _topological(model: str, layers: list[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
-def _int_param(lay: Mapping[str, Any], key: str, default=None, minimum: int = 1):
-    v = lay["params"].get(key, default)
-    if v is None:
-        raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) needs '{key}'")
-    vals = v if isinstance(v, (list, tuple)) else [v]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= minimum for x in vals):
-        raise ShapeError(f"layer {lay['name']!r}: '{key}' must be an integer >= {minimum} (or one per spatial "
-                         f"dimension), got {v!r}")
-    return list(v) if isinstance(v, (list, tuple)) else v
-
-
-def _stencil(lay: Mapping[str, Any], in_shape: tuple[int, ...], kernel, stride, padding, dilation) -> Stencil:
-    try:
-        st = Stencil.conv(len(in_shape), kernel, stride, padding, dilation)
-    except (DistributionError, TypeError, ValueError) as exc:
-        raise ShapeError(f"layer {lay['name']!r} ({lay['type']}) on input {shape_str(in_shape)}: {exc}") from None
-    for i, (w, n) in enumerate(zip(st.dims[2:], in_shape[2:])):
-        if w.output_size(n) < 1:
-            raise ShapeError(
-                f"layer {lay['name']!r} ({lay['type']}): input {shape_str(in_shape)} is too small along spatial "
-                f"dimension {i} (size {n}, padded {n + w.pad_lo + w.pad_hi}) for a window of reach {w.reach}; "
-                f"use a larger input, more padding or a smaller kernel/stride")
-    return st
-
-
 def _infer(lay: dict[str, Any], in_shapes: tuple[tuple[int, ...], ...]) -> Node:
-    name, typ, p = lay["name"], lay["type"], lay["params"]
-    x = in_shapes[0]
-    n = x[0]
-    numel_in = math.prod(x)
-    stencil = None
-    n_params = 0
-
-    def spatial_only(what: str):
-        if len(x) < 3:
-            raise ShapeError(f"layer {name!r} ({typ}) needs an image input (N, C, spatial...), got "
-                             f"{shape_str(x)} from {lay['parents'][0]!r}; {what}")
-
-    if typ == "conv":
-        spatial_only("move the layer before the fully-connected layers")
-        filters = _int_param(lay, "filters")
-        groups = _int_param(lay, "groups", 1)
-        kernel = _int_param(lay, "kernel", 3)
-        stride = _int_param(lay, "stride", 1)
-        dilation = _int_param(lay, "dilation", 1)
-        padding = p.get("padding", 0)
-        c = x[1]
-        if c % groups or filters % groups:
-            raise ShapeError(f"layer {name!r}: groups={groups} must divide input channels {c} and filters {filters}")
-        stencil = _stencil(lay, x, kernel, stride, padding, dilation)
-        out = (n, filters) + stencil.output_shape(x)[2:]
-        ksize = math.prod(w.kernel for w in stencil.dims[2:])
-        bias = bool(p.get("bias", True))
-        n_params = filters * (c // groups) * ksize + (filters if bias else 0)
-        flops = 2 * math.prod(out) * (c // groups) * ksize
-    elif typ == "pool":
-        spatial_only("pool before flattening")
-        mode = p.get("mode", "max")
-        if mode not in ("max", "avg"):
-            raise ShapeError(f"layer {name!r}: pool mode must be 'max' or 'avg', got {mode!r}")
-        if p.get("global", False):
-            kernel, stride, padding = list(x[2:]), 1, 0
-        else:
-            kernel = _int_param(lay, "kernel", 2)
-            stride = p.get("stride") if p.get("stride") is not None else kernel
-            stride = _int_param({**lay, "params": {"stride": stride}}, "stride")
-            padding = p.get("padding", 0)
-        stencil = _stencil(lay, x, kernel, stride, padding, 1)
-        out = stencil.output_shape(x)
-        flops = math.prod(out) * math.prod(w.kernel for w in stencil.dims[2:])
-    elif typ == "batchnorm":
-        if len(x) < 2:
-            raise ShapeError(f"layer {name!r}: batchnorm needs (N, C, ...) input, got {shape_str(x)}")
-        out = x
-        n_params = 2 * x[1]
-        flops = 5 * numel_in  # statistics (2), normalise (2), scale-shift (1) per element
-    elif typ in ("relu", "dropout"):
-        out = x
-        flops = numel_in if typ == "relu" else 2 * numel_in
-        if typ == "dropout":
-            rate = p.get("rate", p.get("p", 0.5))
-            if not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-                raise ShapeError(f"layer {name!r}: dropout rate must be in [0, 1), got {rate!r}")
-    elif typ == "leaky_relu":
-        out = x
-        flops = 2 * numel_in
-    elif typ == "flatten":
-        out = (n, math.prod(x[1:]))
-        flops = 0
-    elif typ == "fc":
-        units = _int_param(lay, "units")
-        d_in = math.prod(x[1:])
-        out = (n, units)
-        bias = bool(p.get("bias", True))
-        n_params = d_in * units + (units if bias else 0)
-        flops = 2 * n * d_in * units
-    elif typ == "sum":
-        for par, s in zip(lay["parents"], in_shapes):
-            if s != x:
-                raise ShapeError(
-                    f"layer {name!r} (sum): input {par!r} has shape {shape_str(s)} but {lay['parents'][0]!r} has "
-                    f"{shape_str(x)}; all inputs of a sum need one shape (add a 1x1 conv with a stride to the "
-                    f"shortcut, or fix the filters/stride of one branch)")
-        out = x
-        flops = (len(in_shapes) - 1) * numel_in
-    elif typ == "concat":
-        axis = p.get("axis", 1)
-        if axis not in (1, "c", "channels"):
-            raise ShapeError(f"layer {name!r}: concat joins along channels (axis 1) only, got axis={axis!r}")
-        for par, s in zip(lay["parents"], in_shapes):
-            if len(s) != len(x) or s[0] != x[0] or s[2:] != x[2:]:
-                raise ShapeError(
-                    f"layer {name!r} (concat): input {par!r} has shape {shape_str(s)} but {lay['parents'][0]!r} "
-                    f"has {shape_str(x)}; inputs of a channel concat must agree in all but the channel "
-                    f"dimension (match strides/padding of the branches)")
-        out = (n, sum(s[1] for s in in_shapes)) + x[2:]
-        flops = 0
-    else:  # pragma: no cover - LAYER_PARAMS and this chain list the same types
-        raise ShapeError(f"layer {name!r}: unknown type {typ!r}")
-    return Node(name, typ, dict(p), lay["parents"], in_shapes, tuple(int(s) for s in out), int(flops),
-                int(n_params), stencil)
+    """Shape inference by the layer type's own declaration (:mod:`lbannpy.layers.registry`)."""
+    spec = layer_spec(lay["type"])
+    args = LayerArgs(lay["name"], lay["type"], spec.resolve(lay["params"]), lay["parents"], in_shapes)
+    r = spec.infer(args)
+    return Node(lay["name"], lay["type"], dict(lay["params"]), lay["parents"], in_shapes,
+                tuple(int(s) for s in r.out_shape), int(r.flops), int(r.n_params), r.stencil)
 
 
 def _check_loss(model: str, loss: str, nodes: list[Node]) -> str:
-    if loss not in LOSSES:
-        raise ShapeError(f"model {model!r}: unknown loss {loss!r}; use one of {list(LOSSES)}")
-    last = nodes[-1]
-    if loss == "cross_entropy" and len(last.out_shape) != 2:
-        raise ShapeError(
-            f"model {model!r}: loss cross_entropy needs a (N, classes) output but the last layer {last.name!r} "
-            f"gives {shape_str(last.out_shape)}; end with an fc layer (or use pixel_cross_entropy for "
-            f"segmentation)")
-    if loss == "pixel_cross_entropy" and len(last.out_shape) < 3:
-        raise ShapeError(
-            f"model {model!r}: loss pixel_cross_entropy needs a (N, classes, spatial...) output but the last "
-            f"layer {last.name!r} gives {shape_str(last.out_shape)}; end with a conv layer")
+    losses = loss_specs()
+    if loss not in losses:
+        raise ShapeError(f"model {model!r}: unknown loss {loss!r}; use one of {list(losses)}")
+    losses[loss].check(model, nodes[-1].name, nodes[-1].out_shape)
     return loss

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from lbannpy.layers.registry import layer_spec
+
 from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_widths, layer_cost, max_local_shape, redistribution_matrix,
                    redistribution_time, required_input)
@@ -25,12 +27,6 @@ from .machine_model import MachineModel, load_machine_model
 from .search import Problem, SearchResult, eliminate, longest_path_heuristic, shortest_path_chain
 
 GIB = 1024 ** 3
-POINTWISE = ("batchnorm", "relu", "leaky_relu", "dropout")
-SPLIT_DIMS = {  # Jia et al. Table 1, per layer type: the output dimensions a layer may be split along
-    "conv": ("n", "c", "spatial"), "pool": ("n", "c", "spatial"), "batchnorm": ("n", "c", "spatial"),
-    "relu": ("n", "c", "spatial"), "leaky_relu": ("n", "c", "spatial"), "dropout": ("n", "c", "spatial"),
-    "sum": ("n", "c", "spatial"), "concat": ("n", "spatial"), "fc": ("n", "c"), "flatten": ("n",),
-}
 
 
 class PlanError(ValueError):
@@ -125,8 +121,8 @@ def _splits(typ: str, ndim: int, ranks: int) -> tuple[Distribution, ...]:
     h2, h2·w2, h4·w2, h4·w4 as in Dryden et al.); splits larger than the extent are left to the filters.
     """
     names = DIM_NAMES[ndim]
-    allowed = SPLIT_DIMS[typ]
-    dims = [d for d in names if d in allowed or (d not in ("n", "c") and "spatial" in allowed)]
+    allowed = layer_spec(typ).split_dims  # Jia et al. Table 1: the output dimensions the type may split
+    dims = [d for d in names if d in allowed]
     divs = _divisors(ranks)
     out = []
 
@@ -173,7 +169,7 @@ def layer_candidates(node: Node, ranks: int, machine: MachineModel, *, inherited
     that a layer can keep its parent's layout for free) and dropped ones with the reason."""
     ndim = len(node.out_shape)
     inherited = [d for d in dict.fromkeys(inherited) if d.ndim == ndim and _allowed(node, d)]
-    own = [] if node.type in POINTWISE and inherited else enumerate_splits(node, ranks)
+    own = [] if layer_spec(node.type).pointwise and inherited else enumerate_splits(node, ranks)
     kept: list[Candidate] = []
     dropped: list[Dropped] = []
     seen = set()
@@ -224,9 +220,9 @@ def _cached_cost(node: Node, d: Distribution, machine: MachineModel, reads_input
 
 
 def _allowed(node: Node, d: Distribution) -> bool:
-    allowed = SPLIT_DIMS[node.type]
+    allowed = layer_spec(node.type).split_dims
     for name, p in zip(d.dim_names, d.split):
-        if p > 1 and not (name in allowed or (name not in ("n", "c") and "spatial" in allowed)):
+        if p > 1 and name not in allowed:
             return False
     return True
 
@@ -274,11 +270,12 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
     for node in graph:
         nd = len(node.out_shape)
         dp = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
-        if node.type in ("concat", "flatten"):
+        spec = layer_spec(node.type)
+        if "c" not in spec.split_dims:  # concat, flatten
             mp = Distribution.replicated(nd, ranks)
         else:
             mp = Distribution.make(nd, ranks, c=_fit(node.out_shape[1], ranks))
-        seen_fc = seen_fc or node.type == "fc"
+        seen_fc = seen_fc or spec.dense
         data[node.name], model[node.name] = dp, mp
         owt[node.name] = mp if seen_fc else dp
     return {"data-parallel": data, "model-parallel": model, "owt": owt}

@@ -129,10 +129,14 @@ def test_fc_spatial_split_is_refused(comm):
     raises_all(comm, (LayerError, ValueError), run_lbannpy, case, comm, match="f")
 
 
-def test_interior_runs_while_the_halo_exchange_is_in_flight(comm):
+@pytest.mark.parametrize("layer", [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1},
+                                   {"name": "p", "type": "pool", "kernel": 3, "stride": 1, "padding": 1}],
+                         ids=["conv", "pool"])
+def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layer):
     """Rank 1 enters the layer late, so rank 0's halo data cannot arrive before then. Rank 0 must have
-    finished its interior convolution before that (it ran while the exchange was in flight), and then
-    waited for the exchange; the numbers equal the run without overlap."""
+    finished its interior (convolution or pooling: the base class's stencil template) before that (it ran
+    while the exchange was in flight), and then waited for the exchange; the numbers equal the run without
+    overlap."""
     if comm.size != 2:
         pytest.skip("the late-peer schedule is written for 2 ranks (decided by comm.size on every rank)")
     import time
@@ -144,8 +148,7 @@ def test_interior_runs_while_the_halo_exchange_is_in_flight(comm):
     from lbannpy.tensor import DistTensor
 
     delay = 0.5  # seconds rank 1 waits before its forward
-    spec = {"input": {"channels": 4, "spatial": [64, 32]},
-            "layers": [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1}]}
+    spec = {"input": {"channels": 4, "spatial": [64, 32]}, "layers": [layer]}
     x = np.random.default_rng(0).standard_normal((2, 4, 64, 32))
     outs = {}
     for overlap in (True, False):

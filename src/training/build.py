@@ -1,0 +1,146 @@
+"""Set-up: config -> model, loss, readers, optimizer (no communication engine: :mod:`.gradsync`).
+
+:func:`build_model` and :func:`build_readers` need no optimizer, so inference (a ``predict`` command) can
+re-use them; :func:`build` adds the training-only parts.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The trainer's scalar settings, read once from the validated config."""
+
+    batch_size: int
+    seed: int
+    dtype: str
+    out_dir: str
+    log_every: int
+    ckpt_dir: str
+    ckpt_every: int
+    ckpt_at_end: bool
+    total_steps: int
+    steps_per_epoch: int
+    eval_every: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    cfg: dict
+    settings: Settings
+    model: object
+    loss: object
+    reader: object
+    val_reader: object
+    optimizer: object
+
+
+def settings(cfg: dict, train_samples: int) -> Settings:
+    tr, out, ck = cfg["trainer"], cfg["output"], cfg.get("checkpoint") or {}
+    batch_size = int(tr["batch_size"])
+    steps_per_epoch = train_samples // batch_size
+    total = int(tr["steps"]) if tr.get("steps") else int(tr.get("epochs", 1)) * steps_per_epoch
+    return Settings(batch_size=batch_size, seed=int(tr.get("seed", 0)), dtype=tr.get("dtype", "float32"),
+                    out_dir=out.get("dir", "run"), log_every=int(out.get("log_every", 1)),
+                    ckpt_dir=ck.get("dir", "ckpt"), ckpt_every=int(ck.get("every_steps", 0) or 0),
+                    ckpt_at_end=bool(int(ck.get("every_steps", 0) or 0) or ck.get("dir")),
+                    total_steps=total, steps_per_epoch=steps_per_epoch,
+                    eval_every=int(tr.get("eval_every", 0) or 0) or steps_per_epoch)
+
+
+def auto_strategy(cfg: dict, world, batch_size: int) -> dict:
+    """``parallel.strategy: auto``: rank 0 runs the selector (its search has a time budget, so ranks
+    could disagree if each ran it) and broadcasts the per-layer degrees to every rank.
+
+    Who calls: every rank (a broadcast)."""
+    par = cfg["parallel"]
+    machine = par.get("machine") or "lassen"
+    layers, err = None, None
+    if world.rank == 0:
+        from lbannpy.strategy.planner import PlanError, plan
+
+        try:
+            chosen = plan(cfg, world.size, machine, memory_gib=par.get("memory_gib"),
+                          batch_size=batch_size, compare=False)
+            layers = chosen.parallel_layers()
+            sys.stderr.write(f"lbannpy.train: strategy auto on {world.size} rank(s), machine "
+                             f"{machine}: predicted step {chosen.chosen.step_s * 1e3:.1f} ms\n")
+        except (PlanError, ValueError, OSError) as exc:
+            err = f"parallel.strategy auto: {exc}"
+    layers, err = world.bcast_obj((layers, err))
+    if err:
+        raise UserError(err)
+    return dict(par, layers=layers, strategy="manual")
+
+
+def build_model(cfg: dict, ctx, world):
+    """The model (each layer with its distribution) and the loss. Who calls: every rank (group
+    communicators are created collectively). May replace ``cfg["parallel"]`` (strategy auto)."""
+    from lbannpy.layers.loss import Loss
+    from lbannpy.model import Model
+
+    batch_size = int(cfg["trainer"]["batch_size"])
+    if cfg["parallel"].get("strategy") == "auto":
+        cfg["parallel"] = auto_strategy(cfg, world, batch_size)
+    mspec = cfg["model"]
+    model = Model(mspec, batch_size, ctx, cfg.get("parallel"))
+    in_shape = model.input_shape
+    loss_kind = mspec.get("loss", "cross_entropy")
+    label_shape = (batch_size,) + tuple(in_shape[2:]) if loss_kind == "pixel_cross_entropy" else None
+    loss = Loss(loss_kind, ctx, model.output.out_shape, model.output.out_dist, label_shape)
+    return model, loss
+
+
+def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
+    """The training reader and the validation reader (or None): every rank reads its own hyperslab."""
+    from lbannpy.data.reader import HDF5Reader, split_indices, validate_dataset
+
+    data, tr = cfg["data"], cfg["trainer"]
+    train = data["train"]
+    batch_size, seed = int(tr["batch_size"]), int(tr.get("seed", 0))
+    in_shape = model.input_shape
+    info = validate_dataset(train["path"], train["inputs"], train["labels"],
+                            expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+    # train/validation split: a fraction of the file (same on every rank), or a file of its own
+    val = data.get("validation") or {}
+    if val.get("fraction"):
+        train_idx, val_idx = split_indices(info.num_samples, float(val["fraction"]), seed)
+    else:
+        train_idx, val_idx = np.arange(info.num_samples), None
+    if len(train_idx) < batch_size:
+        raise UserError(f"data.train: {len(train_idx)} training samples in {train['path']} are fewer than "
+                        f"trainer.batch_size {batch_size}; lower the batch size")
+    common = dict(inputs=train["inputs"], labels=train["labels"], dist=model.input_dist,
+                  rank=world.rank, batch_size=batch_size, label_dist=loss.label_dist,
+                  comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+    depth = int(data.get("prefetch", 2))
+    reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
+                        prefetch=depth > 0, depth=max(depth, 1), **common)
+    val_reader = None
+    if val.get("path"):
+        val_reader = HDF5Reader(val["path"], seed=seed, shuffle=False, prefetch=False, **common)
+    elif val_idx is not None and len(val_idx) >= batch_size:
+        val_reader = HDF5Reader(train["path"], seed=seed, shuffle=False, indices=val_idx,
+                                prefetch=False, **common)
+    elif val_idx is not None:
+        raise UserError(f"data.validation.fraction holds out {len(val_idx)} samples, fewer than "
+                        f"trainer.batch_size {batch_size}; raise the fraction or lower the batch size")
+    return reader, val_reader
+
+
+def build(cfg: dict, ctx, world) -> Parts:
+    """Everything training needs but gradient synchronisation. ``cfg`` must be validated."""
+    from lbannpy.optim import make_optimizer
+
+    model, loss = build_model(cfg, ctx, world)
+    reader, val_reader = build_readers(cfg, model, loss, world)
+    st = settings(cfg, len(reader.indices))
+    optimizer = make_optimizer(cfg["optimizer"], model.params, st.total_steps)
+    return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,
+                 optimizer=optimizer)

@@ -1,0 +1,98 @@
+"""Gradient synchronisation: the overlap engine and the replicated fully-connected policy, in one object.
+
+Two kinds of parameters:
+
+* bucketed: reduced by :class:`lbannpy.comm.overlap.OverlapEngine` in fixed-order buckets during
+  backprop; each bucket is handed to the optimizer as soon as it is reduced;
+* replicated (Lee et al.'s f, ``comm.replicate_fc``): the weights of the first ``f`` fully-connected
+  layers are not in the buckets; their error signals are gathered non-blocking during backprop
+  (:meth:`FullyConnected.replicated_grads`) and each layer's update is applied just before its next forward
+  (Algorithm 2, line 7) with the optimizer step its gradients belong to, or earlier by :meth:`flush`
+  (evaluation, checkpoints, the end of the run).
+"""
+from __future__ import annotations
+
+from .errors import UserError
+
+
+class GradSync:
+    """Who calls: every rank, in the same order (the constructor creates group communicators and the
+    replicated layers' gather communicators: collective)."""
+
+    def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress):
+        from lbannpy.comm.overlap import OverlapEngine
+
+        self.optimizer = optimizer
+        self.timer = timer
+        self.clock = clock
+        self.progress = progress
+        fcs = [layer for layer in model.layers if hasattr(layer, "replicate_gradients")]
+        f = int(cfg_comm.get("replicate_fc", 0) or 0)
+        if f > len(fcs):
+            raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
+                            f"({', '.join(l.name for l in fcs) or 'none'}); use at most {len(fcs)}")
+        self.replicated = fcs[:f]
+        for layer in self.replicated:  # collective: the same layers in the same order on every rank
+            layer.replicate_gradients()
+        self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
+        skip = {id(p) for layer in self.replicated for p in layer.params}
+        synced = [p for p in model.params if id(p) not in skip]
+        self.grad_comms = [ctx.block_comm(p.dist, p.reduce_dims) for p in synced]
+        k = int((cfg_comm.get("chunks") or {}).get("k", 0) or 0)
+        self.engine = OverlapEngine(
+            synced, self.grad_comms, bucket_bytes=int(float(cfg_comm["bucket_mb"]) * 2**20),
+            first_bucket_bytes=int(float(cfg_comm["first_bucket_mb"]) * 2**20),
+            overlap=bool(cfg_comm["overlap"]), chunk_layers=k or None,
+            thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp)
+
+    # -- one step, in call order -------------------------------------------------------------------------
+    def before_forward(self, layer) -> None:
+        """``Model.forward``'s ``before_layer`` hook: apply the layer's pending replicated update."""
+        t = self._pending_t.pop(layer.name, None)
+        if t is None:
+            return
+        self.progress(f"replicated gradients of {layer.name}")
+        t0 = self.clock.now()
+        params = layer.replicated_grads()
+        self.timer.add((layer.name, "replicated_grad"), t0, self.clock.now())
+        self.optimizer.step_params(params, t=t)
+
+    def start_backward(self) -> int:
+        """Before backprop; returns the mark :meth:`finish` reads this step's bucket records from."""
+        self.engine.start_step()
+        return len(self.engine.records)
+
+    @property
+    def on_layer(self):
+        """``Model.backward``'s ``on_layer`` hook."""
+        return self.engine.layer_done
+
+    def finish(self, mark: int) -> list:
+        """After backprop: wait for the buckets (each updated as soon as it is reduced), schedule the
+        replicated updates and end the optimizer step. Returns this step's bucket records
+        ``(bucket, nbytes, _, start, end)``."""
+        self.engine.finish(on_bucket=self.optimizer.step_params)
+        for layer in self.replicated:  # their errors are still being gathered: updated before next forward
+            self._pending_t[layer.name] = self.optimizer.t
+        self.optimizer.finish_step()
+        return self.engine.records[mark:]
+
+    def flush(self) -> None:
+        """Apply every pending replicated update now (before evaluation, checkpoints and the end of the
+        run, which must see the weights of the steps taken so far)."""
+        for layer in self.replicated:
+            self.before_forward(layer)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def bucket_summary(self) -> list[dict]:
+        """``summary.json`` ``buckets``: size, parameters and median reduction time of each bucket."""
+        import numpy as np
+
+        engine, out = self.engine, []
+        for b in engine.buckets:
+            times = [e - s for i, _, _, s, e in engine.records if i == b.index]
+            out.append({"index": b.index, "bytes": int(b.nbytes), "params": [p.name for p in b.params],
+                        "median_s": float(np.median(times)) if times else None})
+        return out

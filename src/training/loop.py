@@ -1,0 +1,195 @@
+"""The step loop: :class:`Trainer` wires the parts together and runs steps, evaluations and checkpoints.
+
+Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a signal
+handler sets a flag that :meth:`Trainer.run` reads after each step (then checkpoint and leave); initial
+weights (``--init``) or a step-0 checkpoint in :meth:`Trainer.setup` after ``_resume``; the batch upload to
+the device in :meth:`Trainer.upload`.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import ckpt
+from .build import build
+from .clock import Clock
+from .gradsync import GradSync
+from .report import Report
+from .watchdog import Watchdog
+
+
+class Trainer:
+    def __init__(self, cfg: dict, rt, trace: bool = False, quiet: bool = False):
+        self.cfg = cfg
+        self.rt = rt
+        self.world = rt.world
+        self.trace = trace
+        self.quiet = quiet
+        self.clock = Clock()
+        self.step = 0
+        self.resumed_from = None  # the checkpoint path --resume started from
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def setup(self, resume: bool = False) -> None:
+        """Who calls: every rank (builds group communicators: collective)."""
+        from lbannpy.config import validate
+        from lbannpy.layers.base import LayerContext, Timer
+
+        world = self.world
+        cfg = self.cfg = validate(self.cfg, ranks=world.size)
+        tr = cfg["trainer"]
+        self.timer = Timer(events=[])  # cleared every step unless tracing
+        self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
+                                overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
+        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort)
+        parts = build(cfg, self.ctx, world)
+        self.settings = s = parts.settings
+        self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
+        self.reader, self.val_reader = parts.reader, parts.val_reader
+        self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
+                             self.clock, self.watchdog.progress)
+        self.report = Report(world, s.out_dir, self.timer, self.trace)
+        if resume:
+            self._resume()
+        if world.rank == 0:
+            import os
+
+            os.makedirs(s.out_dir, exist_ok=True)
+
+    def _resume(self) -> None:
+        path, data = ckpt.load_newest(self.settings.ckpt_dir)
+        self.step, meta = ckpt.restore(data, self.model, self.optimizer, self.reader, self.rt.xp)
+        self.report.restore(meta)
+        self.resumed_from = path
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def upload(self, batch):
+        """The batch's input as a distributed tensor on the device, and its labels."""
+        from lbannpy.tensor import DistTensor
+
+        x = DistTensor(self.rt.xp.asarray(batch.inputs, dtype=self.ctx.dtype), self.model.input_shape,
+                       self.model.input_dist, self.world.rank)
+        return x, batch.labels
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics row."""
+        from lbannpy.comm.overlap import hidden_fraction
+
+        wd, clock, sync = self.watchdog, self.clock, self.sync
+        t0 = clock.now()
+        wd.progress("waiting for data")
+        batch = self.reader.next()
+        t_io = clock.now() - t0
+        x, labels = self.upload(batch)
+        self.model.set_train(True)
+        self.optimizer.zero_grad()
+        wd.progress("forward")
+        logits = self.model.forward(x, before_layer=sync.before_forward)
+        wd.progress("loss")
+        loss, metrics = self.loss.forward(logits, labels)
+        wd.progress("backward")
+        mark = sync.start_backward()
+        t_bp = clock.now()
+        self.model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
+        t_bp_end = clock.now()
+        wd.progress("gradient reduction and optimizer")
+        lr = self.optimizer.lr
+        recs = sync.finish(mark)
+        comm_iv = [(s, e) for _, _, _, s, e in recs]
+        t_comm = sum(e - s for s, e in comm_iv)
+        hidden = hidden_fraction(comm_iv, [(t_bp, t_bp_end)])
+        # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
+        # backward events nest inside it)
+        self.timer.span(("backward",), t_bp, t_bp_end, "compute")
+        for b, nbytes, _, s, e in recs:
+            self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
+        self.step += 1
+        dt = clock.now() - t0
+        wd.progress(f"step {self.step} done")
+        row = {"step": self.step, "epoch": (self.step - 1) // max(self.settings.steps_per_epoch, 1),
+               **metrics, "lr": lr, "step_time_s": dt, "io_wait_s": t_io, "comm_time_s": t_comm,
+               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm,
+               "samples_per_s": self.settings.batch_size / dt}
+        self.report.end_step()
+        return row
+
+    def evaluate(self) -> dict:
+        if self.val_reader is None:
+            return {}
+        self.sync.flush()
+        self.model.set_train(False)
+        totals, n = {}, 0
+        for _ in range(self.val_reader.steps_per_epoch):  # unshuffled: every pass reads the same batches
+            self.watchdog.progress("evaluation")
+            x, labels = self.upload(self.val_reader.next())
+            _, m = self.loss.forward(self.model.forward(x), labels)
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v
+            n += 1
+        self.model.set_train(True)
+        return {k: v / max(n, 1) for k, v in totals.items()}
+
+    def save_checkpoint(self) -> None:
+        self.sync.flush()
+        self.watchdog.progress("checkpoint")
+        ckpt.save(self.world, self.settings.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
+                  self.report.rows, self.report.evals)
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def _after_step(self, row: dict, bar) -> None:
+        s, rep = self.settings, self.report
+        if self.step % s.log_every == 0 or self.step == s.total_steps:
+            rep.add_row(row)
+        if (self.val_reader is not None and s.eval_every and self.step % s.eval_every == 0
+                and self.step < s.total_steps):
+            rep.add_eval(self.step, rep.untimed(self.evaluate))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", sps=f"{row['samples_per_s']:.1f}")
+        if s.ckpt_every and self.step % s.ckpt_every == 0 and self.step < s.total_steps:
+            self.save_checkpoint()
+
+    def _progress_bar(self):
+        if self.world.rank != 0 or self.quiet:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.settings.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                    mininterval=0.5, file=sys.stderr)
+
+    def run(self) -> None:
+        s, rep = self.settings, self.report
+        self.watchdog.start()
+        bar = self._progress_bar()
+        t_start = self.clock.now()
+        first = self.step
+        # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
+        # follow it (summary.json "layers")
+        rep.warmup_steps = 1 if s.total_steps - first > 1 else 0
+        try:
+            while self.step < s.total_steps:
+                row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
+                    else self.train_step()
+                self._after_step(row, bar)
+            self.sync.flush()
+            final_eval = rep.untimed(self.evaluate)
+            if final_eval:
+                rep.add_eval(self.step, final_eval)
+            if s.ckpt_at_end:
+                self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            self.watchdog.stop()
+            self.sync.close()
+            self.reader.close()
+            if self.val_reader is not None:
+                self.val_reader.close()
+        self.write_outputs(self.clock.now() - t_start, self.step - first, final_eval)
+
+    def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
+        """Who calls: every rank (collective)."""
+        s = self.settings
+        run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
+               "wall_s": wall}
+        self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
+                          {l.name: str(l.out_dist) for l in self.model.layers})

@@ -1,0 +1,179 @@
+"""Reporting: the metrics rows, ``metrics.csv``, ``summary.json``, ``loss.png`` and the Chrome trace.
+
+:class:`Report` owns what is reported: the rows and evaluations (restored on resume, saved in
+checkpoints), and which per-layer timer totals are left out of ``summary.json`` (warm-up step and
+evaluation passes). Files are written by :meth:`Report.write` at the end of the run; a writer that
+appends ``metrics.csv`` row by row belongs in :meth:`Report.add_row`.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+
+import numpy as np
+
+# metrics-row columns that are timings (left out of summary.json's "final")
+TIMING_COLUMNS = ("step_time_s", "io_wait_s", "comm_time_s", "hidden_comm_s", "samples_per_s")
+
+
+class Report:
+    def __init__(self, world, out_dir: str, timer, trace: bool):
+        self.world = world
+        self.out_dir = out_dir
+        self.timer = timer
+        self.trace = trace
+        self.rows: list[dict] = []
+        self.evals: list[dict] = []
+        self.untimed_totals: dict = {}  # per-layer timer totals of untimed work (warm-up, evaluation)
+        self.warmup_steps = 0
+
+    def restore(self, meta: dict) -> None:
+        self.rows = meta.get("rows", [])
+        self.evals = meta.get("evals", [])
+
+    def add_row(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def add_eval(self, step: int, metrics: dict) -> None:
+        self.evals.append({"step": step, **metrics})
+
+    def untimed(self, fn):
+        """Run ``fn()`` with what it adds to the per-layer timer totals set aside: ``summary.json``'s
+        per-layer times are means over the timed training steps only (no evaluation passes, no warm-up
+        step)."""
+        before = dict(self.timer.totals)
+        try:
+            return fn()
+        finally:
+            for k, v in self.timer.totals.items():
+                d = v - before.get(k, 0.0)
+                if d:
+                    self.untimed_totals[k] = self.untimed_totals.get(k, 0.0) + d
+
+    def end_step(self) -> None:
+        """The per-layer intervals are kept only when tracing."""
+        if not self.trace and self.timer.events is not None:
+            self.timer.events.clear()
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def per_layer(self, steps_run: int) -> dict:
+        timed_steps = max(steps_run - self.warmup_steps, 1)
+        out = {}
+        for (name, phase), t in self.timer.totals.items():
+            t -= self.untimed_totals.get((name, phase), 0.0)
+            if t > 0:
+                out.setdefault(name, {})[phase] = t / timed_steps
+        return out
+
+    def write(self, run: dict, steps_run: int, final_eval: dict, buckets: list, distributions: dict) -> None:
+        """Who calls: every rank (an allgather of the per-layer times). ``run``: steps, ranks, batch_size,
+        dtype, wall_s."""
+        # per-layer and communication times: the slowest rank's (what bounds the step)
+        gathered = self.world.allgather_obj(self.per_layer(steps_run))
+        if self.trace:
+            self.write_trace()
+        if self.world.rank != 0:
+            return
+        merged: dict = {}
+        for d in gathered:
+            for name, phases in d.items():
+                for ph, t in phases.items():
+                    merged.setdefault(name, {})[ph] = max(merged.get(name, {}).get(ph, 0.0), t)
+        summary = self.summary(run, steps_run, final_eval, buckets, merged, distributions)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.write_metrics()
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals)
+        self.print_summary(summary, final_eval)
+
+    def summary(self, run, steps_run, final_eval, buckets, merged, distributions) -> dict:
+        recent = self.rows[-max(steps_run, 0):] if steps_run else []
+        times = [r["step_time_s"] for r in recent]
+        io = [r["io_wait_s"] for r in recent]
+        comm = [r["comm_time_s"] for r in recent]
+        hidden = [r["hidden_comm_s"] for r in recent]
+        last = self.rows[-1] if self.rows else {}
+        return {
+            "steps": run["steps"],
+            "ranks": run["ranks"],
+            "batch_size": run["batch_size"],
+            "dtype": run["dtype"],
+            "final": {k: v for k, v in last.items() if k not in TIMING_COLUMNS},
+            "validation": final_eval,
+            "median_step_s": float(np.median(times)) if times else None,
+            "io_wait_s": float(np.median(io)) if io else None,
+            "io_wait_fraction": float(np.sum(io) / np.sum(times)) if times else None,
+            "comm_time_s": float(np.median(comm)) if comm else None,
+            # over the whole run, weighted by time: the hidden part of all gradient communication
+            "hidden_comm_fraction": (float(np.sum(hidden) / np.sum(comm)) if comm and np.sum(comm) > 0
+                                     else (0.0 if comm else None)),
+            "buckets": buckets,
+            "wall_s": run["wall_s"],
+            "layers": merged,
+            "distributions": distributions,
+        }
+
+    def write_metrics(self) -> None:
+        keys = []
+        for r in self.rows:
+            for k in r:
+                if k not in keys:
+                    keys.append(k)
+        with open(os.path.join(self.out_dir, "metrics.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow(r)
+
+    def print_summary(self, summary: dict, final_eval: dict) -> None:
+        fin = summary["final"]
+        shown = ", ".join(f"{k} {fin[k]:.4f}" for k in ("loss", "accuracy", "iou", "miou") if k in fin)
+        val = ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
+        sys.stdout.write(f"lbannpy.train: {summary['steps']} steps on {summary['ranks']} rank(s); {shown}"
+                         + (f"; validation {val}" if val else "")
+                         + (f"; median step {summary['median_step_s'] * 1e3:.1f} ms"
+                            if summary["median_step_s"] is not None else "")
+                         + f"; outputs in {self.out_dir}/\n")
+        sys.stdout.flush()
+
+    def write_trace(self) -> None:
+        events = []
+        pid = self.world.rank
+        for track, key, t0, t1 in self.timer.events or []:
+            tid = {"compute": 0, "comm": 1, "gradcomm": 2}.get(track, 1)
+            events.append({"name": "/".join(map(str, key)), "ph": "X", "pid": pid, "tid": tid,
+                           "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6})
+        for tid, name in ((0, "main: layers"), (1, "main: halo and shuffles"), (2, "gradient communication")):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"trace-rank{pid}.json"), "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
+    evals = [e for e in evals if "loss" in e]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2 if evals else 1, figsize=(10 if evals else 6, 4), squeeze=False)
+    ax[0, 0].plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    if evals:
+        ax[0, 0].plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="validation loss")
+        keys = [k for k in ("iou", "miou", "accuracy") if k in evals[0]]
+        for k in keys:
+            ax[0, 1].plot([e["step"] for e in evals], [e[k] for e in evals], "o-", label=f"validation {k}")
+        ax[0, 1].set_xlabel("step")
+        ax[0, 1].legend()
+        ax[0, 1].grid(alpha=0.3)
+    ax[0, 0].set_xlabel("step")
+    ax[0, 0].set_ylabel("loss")
+    ax[0, 0].legend()
+    ax[0, 0].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,65 @@
+"""The trainer's parts on their own (no MPI): reporting's per-layer means and the set-up's settings."""
+from __future__ import annotations
+
+import pytest
+
+from lbannpy.layers.base import Timer
+from lbannpy.training.build import settings
+from lbannpy.training.report import Report
+
+
+class World:
+    rank, size = 0, 1
+
+
+def test_per_layer_means_leave_out_untimed_work():
+    timer = Timer(events=[])
+    rep = Report(World(), "unused", timer, trace=False)
+    rep.warmup_steps = 1
+
+    def work(dt):
+        timer.add(("c1", "fp"), 0.0, dt)
+
+    rep.untimed(lambda: work(100.0))  # the warm-up step
+    for _ in range(3):
+        work(2.0)  # three timed steps
+    rep.untimed(lambda: work(1000.0))  # an evaluation pass
+    assert rep.per_layer(steps_run=4) == {"c1": {"fp": pytest.approx(2.0)}}
+    # control: without the bookkeeping the injected time would show
+    assert timer.totals[("c1", "fp")] / 3 > 300
+
+
+def test_untimed_keeps_its_bookkeeping_when_the_work_raises():
+    timer = Timer()
+    rep = Report(World(), "unused", timer, trace=False)
+
+    def fail():
+        timer.add(("c1", "bp"), 0.0, 5.0)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        rep.untimed(fail)
+    assert rep.per_layer(steps_run=1) == {}
+
+
+def test_end_step_keeps_trace_events_only_when_tracing():
+    for trace, kept in ((False, 0), (True, 1)):
+        timer = Timer(events=[])
+        rep = Report(World(), "unused", timer, trace=trace)
+        timer.add(("c1", "fp"), 0.0, 1.0)
+        rep.end_step()
+        assert len(timer.events) == kept
+
+
+@pytest.mark.parametrize("trainer,ck,expect", [
+    ({"batch_size": 4, "steps": 7}, {}, dict(total_steps=7, steps_per_epoch=5, eval_every=5,
+                                             ckpt_at_end=False)),
+    ({"batch_size": 4, "epochs": 3, "eval_every": 2}, {"every_steps": 3},
+     dict(total_steps=15, steps_per_epoch=5, eval_every=2, ckpt_every=3, ckpt_at_end=True)),
+    ({"batch_size": 4}, {"dir": "c"}, dict(total_steps=5, ckpt_dir="c", ckpt_at_end=True)),
+])
+def test_settings_from_the_config(trainer, ck, expect):
+    cfg = {"trainer": trainer, "output": {}, "checkpoint": ck}
+    st = settings(cfg, train_samples=22)  # 22 // 4 = 5 steps per epoch
+    for k, v in expect.items():
+        assert getattr(st, k) == v, k
