@@ -730,7 +730,12 @@ class DeviceUploader:
             elif arr.shape == tuple(shape) and arr.dtype == dtype:
                 return arr
         nbytes = max(int(math.prod(shape)) * dtype.itemsize, 1)
-        mem = self.xp.cuda.alloc_pinned_memory(nbytes)  # as cupyx.empty_pinned does
+        alloc = getattr(self.xp.cuda, "alloc_pinned_memory", None)
+        if alloc is None:  # an array module without page-locked memory (the test suite's CUDA stand-in)
+            arr = np.empty(tuple(shape), dtype)
+            slot[name] = (arr, None)
+            return arr
+        mem = alloc(nbytes)  # as cupyx.empty_pinned does
         arr = np.ndarray(tuple(shape), dtype=dtype, buffer=mem)
         slot[name] = (arr, None)
         return arr
