@@ -78,8 +78,10 @@ def worker_env(extra: dict | None = None) -> dict:
 def results(proc: subprocess.CompletedProcess, ranks: int) -> list[dict]:
     assert proc.returncode == 0, (f"rc {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\n"
                                   f"stderr:\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-            if line.startswith("RESULT ")]
+    # ranks' lines can reach the launcher's stdout glued together: take every "RESULT {...}" anywhere
+    dec, rows = json.JSONDecoder(), []
+    for part in proc.stdout.split("RESULT ")[1:]:
+        rows.append(dec.raw_decode(part)[0])
     assert len(rows) == ranks, f"{len(rows)} results from {ranks} ranks\n{proc.stdout[-3000:]}"
     return sorted(rows, key=lambda row: row["rank"])
 

@@ -48,6 +48,7 @@ def test_loss_metrics_on_gpus_equal_the_numpy_path_without_host_syncs(gpu_launch
             for k, v in r["metrics_cpu"].items():
                 assert abs(r["metrics_gpu"][k] - v) <= 1e-12 * max(1.0, abs(v)), (kind, k, r)
             assert r["grad_err"] <= 1e-12, (kind, r)
+            assert r["public_gpu"] == r["metrics_gpu"] and r["public_cpu"] == r["metrics_cpu"], (kind, r)
             print(f"rank {row['rank']} {kind}: host syncs in the loss's step path {r['step_syncs']}, "
                   f"in the logged metrics {r['metric_syncs']}")
             assert r["step_syncs"] == 0, (kind, r["step_sites"])
@@ -140,6 +141,11 @@ def _case_loss(comm, host, cupy, out):
                 if xp is cupy:
                     r.update(step_syncs=_total(sites), step_sites=_named(sites), metric_syncs=_total(msites),
                              metric_sites=_named(msites))
+                # the public forward as the trainer's evaluation calls it: CuPy refuses numpy.asarray of
+                # a device array (row 1) and NCCL refuses host arrays (row 2)
+                _, m_public = loss.forward(logits, mine)
+                loss.backward()
+                r[f"public_{name}"] = m_public
                 got[name] = (m, g.gather(ctx.comm))
             r["metrics_cpu"], r["metrics_gpu"] = got["cpu"][0], got["gpu"][0]
             gc, gg = np.asarray(got["cpu"][1]), cupy.asnumpy(got["gpu"][1])
