@@ -41,6 +41,7 @@ class EventClock:
     def __init__(self, xp):
         self._cuda = xp.cuda
         self._origin = self._newest = self._record()
+        self._settled = None
 
     def _record(self):
         ev = self._cuda.Event()  # timing enabled: CuPy's default
@@ -52,7 +53,9 @@ class EventClock:
         return self._newest
 
     def settle(self) -> None:
-        self._newest.synchronize()
+        if self._newest is not self._settled:  # once per newest mark
+            self._newest.synchronize()
+            self._settled = self._newest
 
     def seconds(self, mark) -> float:
         return self._cuda.get_elapsed_time(self._origin, mark) / 1e3
