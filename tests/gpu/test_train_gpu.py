@@ -160,6 +160,10 @@ def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
         assert_same_run(work, tag, ref, 1e-10, f"{kind} {name} on {ranks} GPU(s)")
         s = summary(work, tag)
         assert s["ranks"] == ranks and s["steps"] == STEPS
+        # row 9: per-layer, halo and step times are CUDA events on a GPU, and the summary says so
+        assert s["clock"]["layers"] == s["clock"]["step"] == "cuda-events", s["clock"]
+        assert s["layers"] and all(t >= 0 for ph in s["layers"].values() for t in ph.values()), s["layers"]
+    assert summary(work, ref)["clock"]["layers"] == "host"
 
 
 # backend mpi with LBANNPY_CUDA_AWARE_MPI=1 is not here: mpi4py cannot take the stand-in's device arrays as
