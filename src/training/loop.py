@@ -120,9 +120,7 @@ class Trainer:
         self.step += 1
         t_end = clock.now()
         wd.progress(f"step {self.step} done")
-        row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), "lr": lr,
-               "io_wait_s": t_io, "comm_time_s": t_comm, "hidden_comm_fraction": hidden,
-               "hidden_comm_s": hidden * t_comm}
+        metrics, timing = {}, {}
         if self.step % st.log_every == 0 or self.step == st.total_steps:
             # a logged step: the device's marks and the reduced loss statistics come to the host here, and
             # only here (an unlogged step makes no host synchronisation)
@@ -130,8 +128,12 @@ class Trainer:
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
             _, metrics = self.loss.metrics(stats)
-            row.update(metrics)
-            row.update(step_time_s=dt, samples_per_s=st.batch_size / dt)
+            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
+        row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
+               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
+               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
+        if timing:
+            row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
         self.report.end_step()
         return row
 
