@@ -212,6 +212,8 @@ def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch):
               f"(budget {HOST_SYNC_BUDGET} for a logged step, 0 otherwise); call sites of the logged step: "
               f"{row['sites']}; event timings read per step {row['elapsed_time_reads']}")
         assert row["device"] == row["rank"] and row["rc"] == 0, row
+        # row 11: the training batches come through the uploader (pinned staging, copy stream, one ahead)
+        assert row["readers"] == ["DeviceUploader"], row
         assert len(per_step) == 5
         # step 1 sets up plans, buffers and communicators; steps 2-4 are not logged; step 5 is
         assert per_step[1:4] == [0, 0, 0], row
@@ -225,10 +227,11 @@ def _budget(config, *extra):
 
     from lbannpy import train as T
 
-    counts, reads, sites = [], [], {}
+    counts, reads, sites, readers = [], [], {}, set()
     step = T.Trainer.train_step
 
     def counted(self):
+        readers.add(type(self.reader).__name__)
         probe.reset_host_syncs()
         row = step(self)
         got = probe.host_syncs()
@@ -248,7 +251,7 @@ def _budget(config, *extra):
 
     rc = T.main([config, "--quiet", *GPU, *extra])
     return {"rank": MPI.COMM_WORLD.rank, "device": int(cupy.cuda.Device().id), "per_step": counts,
-            "elapsed_time_reads": reads, "sites": sites, "rc": rc}
+            "elapsed_time_reads": reads, "sites": sites, "rc": rc, "readers": sorted(readers)}
 
 
 if __name__ == "__main__":
