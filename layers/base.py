@@ -39,19 +39,49 @@ class LayerError(ValueError):
 
 @dataclass
 class Timer:
-    """Accumulates wall time per (layer, phase) and, when tracing, the intervals themselves."""
+    """Accumulates time per (layer, phase) and, when tracing, the intervals themselves.
+
+    The time points come from :meth:`now`: the host's ``perf_counter`` seconds, or with a device ``clock``
+    (CUDA events recorded on the compute stream: on a GPU the host only *launches* kernels, so host time
+    measures launches) marks that become seconds in :meth:`settle`, which reads them all with one host
+    synchronisation; ``totals`` and ``events`` hold what has been settled."""
 
     totals: dict = field(default_factory=dict)
     events: list | None = None
+    clock: Any = None            # None: the host clock; else an object with now(), settle() and seconds(mark)
+    _pending: list = field(default_factory=list)
 
-    def add(self, key: tuple, t0: float, t1: float, track: str = "compute") -> None:
+    def now(self):
+        return time.perf_counter() if self.clock is None else self.clock.now()
+
+    def add(self, key: tuple, t0, t1, track: str = "compute") -> None:
+        if self.clock is not None:
+            self._pending.append((key, t0, t1, track, True))
+            return
         self.totals[key] = self.totals.get(key, 0.0) + (t1 - t0)
         self.span(key, t0, t1, track)
 
-    def span(self, key: tuple, t0: float, t1: float, track: str = "compute") -> None:
+    def span(self, key: tuple, t0, t1, track: str = "compute") -> None:
         """An interval for the trace only (e.g. a span enclosing per-layer events), not counted in totals."""
-        if self.events is not None:
+        if self.clock is not None:
+            self._pending.append((key, t0, t1, track, False))
+        elif self.events is not None:
             self.events.append((track, key, t0, t1))
+
+    def settle(self) -> None:
+        """Turn the device marks recorded so far into seconds (one host synchronisation when any are
+        pending; nothing with the host clock)."""
+        if self.clock is None or not self._pending:
+            return
+        self.clock.settle()
+        sec = self.clock.seconds
+        for key, a, b, track, counted in self._pending:
+            t0, t1 = sec(a), sec(b)
+            if counted:
+                self.totals[key] = self.totals.get(key, 0.0) + (t1 - t0)
+            if self.events is not None:
+                self.events.append((track, key, t0, t1))
+        self._pending.clear()
 
 
 class LayerContext:
@@ -240,25 +270,25 @@ class Layer:
     def forward(self, inputs: Sequence[DistTensor]) -> DistTensor:
         ctx = self.ctx
         # every redistribution is posted before any is waited for, so those of several inputs overlap
-        t0 = time.perf_counter()
+        t0 = ctx.timer.now()
         moving = [None if plan is None else plan.start(ctx.comm, x.local)
                   for plan, x in zip(self._in_plans, inputs)]
         xs = [x.local if h is None else h.wait() for h, x in zip(moving, inputs)]
         if any(h is not None for h in moving):
-            ctx.timer.add((self.name, "shuffle"), t0, time.perf_counter(), "comm")
-        t0 = time.perf_counter()
+            ctx.timer.add((self.name, "shuffle"), t0, ctx.timer.now(), "comm")
+        t0 = ctx.timer.now()
         y = self.fp_compute(xs)
-        ctx.timer.add((self.name, "fp"), t0, time.perf_counter())
+        ctx.timer.add((self.name, "fp"), t0, ctx.timer.now())
         return DistTensor(y, self.out_shape, self.out_dist, ctx.rank)
 
     def backward(self, dy: DistTensor) -> list[DistTensor]:
         ctx = self.ctx
-        t0 = time.perf_counter()
+        t0 = ctx.timer.now()
         dxs = self.bp_compute(dy.local)
-        ctx.timer.add((self.name, "bp"), t0, time.perf_counter())
+        ctx.timer.add((self.name, "bp"), t0, ctx.timer.now())
         # the reverse redistributions of all inputs are posted before any is waited for (the parents'
         # backward needs every one of them, so none can be left in flight past this call)
-        t0 = time.perf_counter()
+        t0 = ctx.timer.now()
         backs = [None if dx is None or plan is None else plan.reverse()
                  for plan, dx in zip(self._in_plans, dxs)]
         moving = [None if b is None else b.start(ctx.comm, dx) for b, dx in zip(backs, dxs)]
@@ -271,7 +301,7 @@ class Layer:
             else:
                 out.append(DistTensor(h.wait(), self.in_shapes[i], back.dst_dist, ctx.rank))
         if any(h is not None for h in moving):
-            ctx.timer.add((self.name, "shuffle_bp"), t0, time.perf_counter(), "comm")
+            ctx.timer.add((self.name, "shuffle_bp"), t0, ctx.timer.now(), "comm")
         return out
 
     # -- stencil layers (a window over space: conv, pool) ----------------------------------------------
@@ -295,7 +325,7 @@ class Layer:
         Returns ``(window, y)``.
         """
         ctx, plan = self.ctx, self.halo
-        t0 = time.perf_counter()
+        t0 = ctx.timer.now()
         exchange = plan.start(ctx.comm, x, out=window_out)
         window = exchange.window
         if prepare is not None:
@@ -312,9 +342,9 @@ class Layer:
             compute(window[plan.interior_window_slices], y[sl], sl)
         if split and ctx.overlap:
             interior()
-        t1 = time.perf_counter()
+        t1 = ctx.timer.now()
         exchange.wait()
-        t2 = time.perf_counter()
+        t2 = ctx.timer.now()
         if split:
             if not ctx.overlap:
                 interior()

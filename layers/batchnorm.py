@@ -59,6 +59,14 @@ class BatchNorm(Layer):
         self.beta = self.new_param("bias", (c,), None, (cbox,), dist, reduce_dims)
         xp = self.ctx.xp
         self.cbox = cbox
+        # the number of values each channel's statistics cover, from shapes alone (the stats group's blocks
+        # tile the stat dimensions; the other dimensions are this rank's block), so no count travels in the
+        # allreduce and none is read back to the host
+        box = dist.box(in_shape, self.ctx.rank)
+        self.local_block = tuple(hi - lo for lo, hi in box)
+        self.stat_count = math.prod(n if name in self.stat_dims else hi - lo
+                                    for name, n, (lo, hi) in zip(dist.dim_names, in_shape, box)
+                                    if name != "c")
         self.running_mean = xp.zeros(cbox[1] - cbox[0])
         self.running_var = xp.ones(cbox[1] - cbox[0])
 
@@ -102,11 +110,14 @@ class BatchNorm(Layer):
             self._saved = None
             return K.bn_forward(x, self.running_mean, self.running_var, self.gamma.value, self.beta.value,
                                 self.eps)
-        s, sq, count = K.bn_local_stats(x)
-        packed = xp.concatenate([s, sq, xp.asarray([float(count)])])
-        tot = self.stats_comm.allreduce(packed)
+        if tuple(x.shape) != self.local_block:
+            raise LayerError(f"layer '{self.name}' (batchnorm) on rank {self.ctx.rank}: input block "
+                             f"{tuple(x.shape)} is not the block {self.local_block} of {self.in_shapes[0]} "
+                             f"under {self.in_dists[0]}; batches must have the configured batch size")
+        s, sq, _ = K.bn_local_stats(x)
+        tot = self.stats_comm.allreduce(xp.concatenate([s, sq]))
         c = s.shape[0]
-        count = float(tot[-1])
+        count = float(self.stat_count)
         mean, var = K.bn_mean_var(tot[:c], tot[c:2 * c], count)
         m = self.momentum
         unbiased = var * (count / max(count - 1.0, 1.0))

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from lbannpy.backend import to_numpy
 from lbannpy.dist import Distribution, shape_str
 from lbannpy.shuffle import ShufflePlan
 from lbannpy.tensor import DistTensor
 
 from . import kernels as K
 from .base import LayerContext, LayerError
+from .kernels.loss import check_label_range, correct_count
 from .registry import LossSpec, ShapeError, register_loss
 
 
@@ -111,17 +113,37 @@ class Loss:
         return tuple(out)
 
     def forward(self, logits: DistTensor, labels_local):
+        """Collective over the loss group: ``(loss, metrics)`` as host floats. Equal to
+        ``self.metrics(self.forward_stats(logits, labels_local))``: one host synchronisation."""
+        return self.metrics(self.forward_stats(logits, labels_local))
+
+    def forward_stats(self, logits: DistTensor, labels_local):
+        """Collective over the loss group (every rank calls it once per batch): the loss gradient is kept
+        for :meth:`backward` and the reduced statistics ``[loss sum, correct, tp[K], fp[K], fn[K]]`` are
+        returned as a float64 array on the logits' device, reduced there (no host synchronisation); turn
+        them into numbers with :meth:`metrics` on the steps that are logged.
+
+        ``labels_local`` are host (NumPy) labels as the reader returns them: their range is checked here,
+        before the upload, because the same check on a device array would stall every step."""
         ctx, xp = self.ctx, self.ctx.xp
         z = logits.local if self.plan is None else self.plan.start(ctx.comm, logits.local).wait()
+        if isinstance(labels_local, np.ndarray):
+            check_label_range(labels_local, self.num_classes)
         labels = xp.asarray(labels_local)
         if self.factors:
             labels = K.downsample_labels_any(labels, self.factors)
         loss_sum, self._grad = K.cross_entropy(z, labels, self.count)
-        correct, _ = K.accuracy_counts(z, labels)
+        correct = correct_count(z, labels)
         tp, fp, fn = K.iou_counts(z, labels, self.num_classes)
-        stats = np.concatenate([[float(loss_sum), float(correct)], np.asarray(tp, dtype=np.float64),
-                                np.asarray(fp, dtype=np.float64), np.asarray(fn, dtype=np.float64)])
-        tot = self.group.allreduce(stats)
+        f8 = np.float64
+        stats = xp.concatenate([xp.stack([xp.asarray(loss_sum, dtype=f8), xp.asarray(correct, dtype=f8)]),
+                                tp.astype(f8), fp.astype(f8), fn.astype(f8)])
+        return self.group.allreduce(stats)
+
+    def metrics(self, stats) -> tuple[float, dict]:
+        """``(loss, metrics)`` from the reduced statistics of :meth:`forward_stats` (local: no
+        communication). Brings them to the host: the one host synchronisation of a logged step."""
+        tot = to_numpy(stats)
         k = self.num_classes
         tp, fp, fn = tot[2:2 + k], tot[2 + k:2 + 2 * k], tot[2 + 2 * k:]
         metrics = {"loss": float(tot[0] / self.count), "accuracy": float(tot[1] / self.count)}

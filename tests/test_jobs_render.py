@@ -145,6 +145,43 @@ def test_local_site_has_no_gpus_and_uses_pmi2():
     assert {s.gpus_per_node for s in SITES.values()} >= {4, 8}
 
 
+def _srun_lines(text: str, module: str) -> list[str]:
+    """The srun command lines (continuations joined) that start ``python -m <module>``."""
+    joined = text.replace("\\\n", " ")
+    return [line for line in joined.splitlines() if line.strip().startswith("srun")
+            and f"python -m {module}" in line]
+
+
+@pytest.mark.parametrize("site", sorted(n for n, s in SITES.items() if s.gpus_per_node))
+def test_gpu_sites_train_and_calibrate_on_their_gpus(site, tmp_path):
+    from lbannpy.config import parse_spec
+    from lbannpy.config.overrides import apply_overrides
+    from lbannpy.zoo import get_spec
+
+    s = SITES[site]
+    base = parse_spec(get_spec("lenet5"))
+    assert base["runtime"]["device"] == "cpu", "negative control: the zoo's default runtime is the CPU"
+    for name, tpl in TEMPLATES.items():
+        text = render(JobSpec.for_site(name, site=site))
+        opts = sbatch_options(text)
+        # one rank per GPU
+        assert opts["gpus-per-node"] == str(s.gpus_per_node) == opts["ntasks-per-node"], (name, opts)
+        trains = _srun_lines(text, "lbannpy.train")
+        assert bool(trains) == (tpl.kind in ("train", "sweep")), (name, trains)
+        for line in trains:
+            sets = re.findall(r"--set \"?([a-z_.]+=[^ \"]+)", line)
+            cfg = apply_overrides(base, [x for x in sets if x.startswith("runtime.")])
+            assert cfg["runtime"] == {"device": "gpu", "backend": "nccl"}, (name, line)
+        for line in _srun_lines(text, "lbannpy.bench"):
+            assert "--device gpu --backend nccl" in line, (name, line)
+        if tpl.kind == "calibrate":
+            assert _srun_lines(text, "lbannpy.bench calibrate")
+    # the CPU site keeps the config's device: no GPU overrides anywhere
+    for name in TEMPLATES:
+        assert "runtime.device=gpu" not in render(JobSpec.for_site(name, site="local"))
+        assert "--device gpu" not in render(JobSpec.for_site(name, site="local"))
+
+
 def test_config_default_is_baked_in_and_quoted():
     text = render(JobSpec.for_site("resnet50", config='/data/my run/$HOME "x".h5'))
     assert 'config="${1:-/data/my run/\\$HOME \\"x\\".h5}"' in text

@@ -48,14 +48,25 @@ def cross_entropy(logits, labels, global_count):
         if tuple(labels.shape) != want:
             raise KernelShapeError(f"cross entropy: labels {tuple(labels.shape)} must be {want} for logits "
                                    f"{tuple(logits.shape)}")
-        if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= k):
-            raise KernelShapeError(f"cross entropy: labels must lie in [0, {k}), got "
-                                   f"[{int(labels.min())}, {int(labels.max())}]")
+        if array_module(labels) is numpy:  # device labels were checked on the host before upload
+            check_label_range(labels, k)
         onehot = xp.expand_dims(labels, 1) == _class_ids(xp, k, logits.ndim)
         loss = -xp.where(onehot, logp, 0).sum(dtype=numpy.float64)
         dlogits = prob - onehot.astype(logits.dtype)
     dlogits /= logits.dtype.type(global_count)
     return loss, dlogits
+
+
+def check_label_range(labels, num_classes):
+    """Raise unless every integer label lies in ``[0, num_classes)``. Host (NumPy) labels only: on a GPU
+    the same check would stall the stream for a host round trip every step, so callers check the labels
+    while they are still host arrays, before upload (as :class:`lbannpy.layers.loss.Loss` does)."""
+    if array_module(labels) is not numpy:
+        raise TypeError("check_label_range takes host (NumPy) labels; check them before the upload")
+    if labels.size:
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= num_classes:
+            raise KernelShapeError(f"cross entropy: labels must lie in [0, {num_classes}), got [{lo}, {hi}]")
 
 
 def softmax_cross_entropy(logits, labels, global_count):
@@ -95,10 +106,17 @@ def predictions(logits):
     return logits.argmax(axis=1)
 
 
+def correct_count(logits, labels):
+    """Number of argmax predictions equal to integer labels, as a 0-d int64 array of the logits' array
+    module (no host synchronisation on a GPU)."""
+    xp = array_module(logits)
+    return (predictions(logits) == labels).sum(dtype=xp.int64)
+
+
 def accuracy_counts(logits, labels):
-    """``(correct, total)`` local counts (ints) of argmax predictions equal to integer labels."""
-    pred = predictions(logits)
-    return int((pred == labels).sum()), int(labels.size)
+    """``(correct, total)`` local counts (ints) of argmax predictions equal to integer labels. Converts to
+    host ints (a host synchronisation on a GPU): a training step uses :func:`correct_count`."""
+    return int(correct_count(logits, labels)), int(labels.size)
 
 
 def iou_counts(logits, labels, num_classes=None):

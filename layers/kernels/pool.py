@@ -86,7 +86,9 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     y = x_window[_at(taps[0], out, s, d)].copy()
     for tap in taps[1:]:
         xp.maximum(y, x_window[_at(tap, out, s, d)], out=y)  # NaN propagates
-    has_nan = bool(xp.isnan(y).any())
+    # on the host, skip the NaN pass when there is none; on a GPU asking would stall the stream every step,
+    # so the NaN test always runs there (same result)
+    has_nan = bool(xp.isnan(y).any()) if xp is numpy else True
     arg = xp.empty(y.shape, dtype=idx_dtype)
     # the first tap equal to the maximum (or the first NaN) wins: walk the taps backwards, last write wins
     for t in range(len(taps) - 1, -1, -1):
@@ -125,15 +127,21 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
 def _divisor(xp, valid, x_window_shape, k, s, d, out, dtype):
     if valid is None:
         return dtype.type(math.prod(k))
-    valid = xp.asarray(valid, dtype=dtype)
+    # the mask is geometry (known on the host): count the window sizes and check them there, then upload
+    # once, so a GPU never reads a device array back for the check
+    on_host = array_module(valid) is numpy
+    m = numpy if on_host else xp
+    valid = m.asarray(valid, dtype=dtype)
     nsp = len(k)
     valid = valid.reshape((1,) * (len(x_window_shape) - valid.ndim) + tuple(valid.shape))
     if tuple(valid.shape[-nsp:]) != tuple(x_window_shape[-nsp:]):
         raise KernelShapeError(f"avg pool: valid mask {tuple(valid.shape)} does not match the window "
                                f"{tuple(x_window_shape)}")
     count = sum(valid[_at(tap, out, s, d)] for tap in _taps(k))
-    if bool((count == 0).any()):
-        raise KernelShapeError("avg pool: a window holds only padding; reduce the padding")
+    if on_host:
+        if bool((count == 0).any()):
+            raise KernelShapeError("avg pool: a window holds only padding; reduce the padding")
+        count = xp.asarray(count)
     return count
 
 

@@ -70,8 +70,10 @@ def default_cases(full: bool) -> list[BenchCase]:
     return cases
 
 
-def _contenders(case: BenchCase, dtype):
-    """``{name: zero-argument callable}`` doing forward + backward, all on the same inputs."""
+def _contenders(case: BenchCase, dtype, device: str = "cpu"):
+    """``{name: zero-argument callable}`` doing forward + backward, all on the same inputs. ``device='gpu'``:
+    ours on CuPy arrays, PyTorch on CUDA tensors; each call ends with a device synchronisation so that the
+    wall time is the time of the work, not of its launch."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -79,59 +81,86 @@ def _contenders(case: BenchCase, dtype):
     from lbannpy.layers import kernels as K
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((case.batch, case.channels, case.size, case.size)).astype(dtype)
+    host = rng.standard_normal((case.batch, case.channels, case.size, case.size)).astype(dtype)
+    if device == "gpu":
+        import cupy
+
+        xp, tdev = cupy, torch.device("cuda")
+
+        def done():
+            cupy.cuda.get_current_stream().synchronize()
+            torch.cuda.synchronize()
+    else:
+        xp, tdev = np, torch.device("cpu")
+
+        def done():
+            pass
+
+    def tt(a):
+        """A torch tensor on the benchmark's device from a host array."""
+        return torch.from_numpy(a).to(tdev)
+
+    x = xp.asarray(host)
     out = {}
     if case.kind == "conv":
-        w = (rng.standard_normal((case.filters, case.channels, case.kernel, case.kernel)) * 0.1).astype(dtype)
-        b = rng.standard_normal(case.filters).astype(dtype)
+        w_h = rng.standard_normal((case.filters, case.channels, case.kernel, case.kernel)) * 0.1
+        w_h = w_h.astype(dtype)
+        b_h = rng.standard_normal(case.filters).astype(dtype)
         pad, s = case.kernel // 2, case.stride
-        y_shape = K.conv_forward(K.pad_spatial(x[:1], pad), w, b, s).shape[1:]
-        dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+        y_shape = K.conv_forward(K.pad_spatial(host[:1], pad), w_h, b_h, s).shape[1:]
+        dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+        w, b, dy = xp.asarray(w_h), xp.asarray(b_h), xp.asarray(dy_h)
 
         # buffers as the Conv layer has them where it reads the model input, as these 18-channel mesh
         # layers do: its window (kept from step to step there) and the window gradient (a workspace
         # shared by all layers) are allocated once; the output and the input gradient are fresh arrays
-        window = np.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
-        dwindow = np.empty_like(window)
+        window = xp.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
+        dwindow = xp.empty_like(window)
 
         def ours():
             xw = K.pad_spatial(x, pad, out=window)
             K.conv_forward(xw, w, b, s)
             dxw = K.conv_backward_data(dy, w, xw.shape, s, out=dwindow)
-            np.ascontiguousarray(K.crop_spatial(dxw, pad))
+            xp.ascontiguousarray(K.crop_spatial(dxw, pad))
             K.conv_backward_filter(xw, dy, w.shape, s)
             K.conv_backward_bias(dy)
+            done()
 
         def torch_fn(fmt):
-            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
-            wt = torch.from_numpy(w).contiguous(memory_format=fmt).requires_grad_()
-            bt = torch.from_numpy(b).requires_grad_()
-            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+            wt = tt(w_h).contiguous(memory_format=fmt).requires_grad_()
+            bt = tt(b_h).requires_grad_()
+            dyt = tt(dy_h).contiguous(memory_format=fmt)
 
             def run():
                 yt = F.conv2d(xt, wt, bt, s, pad)
                 torch.autograd.grad(yt, (xt, wt, bt), dyt)
+                done()
             return run
     elif case.kind == "maxpool":
         k, s = case.kernel, case.stride
-        y_shape = K.max_pool_forward(x[:1], k, s)[0].shape[1:]
-        dy = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+        y_shape = K.max_pool_forward(host[:1], k, s)[0].shape[1:]
+        dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+        dy = xp.asarray(dy_h)
 
         def ours():
             _, arg = K.max_pool_forward(x, k, s)
             K.max_pool_backward(dy, arg, x.shape, k, s)
+            done()
 
         def torch_fn(fmt):
-            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
-            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+            dyt = tt(dy_h).contiguous(memory_format=fmt)
 
             def run():
                 torch.autograd.grad(F.max_pool2d(xt, k, s), (xt,), dyt)
+                done()
             return run
     else:
-        gamma = rng.standard_normal(case.channels).astype(dtype)
-        beta = rng.standard_normal(case.channels).astype(dtype)
-        dy = rng.standard_normal(x.shape).astype(dtype)
+        gamma_h = rng.standard_normal(case.channels).astype(dtype)
+        beta_h = rng.standard_normal(case.channels).astype(dtype)
+        dy_h = rng.standard_normal(x.shape).astype(dtype)
+        gamma, beta, dy = xp.asarray(gamma_h), xp.asarray(beta_h), xp.asarray(dy_h)
         eps = 1e-5
 
         def ours():
@@ -140,15 +169,17 @@ def _contenders(case: BenchCase, dtype):
             K.bn_forward(x, mean, var, gamma, beta, eps)
             sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, eps)
             K.bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count)
+            done()
 
         def torch_fn(fmt):
-            xt = torch.from_numpy(x).contiguous(memory_format=fmt).requires_grad_()
-            gt, bt = torch.from_numpy(gamma).requires_grad_(), torch.from_numpy(beta).requires_grad_()
-            dyt = torch.from_numpy(dy).contiguous(memory_format=fmt)
+            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+            gt, bt = tt(gamma_h).requires_grad_(), tt(beta_h).requires_grad_()
+            dyt = tt(dy_h).contiguous(memory_format=fmt)
 
             def run():
                 yt = F.batch_norm(xt, None, None, gt, bt, training=True, eps=eps)
                 torch.autograd.grad(yt, (xt, gt, bt), dyt)
+                done()
             return run
     out["ours"] = ours
     out["torch NCHW"] = torch_fn(torch.contiguous_format)
@@ -160,12 +191,13 @@ MIN_TIMED_S = 0.3  # per contender: short calls are repeated more, up to MAX_REP
 MAX_REPEATS = 60
 
 
-def measure(case: BenchCase, dtype, repeats: int, adaptive: bool = True) -> dict[str, float]:
+def measure(case: BenchCase, dtype, repeats: int, adaptive: bool = True,
+            device: str = "cpu") -> dict[str, float]:
     """Median seconds per forward+backward of every contender, timed interleaved: at least ``repeats``
     rounds, more for short calls (about ``MIN_TIMED_S`` of calls per contender, at most ``MAX_REPEATS``)."""
     import statistics
 
-    fns = _contenders(case, dtype)
+    fns = _contenders(case, dtype, device)
     names = list(fns)
     longest = 0.0
     for name in names:  # warm-up: first-touch allocations, torch's primitive caches
@@ -183,6 +215,23 @@ def measure(case: BenchCase, dtype, repeats: int, adaptive: bool = True) -> dict
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def gpu_missing() -> str:
+    """Why the GPU comparison cannot run here ('' when it can): it needs CuPy, a CUDA device and a PyTorch
+    built with CUDA."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # ImportError, or CUDA's error when there is no driver
+        return f"no CuPy GPU ({type(exc).__name__}: {exc})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"PyTorch {torch.__version__} has no CUDA device"
+    return ""
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -197,6 +246,9 @@ def main(argv=None) -> int:
     parser.add_argument("--conv-kernel", choices=("default", "numpy"), default="default",
                         help="numpy: time the NumPy im2col conv path even where the compiled kernels "
                              "are built")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: our kernels on CuPy against PyTorch CUDA on this node's GPU (exits 0 with "
+                             "one line when there is none)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -207,6 +259,11 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
+    if args.device == "gpu":
+        why = gpu_missing()
+        if why:
+            print(f"bench layers --device gpu: skipped, {why}")
+            return 0
     torch.set_num_threads(1)
     dtype = np.dtype(args.dtype)
     cases = default_cases(args.full)
@@ -220,7 +277,8 @@ def main(argv=None) -> int:
 
     conv_path = ("compiled direct convolution (_cconv)" if kconv.USE_COMPILED
                  else "NumPy im2col + GEMM" + ("" if kconv._cconv is not None else " (_cconv not built)"))
-    print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU, {args.dtype}, forward+backward, "
+    print(f"lbannpy layer kernels vs PyTorch {torch.__version__} {args.device.upper()}, {args.dtype}, "
+          f"forward+backward, "
           f"1 thread (torch threads {torch.get_num_threads()}, "
           + ", ".join(f"{v}={os.environ.get(v)}" for v in _THREAD_VARS)
           + f"), median of {repeats} after 1 warm-up"
@@ -233,7 +291,7 @@ def main(argv=None) -> int:
     print("-" * len(head))
     ratios: dict[str, list[float]] = {}
     for case in cases:
-        t = measure(case, dtype, repeats, adaptive=not args.quick)
+        t = measure(case, dtype, repeats, adaptive=not args.quick, device=args.device)
         layout = min(("torch NCHW", "torch NHWC"), key=lambda k: t[k])
         ratio = t["ours"] / t[layout]
         ratios.setdefault(case.kind, []).append(ratio)

@@ -148,6 +148,12 @@ def render(spec: JobSpec) -> str:
     if spec.account:
         sbatch.append(f"--account={spec.account}")
 
+    # a job that holds GPUs computes on them: one rank per GPU (checked in JobSpec), CuPy arrays, NCCL; the
+    # overrides win over whatever runtime the config names, so a CPU config trains on the GPUs as well
+    gpu = spec.gpus_per_node > 0
+    subs["TRAIN_DEVICE"] = " --set runtime.device=gpu --set runtime.backend=nccl" if gpu else ""
+    subs["BENCH_DEVICE"] = " --device gpu --backend nccl" if gpu else ""
+
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {opt}" for opt in sbatch]
     lines += [

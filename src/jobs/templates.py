@@ -154,7 +154,7 @@ for sweep in $sweeps; do
         esac
         echo "== $sweep scaling: $p rank(s) per sample -> $run_dir/$sweep-$p"
         srun -n "$p" python -m lbannpy.train "$config" --set parallel.default.n=1 --set "parallel.default.h=$p" \
-            --set "output.dir=$run_dir/$sweep-$p" "${extra[@]}"
+            --set "output.dir=$run_dir/$sweep-$p"@TRAIN_DEVICE@ "${extra[@]}"
     done
 done
 python -m lbannpy.jobs scaling "$run_dir" -o "$run_dir/scaling.csv"
@@ -163,7 +163,7 @@ echo "done: $run_dir/scaling.csv"
 
 BODY_TRAIN = r"""
 echo "== training on $SLURM_NTASKS rank(s) -> $run_dir"
-srun python -m lbannpy.train "$config" --set "output.dir=$run_dir"
+srun python -m lbannpy.train "$config" --set "output.dir=$run_dir"@TRAIN_DEVICE@
 echo "done: $run_dir/metrics.csv $run_dir/summary.json"
 """
 
@@ -172,7 +172,7 @@ BODY_CALIBRATE = r"""
 machine="${1:-$run_dir/machine.yaml}"
 echo "  machine=$machine"
 mkdir -p "$(dirname "$machine")"
-srun python -m lbannpy.bench calibrate -o "$machine"
+srun python -m lbannpy.bench calibrate@BENCH_DEVICE@ -o "$machine"
 [[ -s "$machine" ]] || { echo "error: calibration wrote no $machine" >&2; exit 1; }
 echo "done: $machine (use it with: python -m lbannpy.strategy CONFIG --ranks P --machine $machine)"
 """

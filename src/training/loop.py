@@ -8,10 +8,11 @@ the device in :meth:`Trainer.upload`.
 from __future__ import annotations
 
 import sys
+import time
 
 from . import ckpt
 from .build import build
-from .clock import Clock
+from .clock import Clock, make_clock
 from .gradsync import GradSync
 from .report import Report
 from .watchdog import Watchdog
@@ -37,7 +38,10 @@ class Trainer:
         world = self.world
         cfg = self.cfg = validate(self.cfg, ranks=world.size)
         tr = cfg["trainer"]
-        self.timer = Timer(events=[])  # cleared every step unless tracing
+        # per-layer, halo and step times on the device's clock (CUDA events on a GPU: host time there
+        # measures kernel launches)
+        self.clock = make_clock(self.rt.device, self.rt.xp)
+        self.timer = Timer(events=[], clock=None if self.clock.name == "host" else self.clock)
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
         self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort)
@@ -45,9 +49,13 @@ class Trainer:
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
+        if self.rt.device == "gpu":  # batches go up one ahead, asynchronously, from pinned memory
+            from lbannpy.data.reader import DeviceUploader
+
+            self.reader = DeviceUploader(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes)
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress)
-        self.report = Report(world, s.out_dir, self.timer, self.trace)
+        self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         if resume:
             self._resume()
         if world.rank == 0:
@@ -66,49 +74,66 @@ class Trainer:
         """The batch's input as a distributed tensor on the device, and its labels."""
         from lbannpy.tensor import DistTensor
 
-        x = DistTensor(self.rt.xp.asarray(batch.inputs, dtype=self.ctx.dtype), self.model.input_shape,
-                       self.model.input_dist, self.world.rank)
+        from lbannpy.backend import is_gpu_array
+
+        inputs = batch.inputs  # already on the device from a DeviceUploader
+        if not is_gpu_array(inputs):
+            inputs = self.rt.xp.asarray(inputs, dtype=self.ctx.dtype)
+        x = DistTensor(inputs, self.model.input_shape, self.model.input_dist, self.world.rank)
         return x, batch.labels
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics row."""
         from lbannpy.comm.overlap import hidden_fraction
 
-        wd, clock, sync = self.watchdog, self.clock, self.sync
+        wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
         t0 = clock.now()
+        h0 = time.perf_counter()
         wd.progress("waiting for data")
         batch = self.reader.next()
-        t_io = clock.now() - t0
+        t_io = time.perf_counter() - h0  # the host's wait for data, whatever the clock
         x, labels = self.upload(batch)
         self.model.set_train(True)
         self.optimizer.zero_grad()
         wd.progress("forward")
         logits = self.model.forward(x, before_layer=sync.before_forward)
         wd.progress("loss")
-        loss, metrics = self.loss.forward(logits, labels)
+        stats = self.loss.forward_stats(logits, labels)  # stays on the device, reduced there
         wd.progress("backward")
         mark = sync.start_backward()
-        t_bp = clock.now()
+        t_bp, h_bp = clock.now(), time.perf_counter()
         self.model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
-        t_bp_end = clock.now()
+        t_bp_end, h_bp_end = clock.now(), time.perf_counter()
         wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr
         recs = sync.finish(mark)
+        # bucket intervals are host times (on NCCL, of the launches): measured against the host's backward
         comm_iv = [(s, e) for _, _, _, s, e in recs]
         t_comm = sum(e - s for s, e in comm_iv)
-        hidden = hidden_fraction(comm_iv, [(t_bp, t_bp_end)])
+        hidden = hidden_fraction(comm_iv, [(h_bp, h_bp_end)])
         # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
         # backward events nest inside it)
         self.timer.span(("backward",), t_bp, t_bp_end, "compute")
-        for b, nbytes, _, s, e in recs:
-            self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
+        if self.timer.clock is None:  # the trace has one clock: buckets join it when it is the host's
+            for b, nbytes, _, s, e in recs:
+                self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
         self.step += 1
-        dt = clock.now() - t0
+        t_end = clock.now()
         wd.progress(f"step {self.step} done")
-        row = {"step": self.step, "epoch": (self.step - 1) // max(self.settings.steps_per_epoch, 1),
-               **metrics, "lr": lr, "step_time_s": dt, "io_wait_s": t_io, "comm_time_s": t_comm,
-               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm,
-               "samples_per_s": self.settings.batch_size / dt}
+        metrics, timing = {}, {}
+        if self.step % st.log_every == 0 or self.step == st.total_steps:
+            # a logged step: the device's marks and the reduced loss statistics come to the host here, and
+            # only here (an unlogged step makes no host synchronisation)
+            self.timer.settle()
+            clock.settle()
+            dt = clock.seconds(t_end) - clock.seconds(t0)
+            _, metrics = self.loss.metrics(stats)
+            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
+        row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
+               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
+               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
+        if timing:
+            row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
         self.report.end_step()
         return row
 
@@ -144,7 +169,8 @@ class Trainer:
             rep.add_eval(self.step, rep.untimed(self.evaluate))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", sps=f"{row['samples_per_s']:.1f}")
+            if "loss" in row:  # a logged step
+                bar.set_postfix(loss=f"{row['loss']:.4f}", sps=f"{row['samples_per_s']:.1f}")
         if s.ckpt_every and self.step % s.ckpt_every == 0 and self.step < s.total_steps:
             self.save_checkpoint()
 
@@ -160,7 +186,7 @@ class Trainer:
         s, rep = self.settings, self.report
         self.watchdog.start()
         bar = self._progress_bar()
-        t_start = self.clock.now()
+        t_start = time.perf_counter()  # the run's wall time is the host's
         first = self.step
         # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
         # follow it (summary.json "layers")
@@ -184,7 +210,7 @@ class Trainer:
             self.reader.close()
             if self.val_reader is not None:
                 self.val_reader.close()
-        self.write_outputs(self.clock.now() - t_start, self.step - first, final_eval)
+        self.write_outputs(time.perf_counter() - t_start, self.step - first, final_eval)
 
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
         """Who calls: every rank (collective)."""

@@ -19,8 +19,9 @@ TIMING_COLUMNS = ("step_time_s", "io_wait_s", "comm_time_s", "hidden_comm_s", "s
 
 
 class Report:
-    def __init__(self, world, out_dir: str, timer, trace: bool):
+    def __init__(self, world, out_dir: str, timer, trace: bool, clock: str = "host"):
         self.world = world
+        self.clock = clock  # the clock of the per-layer and step times: "host" or "cuda-events"
         self.out_dir = out_dir
         self.timer = timer
         self.trace = trace
@@ -43,10 +44,12 @@ class Report:
         """Run ``fn()`` with what it adds to the per-layer timer totals set aside: ``summary.json``'s
         per-layer times are means over the timed training steps only (no evaluation passes, no warm-up
         step)."""
+        self.timer.settle()  # a device clock's marks count where they were recorded
         before = dict(self.timer.totals)
         try:
             return fn()
         finally:
+            self.timer.settle()
             for k, v in self.timer.totals.items():
                 d = v - before.get(k, 0.0)
                 if d:
@@ -71,6 +74,7 @@ class Report:
         """Who calls: every rank (an allgather of the per-layer times). ``run``: steps, ranks, batch_size,
         dtype, wall_s."""
         # per-layer and communication times: the slowest rank's (what bounds the step)
+        self.timer.settle()
         gathered = self.world.allgather_obj(self.per_layer(steps_run))
         if self.trace:
             self.write_trace()
@@ -111,6 +115,9 @@ class Report:
             "hidden_comm_fraction": (float(np.sum(hidden) / np.sum(comm)) if comm and np.sum(comm) > 0
                                      else (0.0 if comm else None)),
             "buckets": buckets,
+            # which clock timed what: on a GPU, CUDA events for the layers, halos and steps (host time
+            # there measures launches); bucket intervals and the hidden fraction are host times
+            "clock": {"layers": self.clock, "step": self.clock, "buckets": "host", "io_wait": "host"},
             "wall_s": run["wall_s"],
             "layers": merged,
             "distributions": distributions,

@@ -1,0 +1,259 @@
+"""End to end on GPUs: ``python -m lbannpy.train CONFIG --set runtime.device=gpu --set runtime.backend=nccl``
+under ``mpiexec`` at 1, 2 and 4 ranks, rank r on device r, against the NumPy path.
+
+On the CUDA/CuPy/NCCL stand-in in every test run (``LBANNPY_GPU=real`` for real CuPy/NCCL; see
+conftest.py). Each GPU run ends with the weights of the single-rank NumPy run of the same global batch
+(float64: 1e-10 relative; float32: round-off) and the same losses:
+
+* classification: sample, spatial + model-parallel FC, hybrid + 1.5D FC, replicated FC;
+* segmentation: spatial and hybrid;
+* overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1`` (on a real GPU only, see below);
+* checkpoint on the GPU and resume on the GPU;
+* a budget: host synchronisations per training step stay at most ``HOST_SYNC_BUDGET`` (printed).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve()
+PY = sys.executable
+REAL = os.environ.get("LBANNPY_GPU", "") == "real"
+GPU = ("--set", "runtime.device=gpu", "--set", "runtime.backend=nccl")
+# per training step: the metrics of a logged step (one read of the reduced loss statistics) plus a little
+# room; today's count is printed by the test
+HOST_SYNC_BUDGET = 3
+
+CLS_LAYERS = [
+    {"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1, "bias": False},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},
+    {"name": "r1", "type": "relu"},
+    {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+    {"name": "c2", "type": "conv", "filters": 4, "kernel": 3, "stride": 2, "padding": 1},
+    {"name": "r2", "type": "relu"},
+    {"name": "f1", "type": "fc", "units": 6},
+    {"name": "r3", "type": "relu"},
+    {"name": "f2", "type": "fc", "units": 4},
+]
+SEG_LAYERS = [
+    {"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "stride": 2, "padding": 1, "bias": False},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},  # equals one-rank BN under any split
+    {"name": "r1", "type": "relu"},
+    {"name": "p1", "type": "pool", "mode": "avg", "kernel": 1},
+    {"name": "c2", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
+    {"name": "r2", "type": "relu"},
+    {"name": "s", "type": "sum", "parents": ["r2", "p1"]},
+    {"name": "predict", "type": "conv", "filters": 2, "kernel": 1},
+]
+STEPS = 3
+
+
+def run(cmd, timeout=240):
+    """A serial helper command (data, configs: no GPU involved)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == 0, f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stderr[-3000:]}"
+    return p
+
+
+@pytest.fixture
+def train(gpu_run):
+    """``train(ranks, config, *extra, env=None)``: ``mpiexec -n ranks python -m lbannpy.train config
+    --quiet extra`` with the GPU tier's environment."""
+    def go(ranks, config, *extra, env=None, timeout=240):
+        return gpu_run(["mpiexec", "-n", ranks, PY, "-m", "lbannpy.train", config, "--quiet", *extra],
+                       env=env, timeout=timeout)
+    return go
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu-e2e")
+    run([PY, "-m", "lbannpy.data", "blobs", "--size", "8", "--samples", "32", "--classes", "4",
+         "-o", d / "blobs.h5"])
+    run([PY, "-m", "lbannpy.data", "mesh", "--size", "16", "--samples", "16", "-o", d / "mesh.h5", "-q"])
+    return d
+
+
+def spec(work, kind, tag, parallel=None, comm=None, dtype="float64", steps=STEPS, ckpt_every=0):
+    if kind == "cls":
+        model = {"name": "cls", "input": {"channels": 3, "spatial": [8, 8]}, "layers": CLS_LAYERS,
+                 "loss": "cross_entropy"}
+        data = {"train": {"path": str(work / "blobs.h5")}}
+    else:
+        model = {"name": "seg", "input": {"channels": 18, "spatial": [16, 16]}, "layers": SEG_LAYERS,
+                 "loss": "pixel_cross_entropy"}
+        data = {"train": {"path": str(work / "mesh.h5")}}
+    cfg = {"model": model, "data": data,
+           "trainer": {"batch_size": 4, "steps": steps, "seed": 3, "dtype": dtype},
+           "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+           "parallel": parallel or {}, "comm": comm or {},
+           "checkpoint": {"dir": str(work / tag / "ckpt"), "every_steps": ckpt_every},
+           "output": {"dir": str(work / tag / "out")}}
+    (work / f"{tag}.yaml").write_text(yaml.safe_dump(cfg))
+    run([PY, "-m", "lbannpy.config", "build", work / f"{tag}.yaml", "-o", work / f"{tag}.h5"])
+    return work / f"{tag}.h5"
+
+
+def final_params(work, tag) -> dict:
+    import h5py
+
+    ck = work / tag / "ckpt"
+    newest = sorted(f for f in os.listdir(ck) if f.endswith(".h5"))[-1]
+    with h5py.File(ck / newest, "r") as f:
+        return {name: ds[()] for name, ds in f["params"].items()}
+
+
+def losses(work, tag) -> list[float]:
+    with open(work / tag / "out" / "metrics.csv") as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def assert_same_run(work, tag, ref, rtol, what):
+    got, want = final_params(work, tag), final_params(work, ref)
+    assert got.keys() == want.keys(), what
+    for k in want:
+        err = np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-30)
+        assert err <= rtol, f"{what}: {k} differs by {err:.3g} relative"
+    a, b = losses(work, tag), losses(work, ref)
+    assert len(a) == len(b) == STEPS, (what, a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rtol * max(1.0, abs(y)), f"{what}: losses {a} vs the NumPy run's {b}"
+
+
+def summary(work, tag) -> dict:
+    return json.loads((work / tag / "out" / "summary.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------- tests
+CLS_RUNS = [
+    (1, None, None, "one-gpu"),
+    (2, {"default": {"n": 2}}, None, "sample"),
+    (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}, None, "spatial+model-parallel-fc"),
+    (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 2, "c": 2}}}, None,
+     "hybrid+1.5d-fc"),
+    (2, {"default": {"n": 2}}, {"replicate_fc": 2, "bucket_mb": 0.001, "first_bucket_mb": 0.0005},
+     "replicated-fc"),
+]
+SEG_RUNS = [
+    (2, {"default": {"h": 2}}, None, "spatial"),
+    (4, {"default": {"n": 2, "w": 2}}, None, "hybrid"),
+]
+
+
+@pytest.mark.parametrize("kind,runs", [("cls", CLS_RUNS), ("seg", SEG_RUNS)],
+                         ids=["classification", "segmentation"])
+def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
+    ref = f"{kind}-cpu"
+    train(1, spec(work, kind, ref))
+    for ranks, parallel, comm, name in runs:
+        tag = f"{kind}-gpu-{name}"
+        train(ranks, spec(work, kind, tag, parallel, comm), *GPU)
+        assert_same_run(work, tag, ref, 1e-10, f"{kind} {name} on {ranks} GPU(s)")
+        s = summary(work, tag)
+        assert s["ranks"] == ranks and s["steps"] == STEPS
+        # row 9: per-layer, halo and step times are CUDA events on a GPU, and the summary says so
+        assert s["clock"]["layers"] == s["clock"]["step"] == "cuda-events", s["clock"]
+        assert s["layers"] and all(t >= 0 for ph in s["layers"].values() for t in ph.values()), s["layers"]
+    assert summary(work, ref)["clock"]["layers"] == "host"
+
+
+# backend mpi with LBANNPY_CUDA_AWARE_MPI=1 is not here: mpi4py cannot take the stand-in's device arrays as
+# buffers (the halo exchange's Irecv raises "a bytes-like object is required"); it runs on a real GPU
+@pytest.mark.parametrize("backend,overlap", [("nccl", False)] + ([("mpi", True)] if REAL else []),
+                         ids=["nccl-overlap-off"] + (["cuda-aware-mpi"] if REAL else []))
+def test_gpu_training_on_two_ranks_other_modes(work, train, backend, overlap):
+    """The acceptance command (``--set runtime.device=gpu --set runtime.backend=...``, rank 1 on device 1)
+    with overlap off, and with CUDA-aware MPI instead of NCCL: the losses and weights of the CPU run."""
+    ref = "cls-cpu-2"
+    if not (work / ref / "ckpt").is_dir():
+        train(2, spec(work, "cls", ref, {"default": {"h": 2}}))
+    tag = f"cls-gpu-{backend}-{'overlap' if overlap else 'blocking'}"
+    cfg = spec(work, "cls", tag, {"default": {"h": 2}}, {"overlap": overlap})
+    train(2, cfg, "--set", "runtime.device=gpu", "--set", f"runtime.backend={backend}",
+          env={"LBANNPY_CUDA_AWARE_MPI": "1"} if backend == "mpi" else None)
+    assert_same_run(work, tag, ref, 1e-10, f"{backend}, overlap {overlap}")
+
+
+def test_float32_gpu_run_matches_to_roundoff(work, train):
+    train(1, spec(work, "seg", "f32-cpu", dtype="float32"))
+    train(2, spec(work, "seg", "f32-gpu", {"default": {"h": 2}}, dtype="float32"), *GPU)
+    assert_same_run(work, "f32-gpu", "f32-cpu", 1e-4, "float32 spatial on 2 GPUs")
+
+
+def test_checkpoint_and_resume_on_gpus(work, train):
+    """A GPU run stopped after a checkpoint and resumed on GPUs (another rank count) ends with the weights
+    and losses of the uninterrupted NumPy run."""
+    ref = "cls-cpu"
+    if not (work / ref / "ckpt").is_dir():
+        train(1, spec(work, "cls", ref))
+    par = {"default": {"n": 2}}
+    train(2, spec(work, "cls", "resume", par, steps=2), *GPU)   # stops after 2 steps with a checkpoint
+    train(4, spec(work, "cls", "resume", {"default": {"n": 2, "h": 2}}), "--resume", *GPU)
+    assert_same_run(work, "resume", ref, 1e-10, "resumed on GPUs")
+
+
+def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch):
+    """Steps that are not logged make no host synchronisation at all (the batch is uploaded ahead from
+    pinned memory, the loss statistics stay on the device); a logged step stays within the budget."""
+    cfg = spec(work, "seg", "budget", {"default": {"h": 2}}, steps=5)
+    rows = gpu_launch(HERE, "budget", 2, cfg, "--set", "output.log_every=5", timeout=240)
+    for row in rows:
+        per_step = row["per_step"]
+        print(f"rank {row['rank']} (device {row['device']}): host syncs per training step {per_step} "
+              f"(budget {HOST_SYNC_BUDGET} for a logged step, 0 otherwise); call sites of the logged step: "
+              f"{row['sites']}; event timings read per step {row['elapsed_time_reads']}")
+        assert row["device"] == row["rank"] and row["rc"] == 0, row
+        # row 11: the training batches come through the uploader (pinned staging, copy stream, one ahead)
+        assert row["readers"] == ["DeviceUploader"], row
+        assert len(per_step) == 5
+        # step 1 sets up plans, buffers and communicators; steps 2-4 are not logged; step 5 is
+        assert per_step[1:4] == [0, 0, 0], row
+        assert per_step[4] <= HOST_SYNC_BUDGET, row
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _budget(config, *extra):
+    """Train with every ``train_step`` counted by the stand-in's host-sync probe."""
+    from cupy import _standin as probe  # the stand-in's host-sync counter
+
+    from lbannpy import train as T
+
+    counts, reads, sites, readers = [], [], {}, set()
+    step = T.Trainer.train_step
+
+    def counted(self):
+        readers.add(type(self.reader).__name__)
+        probe.reset_host_syncs()
+        row = step(self)
+        got = probe.host_syncs()
+        # reading the elapsed time of events that an Event.synchronize already saw complete does not wait
+        # (cudaEventElapsedTime never blocks); the stand-in lists those reads, they are reported apart
+        counts.append(sum(v for (kind, _), v in got.items() if kind != "get_elapsed_time"))
+        reads.append(sum(v for (kind, _), v in got.items() if kind == "get_elapsed_time"))
+        sites.clear()
+        sites.update({f"{kind} {where}": int(v) for (kind, where), v in got.items()
+                      if kind != "get_elapsed_time"})
+        return row
+
+    T.Trainer.train_step = counted
+    from mpi4py import MPI
+
+    import cupy
+
+    rc = T.main([config, "--quiet", *GPU, *extra])
+    return {"rank": MPI.COMM_WORLD.rank, "device": int(cupy.cuda.Device().id), "per_step": counts,
+            "elapsed_time_reads": reads, "sites": sites, "rc": rc, "readers": sorted(readers)}
+
+
+if __name__ == "__main__":
+    out = {"budget": _budget}[sys.argv[1]](*sys.argv[2:])
+    print("RESULT " + json.dumps(out), flush=True)
