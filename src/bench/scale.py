@@ -421,7 +421,7 @@ def real(args) -> int:
         world = rt.world
         P = world.size
         spec = model_spec(args.real_model, args.real_input)
-        degrees = parse_split(args.split) or nhw_split(P, _deepest(spec), min_n=1)
+        degrees = parse_split(args.split) or nhw_split(P, _deepest(spec), min_n=2)
         batch = args.batch_size or 2 * degrees["n"]
         data_dir = args.data_dir
         if world.rank == 0:
@@ -435,19 +435,26 @@ def real(args) -> int:
         step_s, sent = time_index_step(setup)
         overhead = real_steps(setup, args.steps)
         nl = len(setup.model.layers)
-        mine = np.array([setup_s, step_s / nl * 1e6, overhead / nl * 1e6])
+        mine = np.array([setup_s, setup.cpu_seconds, step_s / nl * 1e6, overhead / nl * 1e6])
         worst = world.allreduce(mine, op="max")
         setup.close()
         world.barrier()
         if world.rank == 0:
             sim = simulate(args.real_model, P, degrees, batch, 0, data_dir, args.real_input)
+            from lbannpy.comm.recording import RecordingCommunicator
+
+            alone = RankSetup(spec, batch, degrees, RecordingCommunicator(P, 0), data_dir)
+            sim_over = real_steps(alone, args.steps) / nl * 1e6
+            alone.close()
             sys.stdout.write(
                 f"real run: {args.real_model} on {P} ranks, split {split_str(degrees)}, batch {batch}, "
-                f"{nl} layers (slowest rank; simulator: rank 0 alone in one process)\n"
+                f"{nl} layers, {args.steps} steps (real: slowest rank; simulated: rank 0 alone in one "
+                f"process on a recording communicator)\n"
                 f"{'':<30} {'real':>10} {'simulated':>10}\n"
-                f"{'set-up s':<30} {worst[0]:>10.3f} {sim['setup_s']:>10.3f}\n"
-                f"{'index µs/layer':<30} {worst[1]:>10.1f} {sim['index_us_per_layer']:>10.1f}\n"
-                f"{'step overhead µs/layer':<30} {worst[2]:>10.1f} {'':>10}\n"
+                f"{'set-up s (wall)':<30} {worst[0]:>10.3f} {sim['setup_wall_s']:>10.3f}\n"
+                f"{'set-up s (CPU)':<30} {worst[1]:>10.3f} {sim['setup_s']:>10.3f}\n"
+                f"{'index µs/layer':<30} {worst[2]:>10.1f} {sim['index_us_per_layer']:>10.1f}\n"
+                f"{'step overhead µs/layer':<30} {worst[3]:>10.1f} {sim_over:>10.1f}\n"
                 f"{'halo bytes/step (rank 0)':<30} {sent['halo']:>10} {sim['sent']['halo']:>10}\n"
                 f"{'allreduce bytes/step (rank 0)':<30} {sent['allreduce']:>10} "
                 f"{sim['sent']['allreduce']:>10}\n")
@@ -458,8 +465,8 @@ def real(args) -> int:
 def real_steps(setup: RankSetup, steps: int) -> float:
     """Run ``steps`` real training steps (forward, loss, backward, gradient allreduce) of ``setup`` on its
     communicator; returns the median per-step time outside the layers' kernels and communication (the
-    template's own overhead: step wall time minus the timer's per-layer totals and the bucket
-    reductions), after one warm-up step."""
+    template's own overhead: step wall time minus the timer's per-layer totals, the loss and the bucket
+    reductions, all of which wait for other ranks), after one warm-up step."""
     from lbannpy.tensor import DistTensor
 
     model, loss, ctx, rank = setup.model, setup.loss, setup.ctx, setup.ctx.rank
@@ -469,16 +476,28 @@ def real_steps(setup: RankSetup, steps: int) -> float:
     lbox = loss.label_box()
     labels = rng.integers(0, model.output.out_shape[1], size=tuple(b - a for a, b in lbox)).astype(np.int32)
     over = []
+    spent = [0.0]  # time in the loss and the gradient buckets (collectives that wait for other ranks)
+
+    def on_layer(name):
+        t = time.perf_counter()
+        setup.engine.layer_done(name)
+        spent[0] += time.perf_counter() - t
+
     for step in range(steps + 1):
         ctx.timer.totals.clear()
+        spent[0] = 0.0
         setup.engine.start_step()
         t0 = time.perf_counter()
         y = model.forward(x)
-        _, _ = loss.forward(y, labels)
-        model.backward(loss.backward(), on_layer=setup.engine.layer_done, input_grad=False)
+        t = time.perf_counter()
+        loss.forward(y, labels)
+        dy = loss.backward()
+        spent[0] += time.perf_counter() - t
+        model.backward(dy, on_layer=on_layer, input_grad=False)
         t1 = time.perf_counter()
         setup.engine.finish()
-        inside = sum(ctx.timer.totals.values())
+        inside = spent[0] + sum(v for (_, phase), v in ctx.timer.totals.items()
+                                if phase in ("fp", "bp", "shuffle", "shuffle_bp"))  # the template's spans
         if step:
             over.append(max(t1 - t0 - inside, 0.0))
     return float(np.median(over))
