@@ -232,3 +232,40 @@ def test_the_counters_see_a_loop_over_ranks(monkeypatch):
     assert steps[0] != steps[1]
     assert steps[1]["empty_block_brute"] > 0
     assert steps[1]["ProcessGrid.coords"] > 3 * steps[0]["ProcessGrid.coords"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# the strategy cost model's redistribution times: exact, at a fraction of the ranks
+
+
+def _shuffle_times_every_rank(shape, srcs, dsts, machine):
+    """The slowest rank's time of every pair, evaluated on every rank (the formula before periods)."""
+    from lbannpy.strategy import cost
+
+    vol, peers = cost._shuffle_arrays(shape, srcs, dsts)
+    link = machine.redistribution_link or machine.link(srcs[0].ranks)
+    msgs = np.ceil(np.log2(np.maximum(peers, 2)))
+    t = np.where(vol > 0, msgs * link.alpha_s + vol * (machine.dtype_bytes * link.beta_s_per_byte), 0.0)
+    return t.max(axis=-1)
+
+
+def test_shuffle_times_equal_the_every_rank_maximum():
+    from lbannpy.strategy import cost
+    from lbannpy.strategy.machine_model import load_machine_model as load_machine
+
+    machine = load_machine("lassen")
+    rng = np.random.default_rng(3)
+    ranks = 256
+    degrees = [1, 2, 4, 8, 16]
+    shape = (32, 64, 28, 14)
+    cands = []
+    while len(cands) < 14:
+        split = tuple(int(rng.choice(degrees)) for _ in range(4))
+        if ranks % math.prod(split) == 0 and all(s <= n for s, n in zip(split, shape)):
+            rep = (1,) if rng.random() < 0.2 and split[1] > 1 else ()
+            cands.append(Distribution(split, ranks, rep))
+    srcs, dsts = cands[:7], cands[7:] + cands[:2]
+    got = cost.shuffle_times(shape, srcs, dsts, machine)
+    want = _shuffle_times_every_rank(shape, srcs, dsts, machine)
+    assert np.allclose(got, want, rtol=1e-12, atol=0), (got, want)
+    assert (want > 0).sum() > 10
