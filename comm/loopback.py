@@ -35,9 +35,12 @@ class LoopbackCommunicator(Communicator):
     def size(self) -> int:
         return self._size
 
-    def group(self, members: Sequence[int]) -> "LoopbackCommunicator":
+    def group(self, members) -> "LoopbackCommunicator":
         """The communicator of ``members`` (world ranks, this rank among them), ranked by world rank as
-        ``split(color, key=world rank)`` ranks them."""
+        ``split(color, key=world rank)`` ranks them. A :class:`lbannpy.dist.GroupSpec` gives size and
+        position directly (no member list, O(1) at any rank count)."""
+        if hasattr(members, "color"):
+            return LoopbackCommunicator(members.size, members.index)
         members = sorted(int(m) for m in members)
         if self._rank not in members:
             raise CommError(f"loopback: rank {self._rank} is not in the group {members}")

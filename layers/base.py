@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lbannpy.dist import Box, Distribution, DistributionError, Stencil, box_shape, box_size, shape_str
-from lbannpy.shuffle import shuffle_plan
+from lbannpy.shuffle import same_layout, shuffle_plan
 from lbannpy.tensor import DistTensor
 
 from .kernels._buffers import Scratch
@@ -100,7 +100,8 @@ class LayerContext:
         self.seed = int(seed)
         self.overlap = overlap
         self.timer = timer or Timer()
-        self._groups: dict = {}
+        self._groups: dict = {}  # (kind, distribution, dims) -> communicator
+        self._partitions: dict = {}  # partition key -> communicator
         self._tags = 100
         self._workspace = Scratch(xp)
 
@@ -115,20 +116,27 @@ class LayerContext:
     def block_comm(self, dist: Distribution, dims: Sequence[str] | None = None):
         """Collective over the world (on first use of a partition): the communicator of
         ``dist.block_group``. Distributions that cut the ranks into the same groups share it."""
-        return self._group_comm([tuple(dist.block_group(r, dims)) for r in range(self.size)])
+        key = ("block", dist, None if dims is None else tuple(dims))
+        comm = self._groups.get(key)  # looked up before anything is computed: one dict hit per call
+        if comm is None:
+            comm = self._groups[key] = self._group_comm(dist.block_group_spec(self.rank, dims))
+        return comm
 
     def grid_comm(self, dist: Distribution, dims: Sequence[str]):
         """Collective over the world (on first use of a partition): the communicator of ``dist.group``."""
-        return self._group_comm([tuple(dist.group(r, dims)) for r in range(self.size)])
+        key = ("grid", dist, tuple(dims))
+        comm = self._groups.get(key)
+        if comm is None:
+            comm = self._groups[key] = self._group_comm(dist.group_spec(self.rank, dims))
+        return comm
 
-    def _group_comm(self, groups: list[tuple]):
-        # the key is the whole partition of the ranks, the same on every rank, so every rank splits (or
-        # reuses) at the same moments
-        key = tuple(sorted(set(groups)))
-        if key not in self._groups:
-            members = groups[self.rank]
-            self._groups[key] = self.comm.group(members)
-        return self._groups[key]
+    def _group_comm(self, spec):
+        # ``spec.key`` names the whole partition of the ranks, the same on every rank, so every rank splits
+        # (or reuses) at the same moments; the colour comes from this rank's grid coordinates in O(ndim)
+        comm = self._partitions.get(spec.key)
+        if comm is None:
+            comm = self._partitions[spec.key] = self.comm.group(spec)
+        return comm
 
     def workspace(self, slot: str, shape: Sequence[int], dtype):
         """A reused, uninitialised C-contiguous array for a temporary that lives only inside one layer's
@@ -233,8 +241,7 @@ class Layer:
         self._in_plans = []
         self._parent_dists = list(parent_dists)
         for s, src, dst in zip(self.in_shapes, parent_dists, self.in_dists):
-            same = src == dst or (src.ranks == dst.ranks and all(
-                src.box(s, r) == dst.box(s, r) for r in range(src.ranks)))
+            same = src == dst or same_layout(src, dst, s)
             # from the cache that also serves the reverse plans (src/shuffle.py): one plan per layout pair
             self._in_plans.append(None if same else shuffle_plan(src, dst, s, ctx.rank))
 
@@ -279,7 +286,7 @@ class Layer:
         t0 = ctx.timer.now()
         y = self.fp_compute(xs)
         ctx.timer.add((self.name, "fp"), t0, ctx.timer.now())
-        return DistTensor(y, self.out_shape, self.out_dist, ctx.rank)
+        return DistTensor.wrap(y, self.out_shape, self.out_dist, ctx.rank)
 
     def backward(self, dy: DistTensor) -> list[DistTensor]:
         ctx = self.ctx
@@ -297,9 +304,9 @@ class Layer:
             if dx is None:  # not wanted (needs_input_grad) and not computed
                 out.append(None)
             elif h is None:  # the parent's layout, as the parent gave it
-                out.append(DistTensor(dx, self.in_shapes[i], self._parent_dists[i], ctx.rank))
+                out.append(DistTensor.wrap(dx, self.in_shapes[i], self._parent_dists[i], ctx.rank))
             else:
-                out.append(DistTensor(h.wait(), self.in_shapes[i], back.dst_dist, ctx.rank))
+                out.append(DistTensor.wrap(h.wait(), self.in_shapes[i], back.dst_dist, ctx.rank))
         if any(h is not None for h in moving):
             ctx.timer.add((self.name, "shuffle_bp"), t0, ctx.timer.now(), "comm")
         return out

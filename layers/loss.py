@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from lbannpy.backend import to_numpy
-from lbannpy.dist import Distribution, shape_str
+from lbannpy.dist import Distribution, block_range, shape_str
 from lbannpy.shuffle import ShufflePlan
 from lbannpy.tensor import DistTensor
 
@@ -93,7 +93,7 @@ class Loss:
         if not self.factors:
             return
         lshape = (self.logits_shape[0], 1) + tuple(label_shape[1:])
-        for r in range(self.dist.ranks):
+        for r in self._label_suspects(lshape):  # O(sum of split degrees), not a loop over ranks
             want = self.label_box(r)
             got = self.dist.box(lshape, r)
             got = (got[0],) + tuple(got[2:])
@@ -103,6 +103,19 @@ class Loss:
                     f"{self.logits_shape} under {self.dist} covers input pixels {want}, but the label block "
                     f"read for it is {got}; choose a spatial split that divides the prediction's size "
                     f"{self.logits_shape[2:]}")
+
+    def _label_suspects(self, lshape):
+        """The first rank (in rank order) whose label block can differ from its prediction cells: blocks
+        differ dimension by dimension, so per spatial dimension the first bad block coordinate, 0
+        elsewhere, and the smallest such rank (none when every block matches)."""
+        dist, out = self.dist, []
+        for d, f in zip(range(2, len(lshape)), self.factors):
+            n, m, p = self.logits_shape[d], lshape[d], dist.parts[d]
+            bad = next((c for c in range(p) if tuple(f * x for x in block_range(n, p, c))
+                        != block_range(m, p, c)), None)
+            if bad is not None:
+                out.append(dist.rank_of(tuple(bad if i == d else 0 for i in range(dist.ndim))))
+        return sorted(out)[:1]
 
     def label_box(self, rank=None):
         """Box of the labels this rank needs: samples and (scaled) spatial block of its logits."""

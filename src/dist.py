@@ -455,6 +455,20 @@ class Distribution:
         """Ranks holding the same block as ``rank`` (its replicas), in replica order."""
         return self.block_ranks(self.coords(rank))
 
+    # -- groups without listing them: O(ndim) per rank
+    def group_spec(self, rank: int, dims: Iterable[str]) -> "GroupSpec":
+        """``rank``'s group of :meth:`group` (grid coordinates vary only along ``dims``, same outer
+        replica), described in O(ndim): colour, size and position, no member list."""
+        idx = {self.dim_names.index(d) for d in dims}
+        return GroupSpec.of(self.grid.shape, {1 + i for i in idx}, rank)
+
+    def block_group_spec(self, rank: int, dims: Iterable[str] | None = None) -> "GroupSpec":
+        """``rank``'s group of :meth:`block_group` in O(ndim): block coordinates vary along ``dims``
+        (replicated axes and the outer replica stay fixed, so each replica index forms its own groups)."""
+        names = self.dim_names if dims is None else tuple(dims)
+        idx = {self.dim_names.index(d) for d in names}
+        return GroupSpec.of(self.grid.shape, {1 + i for i in idx if i not in self.replicate}, rank)
+
     # -- shapes and boxes
     def check_shape(self, global_shape: Sequence[int], what: str = "tensor") -> None:
         """Refuse shapes that leave a block empty (a split degree larger than the extent)."""
@@ -497,6 +511,61 @@ class Distribution:
         return out
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """One rank's group in a partition of the ranks of a C-order grid into the sub-grids that vary along
+    some axes: what ``comm.split(color, key=rank)`` needs, computed in O(ndim) per rank.
+
+    ``key`` names the partition and is identical on every rank (two distributions or dimension lists that
+    cut the ranks the same way have the same key: axes of extent 1 are dropped and neighbouring axes of
+    the same kind merged); ``color`` is the smallest rank of the group (the same on all its members);
+    ``size`` its number of ranks; ``index`` this rank's position in it (members are in rank order).
+    ``members()`` lists the group (O(size), for tests and for backends that need the list).
+    """
+
+    key: tuple
+    color: int
+    size: int
+    index: int
+    runs: tuple  # ((extent, stride, varying), ...) of the merged axes
+
+    @classmethod
+    def of(cls, shape: Sequence[int], varying: set, rank: int) -> "GroupSpec":
+        merged: list[list] = []  # [extent, varying] runs of axes, slowest first
+        for a, extent in enumerate(shape):
+            if extent == 1:
+                continue
+            v = a in varying
+            if merged and merged[-1][1] == v:
+                merged[-1][0] *= extent
+            else:
+                merged.append([extent, v])
+        total = math.prod(shape)
+        if not 0 <= rank < total:
+            raise DistributionError(f"rank {rank} outside a grid of {total} ranks {tuple(shape)}")
+        runs, stride = [], 1
+        for extent, v in reversed(merged):
+            runs.append((extent, stride, v))
+            stride *= extent
+        runs.reverse()
+        color, size, index = rank, 1, 0
+        for extent, stride, v in runs:
+            if v:
+                c = rank // stride % extent
+                color -= c * stride
+                index = index * extent + c
+                size *= extent
+        key = (total,) + tuple((e, v) for e, v in merged)
+        return cls(key, color, size, index, tuple(runs))
+
+    def members(self) -> list[int]:
+        out = [self.color]
+        for extent, stride, v in self.runs:
+            if v:
+                out = [m + c * stride for m in out for c in range(extent)]
+        return out
+
+
 def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
     out = []
     for extent in reversed(shape):
@@ -509,9 +578,29 @@ def empty_block(dist: "Distribution", global_shape: Sequence[int]) -> tuple[int,
     """The first rank (in rank order) whose block of ``global_shape`` is empty, and the dimension in which
     it is, or ``None`` when every block holds data.
 
-    It loops over every rank, so every rank that asks gets the same answer and can raise the same error
-    without talking to the others.
+    Every rank that asks gets the same answer and can raise the same error without talking to the
+    others. O(ndim), not a loop over ranks: along dimension ``d`` the blocks ``c >= extent`` are the empty
+    ones, so the first empty rank sits at coordinate ``extent`` of one dimension and 0 elsewhere
+    (:func:`empty_block_brute` is the every-rank reference the tests compare it with).
     """
+    first = None
+    for d, (n, p) in enumerate(zip(global_shape, dist.parts)):
+        n = int(n)
+        if n < p:  # blocks 0..n-1 hold one element each, blocks n.. none
+            coords = tuple(n if i == d else 0 for i in range(dist.ndim))
+            r = dist.rank_of(coords, 0)
+            if first is None or r < first:
+                first = r
+    if first is None:
+        return None
+    for d, (lo, hi) in enumerate(dist.box(global_shape, first)):
+        if hi <= lo:
+            return first, d
+    raise AssertionError("unreachable: the first empty rank has an empty dimension")  # pragma: no cover
+
+
+def empty_block_brute(dist: "Distribution", global_shape: Sequence[int]) -> tuple[int, int] | None:
+    """:func:`empty_block` by looping over every rank (O(P)); the reference for tests, never for plans."""
     for r in range(dist.ranks):
         for d, (lo, hi) in enumerate(dist.box(global_shape, r)):
             if hi <= lo:

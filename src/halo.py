@@ -39,8 +39,8 @@ from typing import Sequence
 
 from lbannpy.backend import array_module
 from lbannpy.comm.base import Communicator, Handle, wait_all
-from lbannpy.dist import (Box, Distribution, DistributionError, Stencil, box_shape, box_size, box_subtract,
-                          clip_box, empty_block, intersect, relative_slices, shape_str)
+from lbannpy.dist import (Box, Distribution, DistributionError, Stencil, block_range, box_shape, box_size,
+                          box_subtract, clip_box, empty_block, intersect, relative_slices, shape_str)
 from lbannpy.tensor import Segment, check_array, check_comm, pack, packed_size, segments, unpack
 
 TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
@@ -146,7 +146,8 @@ class HaloPlan:
             if peer != rank:
                 recv_pieces.append((peer, intersect(self.window_box, dist.box(global_shape, peer))))
         send_pieces = []
-        for peer in sorted(dist.rank_of(c, replica) for c in _all_blocks(dist)):
+        for peer in sorted(dist.rank_of(c, replica) for c in _readers(dist, self.output_shape, stencil,
+                                                                     self.input_box)):
             if peer == rank:
                 continue
             box = intersect(stencil.input_window(dist.box(self.output_shape, peer)), self.input_box)
@@ -247,13 +248,24 @@ class HaloExchange(Handle):
         self.window = window
 
 
-def _all_blocks(dist: Distribution):
-    for b in range(dist.nblocks):
-        out = []
-        for extent in reversed(dist.parts):
-            b, c = divmod(b, extent)
-            out.append(c)
-        yield tuple(reversed(out))
+def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_box: Box):
+    """Block coordinates of every output block whose input window meets ``input_box``: per dimension the
+    output blocks whose window range meets the input range (a box meets a box exactly when their ranges
+    meet in every dimension), then their product. O(sum of the split degrees), never a loop over ranks."""
+    per_dim = []
+    for n, p, w, (lo, hi) in zip(output_shape, dist.parts, stencil.dims, input_box):
+        hit = []
+        for c in range(p):
+            a, b = w.input_window(*block_range(n, p, c))
+            if a < hi and lo < b:
+                hit.append(c)
+        if not hit:
+            return []
+        per_dim.append(hit)
+    out = [()]
+    for hit in per_dim:
+        out = [c + (i,) for c in out for i in hit]
+    return out
 
 
 @functools.lru_cache(maxsize=512)

@@ -126,7 +126,8 @@ class Model:
                     continue
                 key = INPUT_NAMES[0] if p in INPUT_NAMES else p
                 if key in grads:
-                    grads[key] = DistTensor(grads[key].local + dx.local, dx.global_shape, dx.dist, dx.rank)
+                    grads[key] = DistTensor.wrap(grads[key].local + dx.local, dx.global_shape, dx.dist,
+                                                 dx.rank)
                 else:
                     grads[key] = dx
         self._acts = None

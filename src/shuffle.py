@@ -116,7 +116,7 @@ class ShufflePlan:
         self._sendcounts = [0 if q == rank else c for q, c in enumerate(self.sendcounts)]
         self._recvcounts = [0 if q == rank else c for q, c in enumerate(self.recvcounts)]
         # every rank's destination block inside its own source block: no rank talks to another
-        self.local_only = all(box_contains(src.box(shape, r), dst.box(shape, r)) for r in range(nranks))
+        self.local_only = local_only(src, dst, shape)
         self.keep_slices = (relative_slices(self.dst_box, [lo for lo, _ in self.src_box])
                             if self.local_only else None)
 
@@ -170,6 +170,22 @@ def _contiguous_piece(arr, segs):
         return None
     view = arr[segs[0].slices]
     return view.reshape(-1) if view.flags.c_contiguous else None
+
+
+@functools.lru_cache(maxsize=1024)
+def local_only(src: Distribution, dst: Distribution, global_shape: tuple) -> bool:
+    """True when every rank's destination block lies inside its own source block (the same answer on every
+    rank). A check of every rank, O(P), done once per (source, destination, shape) and cached: a plan and
+    its reverse, and every layer with the same redistribution, share it."""
+    return all(box_contains(src.box(global_shape, r), dst.box(global_shape, r)) for r in range(src.ranks))
+
+
+@functools.lru_cache(maxsize=1024)
+def same_layout(src: Distribution, dst: Distribution, global_shape: tuple) -> bool:
+    """True when every rank holds the same block under ``src`` and ``dst`` (different descriptions of one
+    layout); O(P) once per (source, destination, shape), cached."""
+    return src == dst or (src.ranks == dst.ranks and local_only(src, dst, global_shape)
+                          and local_only(dst, src, global_shape))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -12,6 +12,7 @@ count each logical element once (``gather``, :func:`vdot`) the ranks of replica 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -113,6 +114,14 @@ def check_array(arr, shape: Sequence[int], what: str, rank: int, dtype=None) -> 
 
 def _check_global(dist: Distribution, global_shape: Sequence[int], what: str) -> tuple[int, ...]:
     global_shape = tuple(int(n) for n in global_shape)
+    _validate(dist, global_shape, what)
+    return global_shape
+
+
+@functools.lru_cache(maxsize=4096)
+def _validate(dist: Distribution, global_shape: tuple, what: str) -> None:
+    """Refuse a (distribution, shape) pair once; cached, so a tensor built every step is not re-checked
+    (an error is not cached: a bad pair raises every time)."""
     if len(global_shape) != dist.ndim:
         dist.check_shape(global_shape, what)  # refuses the dimension mismatch
     bad = empty_block(dist, global_shape)
@@ -122,7 +131,26 @@ def _check_global(dist: Distribution, global_shape: Sequence[int], what: str) ->
             f"{what} of shape {shape_str(global_shape)} under {dist}: rank {r} would hold an empty block "
             f"along '{dist.dim_names[d]}' (extent {global_shape[d]} split {dist.parts[d]} ways); lower that "
             f"degree to at most {global_shape[d]}")
-    return global_shape
+
+
+@functools.lru_cache(maxsize=8192)
+def block_shape(dist: Distribution, global_shape: tuple, rank: int) -> tuple[int, ...]:
+    """``dist.local_shape(global_shape, rank)``, cached: the shape a rank's block must have, looked up
+    once per step per tensor instead of recomputed from the grid."""
+    return dist.local_shape(global_shape, rank)
+
+
+def block_shapes(dist: Distribution, global_shape: Sequence[int]) -> set[tuple[int, ...]]:
+    """Every block shape that occurs in ``dist`` (O(ndim) per shape: each dimension has at most two block
+    lengths, and every combination of them occurs)."""
+    per_dim = []
+    for n, p in zip(global_shape, dist.parts):
+        q, r = divmod(int(n), p)
+        per_dim.append({q, q + 1} if r else {q})
+    out = [()]
+    for lengths in per_dim:
+        out = [s + (m,) for s in out for m in sorted(lengths)]
+    return set(out)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -142,9 +170,9 @@ class DistTensor:
     def __init__(self, local, global_shape: Sequence[int], dist: Distribution, rank: int | None = None):
         global_shape = _check_global(dist, global_shape, "tensor")
         if rank is not None:
-            check_array(local, dist.local_shape(global_shape, rank), f"local block of {dist}", rank)
+            check_array(local, block_shape(dist, global_shape, rank), f"local block of {dist}", rank)
         else:
-            shapes = {dist.local_shape(global_shape, r) for r in range(dist.ranks)}
+            shapes = block_shapes(dist, global_shape)
             if tuple(local.shape) not in shapes:
                 raise DistributionError(
                     f"local block of shape {tuple(local.shape)} is not a block of {shape_str(global_shape)} "
@@ -153,6 +181,19 @@ class DistTensor:
         self.global_shape = global_shape
         self.dist = dist
         self.rank = rank
+
+    @classmethod
+    def wrap(cls, local, global_shape: tuple, dist: Distribution, rank: int) -> "DistTensor":
+        """Internal constructor for tensors whose (distribution, shape) pair was validated when the layer
+        was set up (layer outputs, gradients): no validation, only one comparison of the local shape with
+        the cached block shape, so a local kernel that returns a wrong shape is still caught where it
+        happens. O(ndim), nothing per rank."""
+        want = block_shape(dist, global_shape, rank)
+        if local.shape != want:
+            check_array(local, want, f"local block of {dist}", rank)
+        t = cls.__new__(cls)
+        t.local, t.global_shape, t.dist, t.rank = local, global_shape, dist, rank
+        return t
 
     # -- views of the geometry
     @property

@@ -389,17 +389,25 @@ def _boxes(dist: Distribution, shape: tuple[int, ...]) -> np.ndarray:
     return np.stack([start, stop], axis=2).astype(np.int64)
 
 
+@lru_cache(maxsize=256)
+def _stacked_boxes(shape: tuple, dists: tuple, active: tuple) -> np.ndarray:
+    """Every rank's box of each of ``dists`` along the dimensions ``active``, stacked (candidate lists recur:
+    an edge's sources are the destinations of its backward shuffle); int16/int32 to move less memory."""
+    out = np.stack([_boxes(d, shape)[:, list(active)] for d in dists])
+    return out.astype(np.int16 if max(shape) < 2 ** 15 else np.int32)
+
+
 def shuffle_volume(shape: tuple[int, ...], src: Distribution, dst: Distribution) -> np.ndarray:
     """Elements each rank must receive to hold its ``dst`` box, given it holds its ``src`` box."""
     return _shuffle_arrays(shape, [src], [dst])[0][0, 0]
 
 
-def _shuffle_arrays(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Sequence[Distribution]
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def _shuffle_arrays(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Sequence[Distribution],
+                    ranks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For every (src, dst) pair and rank: elements received and source blocks met (messages, own included).
-    Arrays of shape (len(srcs), len(dsts), ranks)."""
-    a = np.stack([_boxes(d, shape) for d in srcs])[:, None]  # (S, 1, P, nd, 2)
-    b = np.stack([_boxes(d, shape) for d in dsts])[None, :]  # (1, D, P, nd, 2)
+    Arrays of shape (len(srcs), len(dsts), ranks); ``ranks`` (default all) keeps the first ranks only."""
+    a = np.stack([_boxes(d, shape)[:ranks] for d in srcs])[:, None]  # (S, 1, P, nd, 2)
+    b = np.stack([_boxes(d, shape)[:ranks] for d in dsts])[None, :]  # (1, D, P, nd, 2)
     lo = np.maximum(a[..., 0], b[..., 0])
     hi = np.minimum(a[..., 1], b[..., 1])
     overlap = np.clip(hi - lo, 0, None).prod(axis=-1)
@@ -414,11 +422,39 @@ def shuffle_times(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Se
                   machine: MachineModel) -> np.ndarray:
     """One-way all-to-all time for every (src, dst) pair: slowest rank's ``⌈log2(peers)⌉·α + received
     bytes·β`` (Bruck-style; an allgather is the case of ``dst`` replicating an axis of ``src``)."""
-    vol, peers = _shuffle_arrays(shape, srcs, dsts)
     link = machine.redistribution_link or machine.link(srcs[0].ranks)
-    msgs = np.ceil(np.log2(np.maximum(peers, 2)))
-    t = np.where(vol > 0, msgs * link.alpha_s + vol * (machine.dtype_bytes * link.beta_s_per_byte), 0.0)
-    return t.max(axis=-1)
+    out = np.zeros((len(srcs), len(dsts)))
+    # a rank's boxes depend on it only through rank % prod(split), so a pair's per-rank times repeat with
+    # period lcm(prod(src.split), prod(dst.split)): the first `period` ranks give the exact maximum, and
+    # pairs with replicas cost less than P evaluations (at thousands of ranks most pairs have replicas)
+    periods = {}
+    for i, s in enumerate(srcs):
+        for j, d in enumerate(dsts):
+            if s != d:  # a distribution to itself moves nothing
+                periods.setdefault(math.lcm(math.prod(s.split), math.prod(d.split)), []).append((i, j))
+    if not periods:
+        return out
+    # only dimensions split on either side vary between ranks; the others overlap fully and cancel
+    active = [k for k in range(len(shape)) if any(d.parts[k] > 1 for d in list(srcs) + list(dsts))]
+    const = math.prod(int(shape[k]) for k in range(len(shape)) if k not in active)
+    n = np.array([shape[k] for k in active])
+    A = _stacked_boxes(tuple(shape), tuple(srcs), tuple(active))  # (S, P, nd', 2)
+    B = _stacked_boxes(tuple(shape), tuple(dsts), tuple(active))
+    Q = np.stack([-(-n // np.array([d.parts[k] for k in active])) for d in srcs]).astype(A.dtype)
+    beta = machine.dtype_bytes * link.beta_s_per_byte
+    for period, pairs in periods.items():
+        ii = np.array([i for i, _ in pairs])
+        jj = np.array([j for _, j in pairs])
+        a, b = A[ii, :period], B[jj, :period]  # (pairs, period, nd', 2)
+        lo, hi = b[..., 0], b[..., 1]
+        overlap = np.maximum(np.minimum(a[..., 1], hi) - np.maximum(a[..., 0], lo), 0).prod(-1, dtype=np.int64)
+        vol = ((hi - lo).prod(-1, dtype=np.int64) - overlap) * const
+        q = Q[ii][:, None, :]  # source block size
+        peers = ((hi - 1) // q - lo // q + 1).prod(-1, dtype=np.int64)
+        msgs = np.ceil(np.log2(np.maximum(peers, 2)))
+        t = np.where(vol > 0, msgs * link.alpha_s + vol * beta, 0.0)
+        out[ii, jj] = t.max(axis=-1)
+    return out
 
 
 def shuffle_time(shape: tuple[int, ...], src: Distribution, dst: Distribution, machine: MachineModel) -> float:
