@@ -84,8 +84,8 @@ def test_every_method_equals_the_mpi_backend(ranks):
 
 
 MUTATIONS = ["allReduce:0:1", "allReduce:3:4", "allReduce:2:3", "allGather:0:1", "allGather:2:3",
-             "broadcast:3:4", "broadcast:0:1", "bcast:1:2", "reduceScatter:2:3", "reduceScatter:0:1",
-             "send:1:3", "recv:1:3", "send:2:3"]
+             "broadcast:3:4", "bcast:1:2", "reduceScatter:2:3", "reduceScatter:0:1",
+             "recv:1:3", "send:2:3"]
 
 
 @needs
