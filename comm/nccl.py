@@ -304,13 +304,15 @@ class NCCLCommunicator(Communicator):
         counts = self._check_counts(counts, "reduce_scatter", buf.size)
         send = self._contig(buf.reshape(-1), "reduce_scatter")
         dt = self._dtype(send.dtype, "reduce_scatter")
+        even = len(set(counts)) == 1
+        # outputs first: allocating writes on the current stream, which _begin orders the NCCL stream after
+        out = self._empty(send, (counts[0],) if even else send.shape)
         s = self._begin()
-        if len(set(counts)) == 1:
-            out = self._empty(send, (counts[0],))
+        if even:
             self._nccl_call("reduce_scatter", self._comm.reduceScatter, send.data.ptr, out.data.ptr, counts[0],
                             dt, code, s.ptr)
             return self._handle("reduce_scatter", (send, out), lambda: out)
-        full = self._empty(send, send.shape)
+        full = out
         self._nccl_call("reduce_scatter", self._comm.allReduce, send.data.ptr, full.data.ptr, send.size, dt,
                         code, s.ptr)
         lo = sum(counts[:self._rank])
