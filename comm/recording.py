@@ -67,7 +67,7 @@ class RecordingCommunicator(LoopbackCommunicator):
         self.recorder.add("dup", 0)
         return self._child(self.size, self.rank)
 
-    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
+    def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
         p = self.size
         self.recorder.add("allreduce", buf.nbytes)
         self.recorder.nbytes["allreduce_wire"] += int(2 * (p - 1) * buf.nbytes // p) if p > 1 else 0
