@@ -251,7 +251,7 @@ def _shuffle_times_every_rank(shape, srcs, dsts, machine):
 
 def test_shuffle_times_equal_the_every_rank_maximum():
     from lbannpy.strategy import cost
-    from lbannpy.strategy.machine_model import load_machine_model as load_machine
+    from lbannpy.machine import load_machine
 
     machine = load_machine("lassen")
     rng = np.random.default_rng(3)
