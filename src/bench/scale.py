@@ -183,9 +183,15 @@ class RankSetup:
                                      label_dist=self.loss.label_dist, comm=comm, prefetch=False,
                                      expected_channels=in_shape[1], expected_spatial=in_shape[2:])
         t5 = time.perf_counter()
+        from lbannpy.checkpoint import rank_pieces, save_plan
+
+        # the checkpoint plan: this rank's pieces (parameters, one momentum slot each, layer state) and
+        # what it writes; the index rows rank 0 reads are not counted (one per unique block, O(blocks))
+        self.ckpt = save_plan(rank_pieces(self.params, None, model.layers, comm.rank), comm.rank)
+        t6 = time.perf_counter()
         self.cpu_seconds = time.process_time() - c0
         self.times = {"model": t1 - t0, "loss": t2 - t1, "groups": t3 - t2, "buckets": t4 - t3,
-                      "reader": t5 - t4}
+                      "reader": t5 - t4, "checkpoint": t6 - t5}
         self.halos = {layer.name: _halo_plans(layer) for layer in model.layers}
 
     @property
@@ -350,7 +356,8 @@ def simulate(model: str, ranks: int, degrees: dict, batch: int, rank: int, data_
            "layers": nlayers, "setup_s": setup.cpu_seconds, "setup_wall_s": setup.seconds,
            "phases": dict(setup.times),
            "index_us_per_layer": step_s / nlayers * 1e6, "plan_bytes": plan_bytes(setup),
-           "sent": sent, "groups": len(comm.recorder.groups)}
+           "sent": sent, "groups": len(comm.recorder.groups),
+           "ckpt_held": setup.ckpt.held_bytes, "ckpt_written": setup.ckpt.written_bytes, "ckpt_peak": setup.ckpt.peak_extra_bytes}
     setup.close()
     return out
 
@@ -372,14 +379,15 @@ def print_table(rows: list[dict], out=sys.stdout, header: bool = True) -> None:
         out.write(f"{'model':<9} {'P':>5} {'split':<12} {'batch':>5} {'set-up s':>9} {'(wall)':>7} "
                   f"{'index µs/layer':>15} "
                   f"{'plans':>10} {'halo/step':>11} {'shuffle/step':>13} {'allreduce/step':>15} "
-                  f"{'groups':>6}\n")
+                  f"{'groups':>6} {'ckpt held/writes':>22}\n")
     for r in rows:
         s = r["sent"]
         out.write(f"{r['model']:<9} {r['ranks']:>5} {split_str(r['split']):<12} {r['batch']:>5} "
                   f"{r['setup_s']:>9.2f} {r['setup_wall_s']:>7.2f} {r['index_us_per_layer']:>15.1f} "
                   f"{_fmt_bytes(r['plan_bytes']):>10} "
                   f"{_fmt_bytes(s['halo']):>11} {_fmt_bytes(s['shuffle']):>13} "
-                  f"{_fmt_bytes(s['allreduce']):>15} {r['groups']:>6}\n")
+                  f"{_fmt_bytes(s['allreduce']):>15} {r['groups']:>6} "
+                  f"{_fmt_bytes(r.get('ckpt_held', 0)) + ' / ' + _fmt_bytes(r.get('ckpt_written', 0)):>22}\n")
 
 
 def acceptance(rows: list[dict], out=sys.stdout) -> bool:
