@@ -277,6 +277,18 @@ class Distribution:
     (partitioned coordinates only); a *replica* index enumerates the ranks holding the same block
     (outer replica, then the coordinates on replicated axes).
 
+    Vocabulary (one word, one meaning, used this way everywhere in lbannpy):
+
+    * ``split``: the extent of the process grid along each tensor dimension, replicated axes included;
+    * ``parts``: how many pieces each dimension is actually cut into (1 on a replicated axis), so
+      ``parts == split`` without ``replicate``; ``degree(name)`` is ``parts`` of one dimension and
+      ``degrees()`` the ``{name: parts}`` of the cut dimensions (what a spec's ``parallel`` entry holds);
+    * ``replicate``: the grid axes that hold copies instead of pieces; ``outer_replicas``: the leftover
+      factor ``ranks // prod(split)``; ``replicas``: how many ranks hold each block (both kinds of
+      copies together); ``replica(rank)``: that rank's index among them; ``Distribution.replicated``:
+      the distribution in which every rank holds the whole tensor;
+    * a *plan* (halo, shuffle, bucket, checkpoint) is what one rank does, computed once from shapes.
+
     >>> d = Distribution.make(4, ranks=4, n=2, h=2); str(d)
     'n2·h2'
     >>> d.local_shape((5, 3, 17, 23), rank=3)

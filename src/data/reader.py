@@ -27,13 +27,11 @@ file and in the batch, each into its final slot of the output buffer (no gather 
 Prefetch
 --------
 With ``prefetch=True`` a background thread reads the following batches into a bounded queue (``depth``,
-default 2) while the caller computes. h5py (3.16 measured) holds the GIL for the whole of one ``H5Dread``:
-a pure-Python thread stalls for most of a read (17 to 32 ms beside a 45 to 82 ms read of a 72 MiB
-sample in ``python -m lbannpy.bench data``). The reader therefore reads in pieces of ``piece_bytes``
-(4 MiB: stalls of a few ms), and the read overlaps work that runs without the GIL: GPU kernels, MPI
-waits, sleeps, BLAS. NumPy code that takes the GIL between operations is slowed while a read runs
-beside it (measured on two shared cores: a 404 ms NumPy conv step took 472 ms with the reader thread
-running, CPU contention included; on a loaded machine the spread is larger than this effect), so the
+default 2) while the caller computes. h5py holds the GIL for the whole of one ``H5Dread``, so a
+pure-Python thread stalls for most of a read; the reader therefore reads in pieces of ``piece_bytes``
+(4 MiB: short stalls), and the read overlaps work that runs without the GIL: GPU kernels, MPI waits,
+sleeps, BLAS. NumPy code that takes the GIL between operations is slowed while a read runs beside it
+(``python -m lbannpy.bench data`` measures both), so the
 prefetch pays where the compute step runs on a GPU or in long GIL-free kernels. The time the caller
 blocks on the queue is recorded per step (:attr:`HDF5Reader.wait_times`, :meth:`HDF5Reader.io_stats`).
 The thread stops on :meth:`HDF5Reader.close` (stop flag, queue drained, joined); an exception in the thread
