@@ -126,3 +126,31 @@ def test_predict_unlabelled_and_wrong_shape(demo):
             "--set", "parallel.default.h=1", "-o", "p/bad.h5"], cwd=d, check=False)
     assert p.returncode != 0
     assert "(18, 32, 32)" in p.stderr and "(18, 64, 64)" in p.stderr, p.stderr
+
+
+def test_predict_batch_script_runs(demo, tmp_path):
+    """The rendered SLURM script, with ``srun`` standing in as ``mpiexec -n $SLURM_NTASKS``."""
+    from lbannpy.jobs.render import JobSpec, render
+
+    d, summary = demo
+    script = tmp_path / "predict.sbatch"
+    script.write_text(render(JobSpec.for_site("predict", site="local")))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # the pyenv shim of mpiexec puts its own python first on PATH: name this interpreter explicitly
+    (bindir / "srun").write_text(f'#!/bin/bash\n[[ "$1" == python ]] && shift && set -- {PY} "$@"\n'
+                                 f'exec {MPIEXEC} -n "$SLURM_NTASKS" "$@"\n')
+    (bindir / "python").write_text(f'#!/bin/bash\nexec {PY} "$@"\n')
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    env = dict(ENV, PATH=f"{bindir}:{ENV['PATH']}", SLURM_JOB_ID="77", SLURM_NTASKS="2", LBANNPY_PNG="1")
+    p = subprocess.run(["bash", str(script), "d/config.h5", "d/ckpt", "d/mesh64.h5"], cwd=d, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "done: run/predict-77/predictions.h5" in p.stdout
+    with h5py.File(d / "run" / "predict-77" / "predictions.h5") as f:
+        assert f["probabilities"].shape == (16, 2, 8, 8)
+    assert (d / "run" / "predict-77" / "predictions.png").is_file()
+    p = subprocess.run(["bash", str(script), "d/config.h5"], cwd=d, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "usage: sbatch jobs/predict.sbatch" in p.stderr
