@@ -24,12 +24,14 @@ import sys
 
 import numpy as np
 
+from lbannpy.training.errors import UserError
+
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NP = {v: np.dtype(k).newbyteorder("<") for k, v in DTYPES.items()}
 
 
-class ExportError(ValueError):
-    pass
+class ExportError(UserError):
+    """A file or name problem; a user error (the trainer reports it once, without a traceback)."""
 
 
 def attr_name(layer: str) -> str:
@@ -123,6 +125,39 @@ def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
             # torch counts training-mode forward passes: one per optimizer step here
             out[f"{a}.num_batches_tracked"] = np.asarray(int(data["step"]), dtype=np.int64)
     return out
+
+
+def init_from(path: str, model, xp) -> None:
+    """Weights (and batch-norm statistics) of ``model`` from an lbannpy checkpoint or a safetensors file
+    with this module's names (``model.init`` / ``train --init``); optimizer state is not taken. Every rank
+    reads the file and keeps its own piece. Raises :class:`ExportError` naming the missing or mis-shaped
+    tensor."""
+    import h5py
+
+    if os.path.isdir(path) or (os.path.isfile(path) and h5py.is_hdf5(path)):
+        from lbannpy.predict import load_weights
+
+        load_weights(path, model, xp)
+        return
+    if not os.path.isfile(path):
+        raise ExportError(f"model.init {path}: no such file")
+    tensors, _ = read_safetensors(path)
+    for p in model.params:
+        layer, _, pname = p.name.rpartition(".")
+        key = f"{attr_name(layer)}.{ {'scale': 'weight'}.get(pname, pname) }"
+        if key not in tensors:
+            raise ExportError(f"model.init {path}: no tensor {key!r} for parameter {p.name}; the file has "
+                              f"{sorted(tensors)[:8]}{' ...' if len(tensors) > 8 else ''}")
+        arr = tensors[key]
+        if tuple(arr.shape) != tuple(p.global_shape):
+            raise ExportError(f"model.init {path}: tensor {key!r} has shape {tuple(arr.shape)}; parameter "
+                              f"{p.name} needs {tuple(p.global_shape)}")
+        p.value[...] = xp.asarray(arr[tuple(slice(a, b) for a, b in p.box)], dtype=p.value.dtype)
+    for layer in model.layers:
+        a = attr_name(layer.name)
+        if f"{a}.running_mean" in tensors and hasattr(layer, "running_mean"):
+            layer.load_state({k: tensors[f"{a}.{k}"].astype(np.float64).tolist()
+                              for k in ("running_mean", "running_var")})
 
 
 # ---------------------------------------------------------------------------------------------- torch source
@@ -236,7 +271,7 @@ def main(argv=None) -> int:
         if source is not None:
             with open(args.torch_module, "w") as f:
                 f.write(source)
-    except (ExportError, CheckpointError, ConfigError, OSError) as exc:
+    except (UserError, CheckpointError, ConfigError, OSError) as exc:
         sys.stderr.write(f"lbannpy.export: error: {exc}\n")
         return 2
     print(f"lbannpy.export: {len(tensors)} tensor(s) from {path} (step {data['step']}) -> {args.output}"

@@ -515,12 +515,15 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("layers", LayerList(), REQUIRED, "the layers; parents default to the previous layer"),
         Key("loss", Registered("loss", loss_specs), "cross_entropy",
             "cross_entropy (one label per sample) or pixel_cross_entropy (one label per pixel)"),
+        Key("init", Str(), UNSET, "initial weights: an lbannpy checkpoint or a safetensors file from "
+                                  "python -m lbannpy.export (PyTorch names)"),
     )),
     Section("data", "training and validation data (HDF5)", (
         Section("train", "the training set", (
             Key("path", Str(), REQUIRED, "HDF5 file with the samples"),
             Key("inputs", Str(), "inputs", "dataset of inputs, shape (N, C, *spatial)"),
             Key("labels", Str(), "labels", "dataset of labels: (N,) or, per pixel, (N, *spatial)"),
+            Key("shuffle", Bool(), True, "a new sample order every epoch (seeded by trainer.seed)"),
         )),
         Section("validation", "the validation set: a file of its own or a fraction of the training set", (
             Key("path", Str(), UNSET, "HDF5 file with the same dataset names as train"),
@@ -580,6 +583,7 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
     Section("checkpoint", "checkpoints (written atomically)", (
         Key("dir", Str(), "ckpt", "directory of checkpoints"),
         Key("every_steps", Int(0), 0, "write one every N steps; 0: only at the end"),
+        Key("at_start", Bool(), False, "also write the step-0 checkpoint (the initial weights)"),
     )),
     Section("output", "what a run writes", (
         Key("dir", Str(), "run", "output directory (metrics.csv, summary.json, loss.png)"),

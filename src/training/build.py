@@ -139,7 +139,7 @@ def build(cfg: dict, ctx, world) -> Parts:
     from lbannpy.optim import make_optimizer
 
     model, loss = build_model(cfg, ctx, world)
-    reader, val_reader = build_readers(cfg, model, loss, world)
+    reader, val_reader = build_readers(cfg, model, loss, world, cfg["data"]["train"].get("shuffle", True))
     st = settings(cfg, len(reader.indices))
     optimizer = make_optimizer(cfg["optimizer"], model.params, st.total_steps)
     return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,

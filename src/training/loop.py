@@ -50,10 +50,16 @@ class Trainer:
         self.report = Report(world, s.out_dir, self.timer, self.trace)
         if resume:
             self._resume()
+        elif cfg["model"].get("init"):
+            from lbannpy.export import init_from
+
+            init_from(cfg["model"]["init"], self.model, self.rt.xp)
         if world.rank == 0:
             import os
 
             os.makedirs(s.out_dir, exist_ok=True)
+        if (cfg.get("checkpoint") or {}).get("at_start") and self.step == 0:
+            self.save_checkpoint()
 
     def _resume(self) -> None:
         path, data = ckpt.load_newest(self.settings.ckpt_dir)
