@@ -303,6 +303,9 @@ def main(argv=None) -> int:
         world = rt.world
         err = f"{args.config}: {early}" if early is not None else None
         if err is None:
+            from lbannpy.threads import set_threads
+
+            set_threads(world, rt_cfg.get("threads"), "lbannpy.predict")
             try:
                 predict(cfg, rt, args)
             except (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError,

@@ -54,6 +54,9 @@ def main(argv=None) -> int:
         world = rt.world
         if early is not None:
             return _user_error(world, f"{args.config}: {early}")
+        from lbannpy.threads import set_threads
+
+        set_threads(world, rt_cfg.get("threads"), "lbannpy.train")
         try:
             trainer = Trainer(cfg, rt, trace=args.trace or bool(cfg["output"].get("trace", False)),
                               quiet=args.quiet)

@@ -29,7 +29,7 @@ DEFAULTS = {
     "comm.chunks.k": 0,
     "checkpoint.dir": "ckpt", "checkpoint.every_steps": 0, "checkpoint.at_start": False,
     "output.dir": "run", "output.log_every": 1, "output.trace": False,
-    "runtime.backend": "auto", "runtime.device": "cpu",
+    "runtime.backend": "auto", "runtime.device": "cpu", "runtime.threads": 0,
 }
 
 LAYER_DEFAULTS = {

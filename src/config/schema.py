@@ -594,6 +594,8 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("backend", Str(("auto", "mpi", "single", "nccl")), "auto",
             "communication backend; auto: nccl on gpu under MPI, mpi under MPI, else single"),
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
+        Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
+                                  "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
     )),
 ))
 
