@@ -50,7 +50,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         arr = np.asarray(tensors[name])
         kind = DTYPES.get(arr.dtype.name)
         if kind is None:
-            raise ExportError(f"tensor {name}: dtype {arr.dtype} has no safetensors code here ({sorted(DTYPES)})")
+            raise ExportError(f"tensor {name}: dtype {arr.dtype} has no safetensors code here "
+                              f"({sorted(DTYPES)})")
         raw = np.ascontiguousarray(arr, dtype=_NP[kind]).tobytes()
         header[name] = {"dtype": kind, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
         offset += len(raw)
@@ -198,7 +199,8 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
                         f"momentum={layer.momentum!r})")
             fwd.append(f"{v} = self.{a}({x})")
         elif t == "fc":
-            init.append(f"self.{a} = nn.Linear({layer.features}, {layer.out_shape[1]}, bias={layer.use_bias})")
+            init.append(f"self.{a} = nn.Linear({layer.features}, {layer.out_shape[1]}, "
+                        f"bias={layer.use_bias})")
             fwd.append(f"{v} = self.{a}(torch.flatten({x}, 1))")
         elif t == "relu":
             fwd.append(f"{v} = F.relu({x})")
@@ -220,8 +222,9 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
                 fwd.append(f"{v} = F.max_pool{nd}d({xin}, {layer.kernel}, {layer.stride})")
             else:
                 if any(pads):
-                    raise ExportError(f"layer '{layer.name}': a padded average pool has no torch.nn equivalent "
-                                      f"written here; export the weights only (without --torch-module)")
+                    raise ExportError(f"layer '{layer.name}': a padded average pool has no torch.nn "
+                                      f"equivalent written here; export the weights only (without "
+                                      f"--torch-module)")
                 fwd.append(f"{v} = F.avg_pool{nd}d({x}, {layer.kernel}, {layer.stride})")
         else:
             raise ExportError(f"layer '{layer.name}': type {t!r} has no torch.nn translation here; export "
@@ -229,8 +232,8 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
         var[layer.name] = v
     name = model_spec.get("name", "model")
     lines = [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
-             "Load the exported weights with ``Net().load_state_dict({k: torch.from_numpy(v) ...})``; the input "
-             f"is {tuple(model.input_shape[1:])} per sample.", '"""',
+             "Load the exported weights with ``Net().load_state_dict({k: torch.from_numpy(v) ...})``; the "
+             f"input is {tuple(model.input_shape[1:])} per sample.", '"""',
              "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
              "class Net(nn.Module):", "    def __init__(self):", "        super().__init__()"]
     lines += [f"        {s}" for s in init] or ["        pass"]

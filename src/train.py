@@ -25,8 +25,8 @@ def parse_args(argv):
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set trainer.steps=3 (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    ap.add_argument("--init", metavar="FILE", help="initial weights (sets model.init): an lbannpy checkpoint or "
-                    "a safetensors file from python -m lbannpy.export")
+    ap.add_argument("--init", metavar="FILE", help="initial weights (sets model.init): an lbannpy checkpoint "
+                    "or a safetensors file from python -m lbannpy.export")
     ap.add_argument("--trace", action="store_true", help="write one Chrome-trace JSON per rank")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)

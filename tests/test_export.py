@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 
 
 def trained_like_checkpoint(spec: dict, directory, seed: int):
-    """An lbannpy model with non-trivial weights and batch-norm statistics, checkpointed as the trainer does."""
+    """An lbannpy model with non-trivial weights and batch-norm statistics, checkpointed as the trainer
+    does."""
     ctx = LayerContext(SingleCommunicator(), np, "float64", seed=seed)
     model = Model(spec["model"], 2, ctx, {})
     rng = np.random.default_rng(seed)
