@@ -175,7 +175,12 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
     training mode alike; batch norm statistics are per batch in training as in lbannpy's ``sync: global``)."""
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.batchnorm import BatchNorm
+    from lbannpy.layers.conv import Conv
+    from lbannpy.layers.fc import FullyConnected
+    from lbannpy.layers.pool import Pool
     from lbannpy.layers.registry import INPUT_NAMES
+    from lbannpy.layers.simple import Concat, Dropout, Flatten, LeakyReLU, ReLU, Sum
     from lbannpy.model import Model
 
     model = Model(model_spec, 1, LayerContext(SingleCommunicator(), np, "float64", seed=0), {})
@@ -183,39 +188,39 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
     init, fwd = [], []
     var = {n: "x" for n in INPUT_NAMES}
     for layer in model.layers:
-        t, a = layer.spec.name, attr_name(layer.name)
+        t, a = type(layer), attr_name(layer.name)
         ins = [var[p] for p in model.parents[layer.name]]
         v = f"h_{a}"
         x = ins[0]
-        if t == "conv":
+        if t is Conv:
             cin = layer.in_shapes[0][1]
             init.append(f"self.{a} = nn.Conv{nd}d({cin}, {layer.filters}, kernel_size={layer.kernel}, "
                         f"stride={layer.stride}, dilation={layer.dilation}, bias={layer.use_bias})")
             pads = _pads(layer)
             xin = f"F.pad({x}, {pads})" if any(pads) else x
             fwd.append(f"{v} = self.{a}({xin})")
-        elif t == "batchnorm":
+        elif t is BatchNorm:
             init.append(f"self.{a} = nn.BatchNorm{nd}d({layer.in_shapes[0][1]}, eps={layer.eps!r}, "
                         f"momentum={layer.momentum!r})")
             fwd.append(f"{v} = self.{a}({x})")
-        elif t == "fc":
+        elif t is FullyConnected:
             init.append(f"self.{a} = nn.Linear({layer.features}, {layer.out_shape[1]}, "
                         f"bias={layer.use_bias})")
             fwd.append(f"{v} = self.{a}(torch.flatten({x}, 1))")
-        elif t == "relu":
+        elif t is ReLU:
             fwd.append(f"{v} = F.relu({x})")
-        elif t == "leaky_relu":
+        elif t is LeakyReLU:
             fwd.append(f"{v} = F.leaky_relu({x}, {layer.slope!r})")
-        elif t == "dropout":
+        elif t is Dropout:
             init.append(f"self.{a} = nn.Dropout({float(layer.hparams['p'])!r})")
             fwd.append(f"{v} = self.{a}({x})")
-        elif t == "flatten":
+        elif t is Flatten:
             fwd.append(f"{v} = torch.flatten({x}, 1)")
-        elif t == "sum":
+        elif t is Sum:
             fwd.append(f"{v} = " + " + ".join(ins))
-        elif t == "concat":
+        elif t is Concat:
             fwd.append(f"{v} = torch.cat([{', '.join(ins)}], dim={int(layer.hparams['axis'])})")
-        elif t == "pool":
+        elif t is Pool:
             pads = _pads(layer)
             if layer.mode == "max":
                 xin = f"F.pad({x}, {pads}, value=float('-inf'))" if any(pads) else x
@@ -227,8 +232,8 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
                                       f"--torch-module)")
                 fwd.append(f"{v} = F.avg_pool{nd}d({x}, {layer.kernel}, {layer.stride})")
         else:
-            raise ExportError(f"layer '{layer.name}': type {t!r} has no torch.nn translation here; export "
-                              f"the weights only (without --torch-module)")
+            raise ExportError(f"layer '{layer.name}': type {layer.spec.name!r} has no torch.nn translation "
+                              f"here; export the weights only (without --torch-module)")
         var[layer.name] = v
     name = model_spec.get("name", "model")
     lines = [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
