@@ -556,8 +556,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         )),
     )),
     Section("parallel", "how tensors are split over ranks", (
-        Section("default", "degrees of every layer without its own entry; unset = 1, leftover ranks "
-                           "replicate", _DEGREE_KEYS),
+        Section("default", "degrees of every layer without its own entry; unset = 1; ranks left free split "
+                           "the samples when the batch divides, else replicate",
+                _DEGREE_KEYS + (Key("r", _POS, UNSET, "replicas: ranks that hold copies instead of splitting "
+                                                      "the samples (data-parallel groups stay r)"),)),
         Key("layers", MapOf(DEGREES), {}, "per-layer degrees {layer: {n, c, d, h, w}}; an entry replaces the "
                                           "default, its unset dimensions are 1"),
         Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
