@@ -196,6 +196,6 @@ class Trainer:
         """Who calls: every rank (collective)."""
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
-               "wall_s": wall}
+               "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                           {l.name: str(l.out_dist) for l in self.model.layers})

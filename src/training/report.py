@@ -86,7 +86,9 @@ class Report:
         self.write_metrics()
         with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
-        write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals)
+        split = ", ".join(sorted(set(distributions.values())))
+        write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals,
+                   title=f"{run.get('model', 'model')} on {run['ranks']} rank(s), split {split}")
         self.print_summary(summary, final_eval)
 
     def summary(self, run, steps_run, final_eval, buckets, merged, distributions) -> dict:
@@ -132,7 +134,9 @@ class Report:
         fin = summary["final"]
         shown = ", ".join(f"{k} {fin[k]:.4f}" for k in ("loss", "accuracy", "iou", "miou") if k in fin)
         val = ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
-        sys.stdout.write(f"lbannpy.train: {summary['steps']} steps on {summary['ranks']} rank(s); {shown}"
+        n = summary["steps"]
+        sys.stdout.write(f"lbannpy.train: {n} step{'' if n == 1 else 's'} on {summary['ranks']} rank(s); "
+                         f"{shown}"
                          + (f"; validation {val}" if val else "")
                          + (f"; median step {summary['median_step_s'] * 1e3:.1f} ms"
                             if summary["median_step_s"] is not None else "")
@@ -153,12 +157,13 @@ class Report:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
+def write_plot(path: str, rows: list[dict], evals: list[dict], title: str = "") -> None:
     evals = [e for e in evals if "loss" in e]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(1, 2 if evals else 1, figsize=(10 if evals else 6, 4), squeeze=False)
     ax[0, 0].plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
@@ -168,12 +173,18 @@ def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
         for k in keys:
             ax[0, 1].plot([e["step"] for e in evals], [e[k] for e in evals], "o-", label=f"validation {k}")
         ax[0, 1].set_xlabel("step")
+        ax[0, 1].set_ylabel("validation metric")
+        ax[0, 1].set_xlim(ax[0, 0].get_xlim())  # the same steps as the loss panel, even for one evaluation
+        ax[0, 1].xaxis.set_major_locator(MaxNLocator(integer=True))
         ax[0, 1].legend()
         ax[0, 1].grid(alpha=0.3)
     ax[0, 0].set_xlabel("step")
     ax[0, 0].set_ylabel("loss")
+    ax[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax[0, 0].legend()
     ax[0, 0].grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,67 @@
+"""What people read: loss.png titled and labelled with whole-number steps, the summary's plural, a missing
+config named once, help texts with descriptions and defaults."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lbannpy.training.report import write_plot
+
+PY = sys.executable
+
+
+def test_loss_plot_title_labels_and_integer_steps(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    seen = {}
+    orig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda self, *a, **k: (seen.setdefault("fig", self), orig(self, *a, **k)))
+    rows = [{"step": i, "loss": 1.0 / i} for i in (1, 2, 3)]
+    write_plot(str(tmp_path / "loss.png"), rows, [{"step": 3, "loss": 0.5, "iou": 0.4}],
+               title="mesh_tiny on 2 rank(s), split h2")
+    fig = seen["fig"]
+    assert fig._suptitle.get_text() == "mesh_tiny on 2 rank(s), split h2"
+    left, right = fig.axes
+    assert left.get_ylabel() == "loss" and right.get_ylabel() == "validation metric"
+    for ax in (left, right):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_one_step_is_singular_and_a_missing_config_is_named_once(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([PY, "-m", "lbannpy.train", "nonexist.h5"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.count("nonexist.h5") == 1, p.stderr
+    import h5py
+    import numpy as np
+    import yaml
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["inputs"] = np.zeros((4, 1, 4, 4))
+        f["labels"] = np.zeros(4, dtype=np.int64)
+    spec = {"model": {"input": {"channels": 1, "spatial": [4, 4]},
+                      "layers": [{"name": "f", "type": "fc", "units": 2}]},
+            "data": {"train": {"path": "d.h5"}}, "trainer": {"batch_size": 4, "steps": 1}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    p = subprocess.run([PY, "-m", "lbannpy.train", "s.yaml", "--quiet"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "lbannpy.train: 1 step on 1 rank(s)" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("cmd", [["lbannpy.train"], ["lbannpy.predict"], ["lbannpy.export"]])
+def test_help_has_a_description_and_defaults(cmd):
+    p = subprocess.run([PY, "-m", *cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    assert "``" not in p.stdout  # no raw RST usage line as the description
+    assert "(default:" in p.stdout
