@@ -65,3 +65,24 @@ def test_help_has_a_description_and_defaults(cmd):
     assert p.returncode == 0
     assert "``" not in p.stdout  # no raw RST usage line as the description
     assert "(default:" in p.stdout
+
+
+def test_plain_progress_lines_for_logs():
+    import io
+
+    from lbannpy.training.report import PlainProgress
+
+    t = [0.0]
+    out = io.StringIO()
+    bar = PlainProgress(100, 0, file=out, every_s=30.0, clock=lambda: t[0])
+    for step in range(1, 101):
+        t[0] += 0.1 if step < 50 else 5.0  # slow steps from the 50th: the time rule takes over
+        bar.update(1)
+        bar.set_postfix(loss=f"{1.0 / step:.4f}")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[0].startswith("lbannpy.train: step 10/100 (10%)") and lines[0].endswith("loss 0.1000")
+    assert lines[-1].startswith("lbannpy.train: step 100/100 (100%)")
+    steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
+    assert steps == sorted(steps) and len(lines) < 30 and any(b - a < 10 for a, b in zip(steps, steps[1:]))

@@ -157,6 +157,10 @@ class Trainer:
     def _progress_bar(self):
         if self.world.rank != 0 or self.quiet:
             return None
+        if not sys.stderr.isatty():  # a log file: plain lines, not carriage returns
+            from .report import PlainProgress
+
+            return PlainProgress(self.settings.total_steps, self.step)
         from tqdm import tqdm
 
         return tqdm(total=self.settings.total_steps, initial=self.step, unit="step", dynamic_ncols=True,

@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -155,6 +156,44 @@ class Report:
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"trace-rank{pid}.json"), "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+class PlainProgress:
+    """Progress for logs (stderr not a terminal: a SLURM log, a pipe): one plain line every ``every_steps``
+    steps or ``every_s`` seconds, whichever comes first, and at the end; the tqdm calls the loop makes."""
+
+    def __init__(self, total: int, initial: int = 0, every_steps: int | None = None, every_s: float = 30.0,
+                 file=None, clock=time.monotonic):
+        self.total, self.n = int(total), int(initial)
+        self.every_steps = every_steps or max(1, self.total // 10)
+        self.every_s, self.file, self.clock = float(every_s), file or sys.stderr, clock
+        self.t0 = self.t_last = clock()
+        self.n_last = self.n
+        self.postfix: dict = {}
+        self.due = None  # a line is due: written by the set_postfix that follows update (the step's metrics)
+
+    def set_postfix(self, **kw) -> None:
+        self.postfix = kw
+        if self.due is not None:
+            self._line(self.due)
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        now = self.clock()
+        if (self.n - self.n_last >= self.every_steps or now - self.t_last >= self.every_s
+                or self.n >= self.total):
+            self.due = now
+
+    def _line(self, now: float) -> None:
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        self.file.write(f"lbannpy.train: step {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%), "
+                        f"{now - self.t0:.0f} s{extra}\n")
+        self.file.flush()
+        self.t_last, self.n_last, self.due = now, self.n, None
+
+    def close(self) -> None:
+        if self.n != self.n_last:
+            self._line(self.clock())
 
 
 def write_plot(path: str, rows: list[dict], evals: list[dict], title: str = "") -> None:
