@@ -86,3 +86,28 @@ def test_plain_progress_lines_for_logs():
     assert lines[-1].startswith("lbannpy.train: step 100/100 (100%)")
     steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
     assert steps == sorted(steps) and len(lines) < 30 and any(b - a < 10 for a, b in zip(steps, steps[1:]))
+
+
+@pytest.mark.parametrize("cmd", [["lbannpy.data"], ["lbannpy.data", "mesh"], ["lbannpy.data", "blobs"],
+                                 ["lbannpy.bench", "scaling"]])
+def test_more_help_texts(cmd):
+    p = subprocess.run([PY, "-m", *cmd, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "``" not in p.stdout
+    opts = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("--") and "help" not in ln]
+    text = p.stdout.replace("\n", " ")
+    assert "(default:" in text or cmd == ["lbannpy.data"]
+    for o in opts:  # every option has a help text on its line or the next
+        assert len(o.split()) > 1 or o == opts[-1], o
+
+
+def test_scaling_png_beside_scaling_csv(tmp_path):
+    import json
+
+    for sweep, p, t in (("strong", 1, 1.0), ("strong", 2, 0.6), ("strong", 4, 0.4), ("weak", 1, 1.0),
+                        ("weak", 2, 1.1)):
+        (tmp_path / f"{sweep}-{p}").mkdir()
+        (tmp_path / f"{sweep}-{p}" / "summary.json").write_text(json.dumps({"median_step_s": t}))
+    p = subprocess.run([PY, "-m", "lbannpy.jobs", "scaling", str(tmp_path), "-o",
+                        str(tmp_path / "scaling.csv")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "scaling.csv").is_file() and (tmp_path / "scaling.png").stat().st_size > 10_000
