@@ -111,3 +111,30 @@ def test_scaling_png_beside_scaling_csv(tmp_path):
                         str(tmp_path / "scaling.csv")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "scaling.csv").is_file() and (tmp_path / "scaling.png").stat().st_size > 10_000
+
+
+def test_metrics_columns_in_a_fixed_order_after_resume(tmp_path):
+    import csv
+
+    import h5py
+    import numpy as np
+    import yaml
+
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["inputs"] = rng.standard_normal((8, 1, 4, 4))
+        f["labels"] = rng.integers(0, 2, 8)
+    spec = {"model": {"input": {"channels": 1, "spatial": [4, 4]},
+                      "layers": [{"name": "f", "type": "fc", "units": 2}]},
+            "data": {"train": {"path": "d.h5"}}, "trainer": {"batch_size": 4, "steps": 4},
+            "checkpoint": {"every_steps": 2}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    heads = []
+    for extra in ([], ["--resume", "--set", "trainer.steps=6"]):
+        p = subprocess.run([PY, "-m", "lbannpy.train", "s.yaml", "--quiet", *extra], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        with open(tmp_path / "run" / "metrics.csv") as f:
+            heads.append(next(csv.reader(f)))
+    assert heads[0] == heads[1] and heads[0][:3] == ["step", "epoch", "loss"], heads

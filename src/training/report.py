@@ -120,11 +120,9 @@ class Report:
         }
 
     def write_metrics(self) -> None:
-        keys = []
-        for r in self.rows:
-            for k in r:
-                if k not in keys:
-                    keys.append(k)
+        # a fixed order: rows restored on resume come back with their keys sorted (the checkpoint's JSON)
+        seen = {k for r in self.rows for k in r}
+        keys = [k for k in METRICS_ORDER if k in seen] + sorted(seen - set(METRICS_ORDER))
         with open(os.path.join(self.out_dir, "metrics.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
@@ -156,6 +154,10 @@ class Report:
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"trace-rank{pid}.json"), "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+METRICS_ORDER = ("step", "epoch", "loss", "accuracy", "iou", "miou", "lr", "step_time_s", "io_wait_s",
+                 "comm_time_s", "hidden_comm_fraction", "hidden_comm_s", "samples_per_s")
 
 
 class PlainProgress:
