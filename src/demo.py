@@ -57,12 +57,12 @@ def main(argv=None) -> int:
                          "--ranks 1\n")
         if args.ranks > 1:
             return 2
-    # one thread per rank: the ranks already use every core
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # no thread settings here: lbannpy.train gives each rank the node's cores / its ranks (and prints it), so
+    # the printed command, rerun by hand, runs as fast as it does here
     cmd = [py, "-m", "lbannpy.train", config, "--quiet"]
     if args.ranks > 1 or mpiexec:
         cmd = [mpiexec, "-n", str(args.ranks)] + cmd
-    run(cmd, env=env)
+    run(cmd)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     print(f"\nmesh-tangling demo on {args.ranks} rank(s), {args.size}×{args.size} images, distributions "

@@ -19,6 +19,26 @@ class ModelError(ValueError):
     """A model that cannot be built: names the layer and the fix."""
 
 
+def effective_default(default: dict, ranks: int, batch_size: int) -> tuple[dict, str]:
+    """``parallel.default`` with the ranks it leaves free given to the sample dimension (as DDP and LBANN
+    do) when the batch divides, and a one-line note for the user ('' when nothing was left free). Ranks
+    stay replicas only where written: ``r`` (replicas) counts as used. Pure."""
+    default = {k: int(v) for k, v in (default or {}).items()}
+    replicas = default.pop("r", 1)
+    used = replicas
+    for v in default.values():
+        used *= v
+    free = ranks // used if used and ranks % used == 0 else 1
+    if free <= 1:
+        return default, ""
+    n = default.get("n", 1) * free
+    if batch_size % n == 0:
+        return dict(default, n=n), (f"{free} rank(s) left free by parallel.default split the samples: n={n} "
+                                    f"(parallel.default.r={free * replicas} keeps them as replicas)")
+    return default, (f"{free} rank(s) left free by parallel.default hold replicas: the batch {batch_size} "
+                     f"does not divide by n={n}; choose a batch size that does to split the samples")
+
+
 def layer_dist(layer_type: str, splittable, ndim: int, ranks: int, default: dict, override: dict | None):
     """The distribution of a layer's output: the per-layer override as given (unsupported dims are refused
     by the layer), else the default restricted to what this layer type can split and its tensor has."""
@@ -43,7 +63,7 @@ class Model:
         spatial = tuple(int(s) for s in inp["spatial"])
         self.input_shape = (int(batch_size), int(inp["channels"])) + spatial
         ranks = ctx.size
-        default = parallel.get("default") or {}
+        default, self.rank_note = effective_default(parallel.get("default") or {}, ranks, int(batch_size))
         overrides = parallel.get("layers") or {}
         in_override = next((overrides[n] for n in INPUT_NAMES if n in overrides), None)
         self.input_dist = layer_dist("input", ALL_DIMS, len(self.input_shape), ranks,

@@ -20,11 +20,19 @@ from lbannpy.training.watchdog import Watchdog  # noqa: F401
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m lbannpy.train",
+        description="Train a model described by a config (from python -m lbannpy.config build, or a YAML "
+                    "spec) on one process or under mpiexec/srun, each rank reading and computing its part. "
+                    "Writes metrics.csv, summary.json and loss.png into output.dir and checkpoints into "
+                    "checkpoint.dir.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("config", help="config.h5 (from `python -m lbannpy.config build`) or a YAML spec")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set trainer.steps=3 (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    ap.add_argument("--init", metavar="FILE", help="initial weights (sets model.init): an lbannpy checkpoint "
+                    "or a safetensors file from python -m lbannpy.export")
     ap.add_argument("--trace", action="store_true", help="write one Chrome-trace JSON per rank")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
@@ -42,7 +50,7 @@ def main(argv=None) -> int:
     # the config decides the backend; reading it needs no communicator (every rank reads the same file)
     try:
         cfg = load_config(args.config)
-        cfg = apply_overrides(cfg, args.overrides)
+        cfg = apply_overrides(cfg, args.overrides + ([f"model.init={args.init}"] if args.init else []))
     except ConfigError as exc:
         cfg, early = None, exc
     else:
@@ -51,7 +59,12 @@ def main(argv=None) -> int:
     with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu")) as rt:
         world = rt.world
         if early is not None:
-            return _user_error(world, f"{args.config}: {early}")
+            # a config error names its file already
+            msg = f"{early}" if f"{early}".startswith(args.config) else f"{args.config}: {early}"
+            return _user_error(world, msg)
+        from lbannpy.threads import set_threads
+
+        set_threads(world, rt_cfg.get("threads"), "lbannpy.train")
         try:
             trainer = Trainer(cfg, rt, trace=args.trace or bool(cfg["output"].get("trace", False)),
                               quiet=args.quiet)

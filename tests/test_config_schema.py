@@ -27,9 +27,9 @@ DEFAULTS = {
     "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual", "parallel.machine": "lassen",
     "comm.bucket_mb": 25.0, "comm.first_bucket_mb": 1.0, "comm.overlap": True, "comm.replicate_fc": 0,
     "comm.chunks.k": 0,
-    "checkpoint.dir": "ckpt", "checkpoint.every_steps": 0,
+    "checkpoint.dir": "ckpt", "checkpoint.every_steps": 0, "checkpoint.at_start": False,
     "output.dir": "run", "output.log_every": 1, "output.trace": False,
-    "runtime.backend": "auto", "runtime.device": "cpu",
+    "runtime.backend": "auto", "runtime.device": "cpu", "runtime.threads": 0,
 }
 
 LAYER_DEFAULTS = {
@@ -79,7 +79,8 @@ def test_every_schema_default_is_listed_and_filled():
 
 def test_data_defaults():
     cfg = normalize(dict(MINIMAL, data={"train": {"path": "d.h5"}}))
-    assert cfg["data"] == {"train": {"path": "d.h5", "inputs": "inputs", "labels": "labels"}, "prefetch": 2}
+    assert cfg["data"] == {"train": {"path": "d.h5", "inputs": "inputs", "labels": "labels", "shuffle": True},
+                           "prefetch": 2}
 
 
 def test_steps_replaces_epochs_default():

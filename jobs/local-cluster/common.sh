@@ -4,6 +4,9 @@
 # /etc/slurm, /etc/munge or a system munged, and so that `stop` can find exactly the daemons `start`
 # launched (by their pid files).
 
+# What the caller set (for the hints printed later), before the defaults fill them in.
+_SET_DIR="${LBANNPY_SLURM_DIR:-}"
+_SET_PORT="${LBANNPY_SLURM_PORT:-}"
 LBANNPY_SLURM_DIR="${LBANNPY_SLURM_DIR:-/tmp/lbannpy-slurm}"
 # slurmctld listens on PORT, slurmd on PORT+1; override when another cluster already uses 6817/6818.
 LBANNPY_SLURM_PORT="${LBANNPY_SLURM_PORT:-6817}"
@@ -41,3 +44,28 @@ running() {
 }
 
 pid_of() { tr -dc '0-9' < "$1"; }
+
+# Who started the cluster in SLURM_DIR: the invoking user and the checkout whose start script ran. A cluster
+# of another user or another checkout is never reused silently (its jobs would run that checkout's code).
+OWNER_FILE="$SLURM_DIR/owner"
+owner_line() { printf 'user=%s checkout=%s\n' "${SUDO_USER:-${USER:-$(id -un)}}" "$1"; }
+
+# check_owner CHECKOUT: fail unless the running cluster was started by this user from CHECKOUT
+# (LBANNPY_SLURM_REUSE=1 accepts it anyway).
+check_owner() {
+    local want have
+    want="$(owner_line "$1")"
+    have="$(cat "$OWNER_FILE" 2>/dev/null || echo 'unknown (no owner file)')"
+    [[ "$have" == "$want" || "${LBANNPY_SLURM_REUSE:-0}" == 1 ]] && return 0
+    die "a cluster already runs in $SLURM_DIR, started by $have; this is $want. Start your own with
+  LBANNPY_SLURM_DIR=/tmp/lbannpy-slurm-\$USER LBANNPY_SLURM_PORT=<free port> $1/start
+or use that one deliberately with LBANNPY_SLURM_REUSE=1"
+}
+
+# The variables a later command needs to reach this cluster (only those the caller set).
+env_prefix() {
+    local out=""
+    [[ -n "$_SET_DIR" ]] && out+="LBANNPY_SLURM_DIR=$LBANNPY_SLURM_DIR "
+    [[ -n "$_SET_PORT" ]] && out+="LBANNPY_SLURM_PORT=$LBANNPY_SLURM_PORT "
+    printf '%s' "$out"
+}

@@ -68,12 +68,48 @@ def measure(size: int, channels: int, filters: int, batch: int, repeats: int, in
 CONFIGS = (("1 rank", 1, False), ("2 ranks, h split", 2, False), ("2 ranks, independent halves", 2, True))
 
 
+def plot_scaling(rows, path: str) -> None:
+    """``scaling.png``: speedup and parallel efficiency against ranks per sweep (strong, weak), with the
+    ideal line (speedup = ranks, efficiency = 1). ``rows``: objects with sweep, ranks, speedup, efficiency
+    (:class:`lbannpy.jobs.helpers.ScalingRow`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for sweep in sorted({r.sweep for r in rows}):
+        pts = sorted((r.ranks, r.speedup, r.efficiency) for r in rows if r.sweep == sweep)
+        p = [x[0] for x in pts]
+        a.plot(p, [x[1] for x in pts], "o-", label=f"{sweep} scaling")
+        b.plot(p, [x[2] for x in pts], "o-", label=f"{sweep} scaling")
+    ranks = sorted({r.ranks for r in rows})
+    a.plot(ranks, [p / ranks[0] for p in ranks], "k--", label="ideal")
+    b.plot(ranks, [1.0] * len(ranks), "k--", label="ideal")
+    for ax, ylabel in ((a, "speedup over the smallest run"), (b, "parallel efficiency")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranks, [str(p) for p in ranks])
+        ax.set_xlabel("ranks per sample")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    b.set_ylim(0, max(1.1, max(r.efficiency for r in rows) * 1.1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench scaling", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--channels", type=int, default=18)
-    ap.add_argument("--filters", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=1)
+    ap = argparse.ArgumentParser(
+        prog="python -m lbannpy.bench scaling",
+        description="Time one mesh-model convolution layer (forward and backward) on 1 rank and on 2 ranks "
+                    "splitting the height, next to two independent half-height layers (what two processes "
+                    "reach on this machine), and print the speedups.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--size", type=int, default=1024, help="image height and width in pixels")
+    ap.add_argument("--channels", type=int, default=18, help="input channels")
+    ap.add_argument("--filters", type=int, default=16, help="output channels (filters)")
+    ap.add_argument("--batch", type=int, default=1, help="samples per call")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per configuration and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the three configurations")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -12,6 +12,7 @@ on stderr, without a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 PROG = "python -m lbannpy.config"
@@ -70,6 +71,12 @@ def run(args) -> int:
         graph = check_graph(cfg)
         if args.ranks is not None:
             check_ranks(cfg, args.ranks, graph)
+        data = cfg.get("data") or {}
+        paths = [d["path"] for d in (data.get("train"), data.get("validation")) if d and d.get("path")]
+        if paths and all(os.path.exists(p) for p in paths):  # data written later is checked by validate/train
+            from . import check_data
+
+            check_data(cfg)
         save_config(cfg, args.output)
         print(f"wrote {args.output}: model {cfg['model']['name']!r}, {len(cfg['model']['layers'])} layers")
     elif args.command == "show":

@@ -142,13 +142,18 @@ def check_ranks(cfg: dict, ranks: int, graph=None) -> None:
         entries.append((f"parallel.layers.{k}", v, node_ndim))
     for path, degrees, ndim in entries:
         names = DIM_NAMES[ndim]
+        degrees = dict(degrees)
+        replicas = int(degrees.pop("r", 1))  # parallel.default.r: written replicas
+        if ranks % replicas:
+            raise ConfigError(join_path(path, "r"), f"{replicas} replicas do not divide {ranks} ranks",
+                              "choose r dividing the rank count")
         for d, v in degrees.items():
             if d not in names and v != 1:
                 raise ConfigError(join_path(path, d), f"the model's tensors have no dimension {d!r} "
                                                       f"(they are {'·'.join(names)})",
                                   f"split only {', '.join(names)}")
         try:
-            Distribution.make(ndim, ranks, **{d: v for d, v in degrees.items() if d in names})
+            Distribution.make(ndim, ranks // replicas, **{d: v for d, v in degrees.items() if d in names})
         except DistributionError as e:
             raise ConfigError(path, str(e), f"change {path} or the rank count") from None
 

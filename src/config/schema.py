@@ -515,12 +515,15 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("layers", LayerList(), REQUIRED, "the layers; parents default to the previous layer"),
         Key("loss", Registered("loss", loss_specs), "cross_entropy",
             "cross_entropy (one label per sample) or pixel_cross_entropy (one label per pixel)"),
+        Key("init", Str(), UNSET, "initial weights: an lbannpy checkpoint or a safetensors file from "
+                                  "python -m lbannpy.export (PyTorch names)"),
     )),
     Section("data", "training and validation data (HDF5)", (
         Section("train", "the training set", (
             Key("path", Str(), REQUIRED, "HDF5 file with the samples"),
             Key("inputs", Str(), "inputs", "dataset of inputs, shape (N, C, *spatial)"),
             Key("labels", Str(), "labels", "dataset of labels: (N,) or, per pixel, (N, *spatial)"),
+            Key("shuffle", Bool(), True, "a new sample order every epoch (seeded by trainer.seed)"),
         )),
         Section("validation", "the validation set: a file of its own or a fraction of the training set", (
             Key("path", Str(), UNSET, "HDF5 file with the same dataset names as train"),
@@ -553,8 +556,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         )),
     )),
     Section("parallel", "how tensors are split over ranks", (
-        Section("default", "degrees of every layer without its own entry; unset = 1, leftover ranks "
-                           "replicate", _DEGREE_KEYS),
+        Section("default", "degrees of every layer without its own entry; unset = 1; ranks left free split "
+                           "the samples when the batch divides, else replicate",
+                _DEGREE_KEYS + (Key("r", _POS, UNSET, "replicas: ranks that hold copies instead of splitting "
+                                                      "the samples (data-parallel groups stay r)"),)),
         Key("layers", MapOf(DEGREES), {}, "per-layer degrees {layer: {n, c, d, h, w}}; an entry replaces the "
                                           "default, its unset dimensions are 1"),
         Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
@@ -580,6 +585,7 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
     Section("checkpoint", "checkpoints (written atomically)", (
         Key("dir", Str(), "ckpt", "directory of checkpoints"),
         Key("every_steps", Int(0), 0, "write one every N steps; 0: only at the end"),
+        Key("at_start", Bool(), False, "also write the step-0 checkpoint (the initial weights)"),
     )),
     Section("output", "what a run writes", (
         Key("dir", Str(), "run", "output directory (metrics.csv, summary.json, loss.png)"),
@@ -590,6 +596,8 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("backend", Str(("auto", "mpi", "single", "nccl")), "auto",
             "communication backend; auto: nccl on gpu under MPI, mpi under MPI, else single"),
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
+        Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
+                                  "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
     )),
 ))
 

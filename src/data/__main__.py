@@ -7,27 +7,34 @@ import time
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.data", description=__doc__)
-    sub = ap.add_subparsers(dest="kind", required=True)
-    m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, cell labels)")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.data", formatter_class=fmt,
+                                 description="Write a synthetic data set (inputs and labels) into an HDF5 "
+                                             "file that lbannpy.train reads. See each kind's --help.")
+    sub = ap.add_subparsers(dest="kind", required=True, metavar="{mesh,blobs}")
+    m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, cell labels)",
+                       description="Synthetic mesh-tangling segmentation data: per-cell mesh quantities as "
+                                   "input channels, cells about to tangle as labels.", formatter_class=fmt)
     m.add_argument("--size", type=int, required=True, help="cells per side (N; the sample is N×N)")
     m.add_argument("--samples", type=int, required=True, help="number of samples (M)")
     m.add_argument("-o", "--output", required=True, help="HDF5 file to write")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="random seed")
     m.add_argument("--channels", type=int, default=18, help="keep the first C of the 18 channels")
-    m.add_argument("--steps", type=int, default=4, help="Euler steps of the mesh motion (default 4)")
+    m.add_argument("--steps", type=int, default=4, help="Euler steps of the mesh motion")
     m.add_argument("--threshold", type=float, default=0.25,
                    help="label cells whose min corner Jacobian (relative to the initial one) is below this "
-                        "and decreasing (default 0.25); tangled cells are always labelled")
+                        "and decreasing; tangled cells are always labelled")
     m.add_argument("-q", "--quiet", action="store_true", help="no per-sample lines")
-    b = sub.add_parser("blobs", help="small learnable classification images (oriented gratings + noise)")
-    b.add_argument("--size", type=int, default=32)
-    b.add_argument("--samples", type=int, default=256)
-    b.add_argument("--classes", type=int, default=4)
-    b.add_argument("--channels", type=int, default=3)
+    b = sub.add_parser("blobs", help="small learnable classification images (oriented gratings + noise)",
+                       description="Small learnable classification images: one oriented grating per class "
+                                   "plus noise.", formatter_class=fmt)
+    b.add_argument("--size", type=int, default=32, help="image height and width in pixels")
+    b.add_argument("--samples", type=int, default=256, help="number of samples")
+    b.add_argument("--classes", type=int, default=4, help="number of classes")
+    b.add_argument("--channels", type=int, default=3, help="input channels")
     b.add_argument("--noise", type=float, default=0.3, help="Gaussian noise std (signal amplitude ~1)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("-o", "--output", required=True)
+    b.add_argument("--seed", type=int, default=0, help="random seed")
+    b.add_argument("-o", "--output", required=True, help="HDF5 file to write")
     return ap
 
 

@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             csv_text, table = helpers.format_scaling(rows)
             if args.output:
                 helpers._write_atomic(Path(args.output), csv_text)
+                from lbannpy.bench.scaling import plot_scaling  # scaling.png beside scaling.csv
+
+                plot_scaling(rows, str(Path(args.output).with_suffix(".png")))
             sys.stdout.write(table)
     except (JobSpecError, helpers.JobHelperError) as exc:
         print(f"error: {exc}", file=sys.stderr)

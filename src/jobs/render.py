@@ -88,7 +88,7 @@ class JobSpec:
         if self.config is not None:
             if not isinstance(self.config, str) or not self.config.strip() or "\n" in self.config:
                 raise JobSpecError(f"config must be a non-empty one-line path, got {self.config!r}")
-            if self.template in ("calibrate", "mpi-check"):
+            if self.template in ("calibrate", "mpi-check", "predict"):
                 raise JobSpecError(f"template {self.template!r} takes no config")
 
     @classmethod

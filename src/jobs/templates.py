@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("sweep", "train", "calibrate", "strategy", "mpi-check")
+KINDS = ("sweep", "train", "calibrate", "strategy", "mpi-check", "predict")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ TEMPLATES: dict[str, Template] = {
                  "them into the config", model="mesh1k", size=1024),
         Template("mpi-check", "mpi-check", "check that srun starts one MPI rank per task with "
                  "MPI_THREAD_MULTIPLE and node-local ranks (run this first on a new site)"),
+        Template("predict", "predict", "apply a trained model (config and checkpoint) to an HDF5 file of "
+                 "samples: class probabilities or probability maps"),
     )
 }
 
@@ -223,12 +225,30 @@ sys.exit(comm.bcast(code, root=0))
 srun python -m mpi4py -c "$check_py"
 """
 
+BODY_PREDICT = r"""
+# Arguments: CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]; run with the task count the model was trained on (or
+# one its parallel.* settings divide).
+usage="usage: sbatch jobs/@TEMPLATE@.sbatch CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]"
+config="${1:?$usage}"
+checkpoint="${2:?$usage}"
+data="${3:?$usage}"
+out="${4:-$run_dir/predictions.h5}"
+for f in "$config" "$checkpoint" "$data"; do
+    [[ -e "$f" ]] || { echo "error: '$f' not found (cwd $PWD); $usage" >&2; exit 2; }
+done
+echo "== predicting $data with $checkpoint on $SLURM_NTASKS rank(s) -> $out"
+srun python -m lbannpy.predict "$config" --checkpoint "$checkpoint" --data "$data" -o "$out" \
+    --png "${LBANNPY_PNG:-4}"
+echo "done: $out"
+"""
+
 BODIES = {
     "sweep": BODY_SWEEP,
     "train": BODY_TRAIN,
     "calibrate": BODY_CALIBRATE,
     "strategy": BODY_STRATEGY,
     "mpi-check": BODY_MPI_CHECK,
+    "predict": BODY_PREDICT,
 }
 
 BUILDERS = {
@@ -267,6 +287,12 @@ USAGE = {
         "  ranks; LBANNPY_MACHINE=machine.yaml uses a calibrated machine. Without CONFIG.h5 it builds the",
         "  zoo model LBANNPY_MODEL (default @MODEL@) at LBANNPY_MESH_SIZE (default @SIZE@).",
         "Output: LBANNPY_RUN_DIR (default run/@TEMPLATE@-JOBID)/strategy.txt.",
+    ),
+    "predict": (
+        "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]",
+        "CHECKPOINT is a ckpt-*.h5 file or a checkpoint directory (its newest); OUT.h5 defaults to",
+        "  RUN_DIR/predictions.h5 (LBANNPY_RUN_DIR, default run/@TEMPLATE@-JOBID); LBANNPY_PNG=N samples",
+        "  (default 4) are drawn into OUT.png. Metrics are printed when DATA.h5 holds labels.",
     ),
     "mpi-check": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch",

@@ -92,6 +92,13 @@ def build_model(cfg: dict, ctx, world):
         cfg["parallel"] = auto_strategy(cfg, world, batch_size)
     mspec = cfg["model"]
     model = Model(mspec, batch_size, ctx, cfg.get("parallel"))
+    if world.rank == 0 and world.size > 1:
+        if all(max(layer.out_dist.parts) == 1 for layer in model.layers):
+            note = model.rank_note or "as written"
+            sys.stderr.write(f"lbannpy.train: every layer is replicated on the {world.size} ranks (each "
+                             f"computes the whole batch of {batch_size}): {note}\n")
+        elif model.rank_note:
+            sys.stderr.write(f"lbannpy.train: {model.rank_note}\n")
     in_shape = model.input_shape
     loss_kind = mspec.get("loss", "cross_entropy")
     label_shape = (batch_size,) + tuple(in_shape[2:]) if loss_kind == "pixel_cross_entropy" else None
@@ -141,7 +148,7 @@ def build(cfg: dict, ctx, world) -> Parts:
     from lbannpy.optim import make_optimizer
 
     model, loss = build_model(cfg, ctx, world)
-    reader, val_reader = build_readers(cfg, model, loss, world)
+    reader, val_reader = build_readers(cfg, model, loss, world, cfg["data"]["train"].get("shuffle", True))
     st = settings(cfg, len(reader.indices))
     optimizer = make_optimizer(cfg["optimizer"], model.params, st.total_steps)
     return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,

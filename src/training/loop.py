@@ -58,10 +58,16 @@ class Trainer:
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         if resume:
             self._resume()
+        elif cfg["model"].get("init"):
+            from lbannpy.export import init_from
+
+            init_from(cfg["model"]["init"], self.model, self.rt.xp)
         if world.rank == 0:
             import os
 
             os.makedirs(s.out_dir, exist_ok=True)
+        if (cfg.get("checkpoint") or {}).get("at_start") and self.step == 0:
+            self.save_checkpoint()
 
     def _resume(self) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -177,6 +183,10 @@ class Trainer:
     def _progress_bar(self):
         if self.world.rank != 0 or self.quiet:
             return None
+        if not sys.stderr.isatty():  # a log file: plain lines, not carriage returns
+            from .report import PlainProgress
+
+            return PlainProgress(self.settings.total_steps, self.step)
         from tqdm import tqdm
 
         return tqdm(total=self.settings.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
@@ -216,6 +226,6 @@ class Trainer:
         """Who calls: every rank (collective)."""
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
-               "wall_s": wall}
+               "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                           {l.name: str(l.out_dist) for l in self.model.layers})

@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -90,7 +91,9 @@ class Report:
         self.write_metrics()
         with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
-        write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals)
+        split = ", ".join(sorted(set(distributions.values())))
+        write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals,
+                   title=f"{run.get('model', 'model')} on {run['ranks']} rank(s), split {split}")
         self.print_summary(summary, final_eval)
 
     def summary(self, run, steps_run, final_eval, buckets, merged, distributions) -> dict:
@@ -124,11 +127,9 @@ class Report:
         }
 
     def write_metrics(self) -> None:
-        keys = []
-        for r in self.rows:
-            for k in r:
-                if k not in keys:
-                    keys.append(k)
+        # a fixed order: rows restored on resume come back with their keys sorted (the checkpoint's JSON)
+        seen = {k for r in self.rows for k in r}
+        keys = [k for k in METRICS_ORDER if k in seen] + sorted(seen - set(METRICS_ORDER))
         with open(os.path.join(self.out_dir, "metrics.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
@@ -139,7 +140,9 @@ class Report:
         fin = summary["final"]
         shown = ", ".join(f"{k} {fin[k]:.4f}" for k in ("loss", "accuracy", "iou", "miou") if k in fin)
         val = ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
-        sys.stdout.write(f"lbannpy.train: {summary['steps']} steps on {summary['ranks']} rank(s); {shown}"
+        n = summary["steps"]
+        sys.stdout.write(f"lbannpy.train: {n} step{'' if n == 1 else 's'} on {summary['ranks']} rank(s); "
+                         f"{shown}"
                          + (f"; validation {val}" if val else "")
                          + (f"; median step {summary['median_step_s'] * 1e3:.1f} ms"
                             if summary["median_step_s"] is not None else "")
@@ -160,12 +163,55 @@ class Report:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
+METRICS_ORDER = ("step", "epoch", "loss", "accuracy", "iou", "miou", "lr", "step_time_s", "io_wait_s",
+                 "comm_time_s", "hidden_comm_fraction", "hidden_comm_s", "samples_per_s")
+
+
+class PlainProgress:
+    """Progress for logs (stderr not a terminal: a SLURM log, a pipe): one plain line every ``every_steps``
+    steps or ``every_s`` seconds, whichever comes first, and at the end; the tqdm calls the loop makes."""
+
+    def __init__(self, total: int, initial: int = 0, every_steps: int | None = None, every_s: float = 30.0,
+                 file=None, clock=time.monotonic):
+        self.total, self.n = int(total), int(initial)
+        self.every_steps = every_steps or max(1, self.total // 10)
+        self.every_s, self.file, self.clock = float(every_s), file or sys.stderr, clock
+        self.t0 = self.t_last = clock()
+        self.n_last = self.n
+        self.postfix: dict = {}
+        self.due = None  # a line is due: written by the set_postfix that follows update (the step's metrics)
+
+    def set_postfix(self, **kw) -> None:
+        self.postfix = kw
+        if self.due is not None:
+            self._line(self.due)
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        now = self.clock()
+        if (self.n - self.n_last >= self.every_steps or now - self.t_last >= self.every_s
+                or self.n >= self.total):
+            self.due = now
+
+    def _line(self, now: float) -> None:
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        self.file.write(f"lbannpy.train: step {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%), "
+                        f"{now - self.t0:.0f} s{extra}\n")
+        self.file.flush()
+        self.t_last, self.n_last, self.due = now, self.n, None
+
+    def close(self) -> None:
+        if self.n != self.n_last:
+            self._line(self.clock())
+
+
+def write_plot(path: str, rows: list[dict], evals: list[dict], title: str = "") -> None:
     evals = [e for e in evals if "loss" in e]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(1, 2 if evals else 1, figsize=(10 if evals else 6, 4), squeeze=False)
     ax[0, 0].plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
@@ -175,12 +221,18 @@ def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
         for k in keys:
             ax[0, 1].plot([e["step"] for e in evals], [e[k] for e in evals], "o-", label=f"validation {k}")
         ax[0, 1].set_xlabel("step")
+        ax[0, 1].set_ylabel("validation metric")
+        ax[0, 1].set_xlim(ax[0, 0].get_xlim())  # the same steps as the loss panel, even for one evaluation
+        ax[0, 1].xaxis.set_major_locator(MaxNLocator(integer=True))
         ax[0, 1].legend()
         ax[0, 1].grid(alpha=0.3)
     ax[0, 0].set_xlabel("step")
     ax[0, 0].set_ylabel("loss")
+    ax[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax[0, 0].legend()
     ax[0, 0].grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,291 @@
+"""Export a checkpoint's weights for PyTorch: safetensors with ``state_dict`` names and layouts.
+
+``python -m lbannpy.export CKPT -o model.safetensors [--config CONFIG.h5 --torch-module model.py]``
+
+* Names: ``<layer>.weight`` / ``<layer>.bias`` for conv and fc, ``<layer>.weight``, ``.bias``,
+  ``.running_mean``, ``.running_var``, ``.num_batches_tracked`` for batch norm (the layer name, made a
+  Python identifier where it is not one: see :func:`attr_name`).
+* Layouts are PyTorch's already: conv weight ``(F, C, kh, kw)``, fc weight ``(out, in)`` whose ``in`` is
+  the flattened NCHW input, which is what ``torch.flatten(x, 1)`` feeds an ``nn.Linear``.
+* The file format is written here (no pickle, no extra dependency): an 8-byte little-endian header length,
+  a JSON header mapping each name to ``dtype``/``shape``/``data_offsets``, then the raw little-endian bytes.
+* ``--torch-module FILE.py`` (with ``--config``) writes the source of an equivalent ``torch.nn.Module``
+  (class ``Net``) whose ``load_state_dict`` takes the exported tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import keyword
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+
+from lbannpy.training.errors import UserError
+
+DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
+_NP = {v: np.dtype(k).newbyteorder("<") for k, v in DTYPES.items()}
+
+
+class ExportError(UserError):
+    """A file or name problem; a user error (the trainer reports it once, without a traceback)."""
+
+
+def attr_name(layer: str) -> str:
+    """The ``torch.nn.Module`` attribute (and ``state_dict`` prefix) of an lbannpy layer name."""
+    name = re.sub(r"\W", "_", layer)
+    if not name or name[0].isdigit() or keyword.iskeyword(name):
+        name = "l_" + name
+    return name
+
+
+# ---------------------------------------------------------------------------------------------- safetensors
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+    """``tensors`` (name -> array) into ``path`` in the safetensors format, atomically (tmp + rename)."""
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        arr = np.asarray(tensors[name])
+        kind = DTYPES.get(arr.dtype.name)
+        if kind is None:
+            raise ExportError(f"tensor {name}: dtype {arr.dtype} has no safetensors code here "
+                              f"({sorted(DTYPES)})")
+        raw = np.ascontiguousarray(arr, dtype=_NP[kind]).tobytes()
+        header[name] = {"dtype": kind, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in blobs:
+            f.write(raw)
+    os.replace(tmp, path)
+
+
+def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``(tensors, metadata)`` of a safetensors file (as written by any producer)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ExportError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            raise ExportError(f"{path}: header length {n} is implausible; not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ExportError(f"{path}: the header is not JSON ({exc}); not a safetensors file") from exc
+        data = f.read()
+    meta = header.pop("__metadata__", {}) or {}
+    out = {}
+    for name, h in header.items():
+        if h["dtype"] not in _NP:
+            raise ExportError(f"{path}: tensor {name} has dtype {h['dtype']}; readable: {sorted(_NP)}")
+        a, b = h["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype=_NP[h["dtype"]]).reshape(h["shape"]).copy()
+    return out, meta
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+def load_checkpoint(path: str) -> tuple[str, dict]:
+    """``(file, data)`` of a checkpoint file, or of the newest in a directory. The only place this module
+    touches :mod:`lbannpy.checkpoint`."""
+    from lbannpy import checkpoint
+
+    if os.path.isdir(path):
+        found, data = checkpoint.load_newest(path)
+        if found is None:
+            raise ExportError(f"no checkpoint in {path}/")
+        return found, data
+    if not os.path.isfile(path):
+        raise ExportError(f"{path}: no such checkpoint file or directory")
+    return path, checkpoint._read(path)
+
+
+def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """PyTorch ``state_dict`` tensors of a checkpoint's parameters and batch-norm statistics."""
+    out = {}
+    for key, arr in data["tensors"].items():
+        if not key.startswith("params/"):
+            continue
+        layer, _, pname = key[len("params/"):].rpartition(".")
+        pname = {"scale": "weight"}.get(pname, pname)  # batch norm's gamma is torch's weight
+        out[f"{attr_name(layer)}.{pname}"] = np.asarray(arr, dtype=dtype)
+    for layer, st in (data["meta"].get("layers") or {}).items():
+        if "running_mean" in st:
+            a = attr_name(layer)
+            out[f"{a}.running_mean"] = np.asarray(st["running_mean"], dtype=dtype)
+            out[f"{a}.running_var"] = np.asarray(st["running_var"], dtype=dtype)
+            # torch counts training-mode forward passes: one per optimizer step here
+            out[f"{a}.num_batches_tracked"] = np.asarray(int(data["step"]), dtype=np.int64)
+    return out
+
+
+def init_from(path: str, model, xp) -> None:
+    """Weights (and batch-norm statistics) of ``model`` from an lbannpy checkpoint or a safetensors file
+    with this module's names (``model.init`` / ``train --init``); optimizer state is not taken. Every rank
+    reads the file and keeps its own piece. Raises :class:`ExportError` naming the missing or mis-shaped
+    tensor."""
+    import h5py
+
+    if os.path.isdir(path) or (os.path.isfile(path) and h5py.is_hdf5(path)):
+        from lbannpy.predict import load_weights
+
+        load_weights(path, model, xp)
+        return
+    if not os.path.isfile(path):
+        raise ExportError(f"model.init {path}: no such file")
+    tensors, _ = read_safetensors(path)
+    for p in model.params:
+        layer, _, pname = p.name.rpartition(".")
+        key = f"{attr_name(layer)}.{ {'scale': 'weight'}.get(pname, pname) }"
+        if key not in tensors:
+            raise ExportError(f"model.init {path}: no tensor {key!r} for parameter {p.name}; the file has "
+                              f"{sorted(tensors)[:8]}{' ...' if len(tensors) > 8 else ''}")
+        arr = tensors[key]
+        if tuple(arr.shape) != tuple(p.global_shape):
+            raise ExportError(f"model.init {path}: tensor {key!r} has shape {tuple(arr.shape)}; parameter "
+                              f"{p.name} needs {tuple(p.global_shape)}")
+        p.value[...] = xp.asarray(arr[tuple(slice(a, b) for a, b in p.box)], dtype=p.value.dtype)
+    for layer in model.layers:
+        a = attr_name(layer.name)
+        if f"{a}.running_mean" in tensors and hasattr(layer, "running_mean"):
+            layer.load_state({k: tensors[f"{a}.{k}"].astype(np.float64).tolist()
+                              for k in ("running_mean", "running_var")})
+
+
+# ---------------------------------------------------------------------------------------------- torch source
+def _pads(layer) -> tuple[int, ...]:
+    """``F.pad`` order (last dimension first) of a stencil layer's per-side padding."""
+    out = []
+    for w in reversed(layer.stencil.dims[2:]):
+        out += [int(w.pad_lo), int(w.pad_hi)]
+    return tuple(out)
+
+
+def torch_module_source(model_spec: dict, title: str = "") -> str:
+    """Source of a ``torch.nn.Module`` ``Net`` computing what the lbannpy model computes (evaluation and
+    training mode alike; batch norm statistics are per batch in training as in lbannpy's ``sync: global``)."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.batchnorm import BatchNorm
+    from lbannpy.layers.conv import Conv
+    from lbannpy.layers.fc import FullyConnected
+    from lbannpy.layers.pool import Pool
+    from lbannpy.layers.registry import INPUT_NAMES
+    from lbannpy.layers.simple import Concat, Dropout, Flatten, LeakyReLU, ReLU, Sum
+    from lbannpy.model import Model
+
+    model = Model(model_spec, 1, LayerContext(SingleCommunicator(), np, "float64", seed=0), {})
+    nd = len(model.input_shape) - 2
+    init, fwd = [], []
+    var = {n: "x" for n in INPUT_NAMES}
+    for layer in model.layers:
+        t, a = type(layer), attr_name(layer.name)
+        ins = [var[p] for p in model.parents[layer.name]]
+        v = f"h_{a}"
+        x = ins[0]
+        if t is Conv:
+            cin = layer.in_shapes[0][1]
+            init.append(f"self.{a} = nn.Conv{nd}d({cin}, {layer.filters}, kernel_size={layer.kernel}, "
+                        f"stride={layer.stride}, dilation={layer.dilation}, bias={layer.use_bias})")
+            pads = _pads(layer)
+            xin = f"F.pad({x}, {pads})" if any(pads) else x
+            fwd.append(f"{v} = self.{a}({xin})")
+        elif t is BatchNorm:
+            init.append(f"self.{a} = nn.BatchNorm{nd}d({layer.in_shapes[0][1]}, eps={layer.eps!r}, "
+                        f"momentum={layer.momentum!r})")
+            fwd.append(f"{v} = self.{a}({x})")
+        elif t is FullyConnected:
+            init.append(f"self.{a} = nn.Linear({layer.features}, {layer.out_shape[1]}, "
+                        f"bias={layer.use_bias})")
+            fwd.append(f"{v} = self.{a}(torch.flatten({x}, 1))")
+        elif t is ReLU:
+            fwd.append(f"{v} = F.relu({x})")
+        elif t is LeakyReLU:
+            fwd.append(f"{v} = F.leaky_relu({x}, {layer.slope!r})")
+        elif t is Dropout:
+            init.append(f"self.{a} = nn.Dropout({float(layer.hparams['p'])!r})")
+            fwd.append(f"{v} = self.{a}({x})")
+        elif t is Flatten:
+            fwd.append(f"{v} = torch.flatten({x}, 1)")
+        elif t is Sum:
+            fwd.append(f"{v} = " + " + ".join(ins))
+        elif t is Concat:
+            fwd.append(f"{v} = torch.cat([{', '.join(ins)}], dim={int(layer.hparams['axis'])})")
+        elif t is Pool:
+            pads = _pads(layer)
+            if layer.mode == "max":
+                xin = f"F.pad({x}, {pads}, value=float('-inf'))" if any(pads) else x
+                fwd.append(f"{v} = F.max_pool{nd}d({xin}, {layer.kernel}, {layer.stride})")
+            else:
+                if any(pads):
+                    raise ExportError(f"layer '{layer.name}': a padded average pool has no torch.nn "
+                                      f"equivalent written here; export the weights only (without "
+                                      f"--torch-module)")
+                fwd.append(f"{v} = F.avg_pool{nd}d({x}, {layer.kernel}, {layer.stride})")
+        else:
+            raise ExportError(f"layer '{layer.name}': type {layer.spec.name!r} has no torch.nn translation "
+                              f"here; export the weights only (without --torch-module)")
+        var[layer.name] = v
+    name = model_spec.get("name", "model")
+    lines = [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
+             "Load the exported weights with ``Net().load_state_dict({k: torch.from_numpy(v) ...})``; the "
+             f"input is {tuple(model.input_shape[1:])} per sample.", '"""',
+             "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
+             "class Net(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    lines += [f"        {s}" for s in init] or ["        pass"]
+    lines += ["", "    def forward(self, x):"] + [f"        {s}" for s in fwd]
+    lines += [f"        return {var[model.output.name]}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m lbannpy.export",
+        description="Write a checkpoint's weights as a safetensors file with PyTorch state_dict names and "
+                    "layouts, and optionally the source of the equivalent torch.nn module.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("checkpoint", help="a checkpoint file ckpt-*.h5, or a directory (its newest is used)")
+    ap.add_argument("-o", "--output", required=True, help="the safetensors file to write")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="floating-point type of the exported tensors")
+    ap.add_argument("--config", help="config.h5 or YAML spec of the model (needed for --torch-module)")
+    ap.add_argument("--torch-module", metavar="FILE.py",
+                    help="also write the source of an equivalent torch.nn.Module (class Net) here")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    from lbannpy.checkpoint import CheckpointError
+    from lbannpy.config import ConfigError, load_config
+
+    try:
+        if args.torch_module and not args.config:
+            raise ExportError("--torch-module needs --config (the checkpoint holds weights, not the model)")
+        path, data = load_checkpoint(args.checkpoint)
+        tensors = state_dict(data, args.dtype)
+        source = None
+        if args.torch_module:
+            spec = load_config(args.config)["model"]
+            source = torch_module_source(spec, f" (exported from {os.path.basename(path)})")
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        write_safetensors(args.output, tensors, {"format": "pt", "lbannpy_checkpoint": os.path.abspath(path),
+                                                 "step": str(data["step"])})
+        if source is not None:
+            with open(args.torch_module, "w") as f:
+                f.write(source)
+    except (UserError, CheckpointError, ConfigError, OSError) as exc:
+        sys.stderr.write(f"lbannpy.export: error: {exc}\n")
+        return 2
+    print(f"lbannpy.export: {len(tensors)} tensor(s) from {path} (step {data['step']}) -> {args.output}"
+          + (f"; module source -> {args.torch_module}" if source is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Apply a trained model to the samples of an HDF5 file and write class probabilities.
+
+``python -m lbannpy.predict CONFIG.h5 --checkpoint CKPT --data IN.h5 -o OUT.h5 [--png N]``, under
+``mpiexec``/``srun`` with the rank layout the model was trained with (``parallel.*`` in the config; another
+via ``--set``) or alone.
+
+* The model and loss come from the trainer's set-up (:func:`lbannpy.training.build.build_model`); no
+  optimizer and no gradient engine are built. Weights and layer state (batch-norm running statistics) come
+  from a checkpoint (a file, or a directory whose newest checkpoint is used).
+* Every rank reads only its hyperslab of each mini-batch (samples and spatial box of the model input).
+* Output: rank 0 gathers each batch's logits (one batch, never the whole data set) and writes the softmax
+  into ``OUT.h5``: ``probabilities`` ``(M, K)`` for classification or ``(M, K, *spatial_out)`` per-cell maps
+  for segmentation, and ``sample_ids`` ``(M,)`` (rows of ``IN.h5``). ``M`` need not be a multiple of the
+  batch size: the last batch is the last ``B`` samples, of which only the new ones are written.
+* When ``IN.h5`` holds labels, the metrics are computed exactly as the trainer's evaluation does (mean over
+  the full mini-batches of each batch's loss, accuracy and IoU) and printed and stored as attributes.
+* ``--png N`` draws the first ``N`` samples (an input channel, the labels if present, the prediction side
+  by side) into ``OUT.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from lbannpy.training.errors import EXIT_USER_ERROR, UserError
+
+SUBSETS = ("all", "train", "validation")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="python -m lbannpy.predict",
+        description="Apply a trained model (config + checkpoint) to the samples of an HDF5 file and write "
+                    "per-sample class probabilities, or per-cell probability maps for segmentation models.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("config", help="the config.h5 (or YAML spec) the model was trained with")
+    ap.add_argument("--checkpoint", required=True,
+                    help="a checkpoint file ckpt-*.h5, or a checkpoint directory (its newest is used)")
+    ap.add_argument("--data", required=True,
+                    help="HDF5 file with the inputs (and optionally labels) under the config's dataset names")
+    ap.add_argument("-o", "--output", required=True, help="HDF5 file to write the probabilities to")
+    ap.add_argument("--subset", choices=SUBSETS, default="all",
+                    help="which samples of --data: all, or the training/validation part of the config's "
+                         "data.validation.fraction split (when --data is the training file)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set parallel.default.h=4 (repeatable)")
+    ap.add_argument("--png", type=int, default=0, metavar="N",
+                    help="draw the first N samples (input channel, labels, prediction) into OUTPUT.png")
+    ap.add_argument("--channel", type=int, default=0, help="the input channel --png draws")
+    return ap.parse_args(argv)
+
+
+class _NoOptimizer:
+    """Receives the optimizer tensors a checkpoint restore hands out; inference drops them."""
+
+    def __init__(self, params):
+        self.state = {p.name: {} for p in params}
+        self.t = 0
+
+
+def load_weights(path: str, model, xp) -> tuple[str, int]:
+    """Parameters and layer state of ``model`` from a checkpoint file or the newest in a directory.
+    The only place this module touches :mod:`lbannpy.checkpoint`. Returns ``(file, step)``."""
+    from lbannpy import checkpoint
+
+    if os.path.isdir(path):
+        found, data = checkpoint.load_newest(path)
+        if found is None:
+            raise UserError(f"--checkpoint: no checkpoint in {path}/")
+        path = found
+    elif os.path.isfile(path):
+        data = checkpoint._read(path)
+    else:
+        raise UserError(f"--checkpoint {path}: no such file or directory")
+    checkpoint.restore(data, model.params, _NoOptimizer(model.params), xp)
+    for layer in model.layers:  # batch-norm running statistics and the like
+        st = data["meta"].get("layers", {}).get(layer.name)
+        if st:
+            layer.load_state(st)
+    return path, int(data["step"])
+
+
+def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
+    """Sorted sample ids of ``--data`` to predict (the trainer's split for ``train``/``validation``)."""
+    from lbannpy.data.reader import split_indices
+
+    if subset == "all":
+        return np.arange(num_samples, dtype=np.int64)
+    frac = float((cfg["data"].get("validation") or {}).get("fraction") or 0)
+    if not frac:
+        raise UserError(f"--subset {subset}: the config has no data.validation.fraction to split by")
+    train, val = split_indices(num_samples, frac, int(cfg["trainer"].get("seed", 0)))
+    return np.asarray(train if subset == "train" else val, dtype=np.int64)
+
+
+def batches(ids: np.ndarray, batch_size: int):
+    """``(batch_ids, first_new)`` for every batch: full batches in order, then (when ``len(ids)`` is not a
+    multiple) the last ``batch_size`` ids, of which rows ``first_new:`` were not predicted yet."""
+    n_full = len(ids) // batch_size
+    for j in range(n_full):
+        yield ids[j * batch_size:(j + 1) * batch_size], 0
+    rest = len(ids) - n_full * batch_size
+    if rest:
+        yield ids[-batch_size:], batch_size - rest
+
+
+def _read(ds, ids: np.ndarray, box) -> np.ndarray:
+    """This rank's block: samples ``ids`` (increasing) restricted to ``box`` (the non-sample dimensions)."""
+    sel = tuple(slice(a, b) for a, b in box)
+    if len(ids) and ids[-1] - ids[0] + 1 == len(ids):
+        return ds[(slice(int(ids[0]), int(ids[-1]) + 1),) + sel]
+    return ds[(list(map(int, ids)),) + sel]
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _open_data(cfg: dict, path: str, model):
+    """``(num_samples, has_labels)``; the inputs checked against the model's input."""
+    import h5py
+
+    from lbannpy.data.reader import DataError, validate_dataset
+
+    train = cfg["data"]["train"]
+    if not os.path.isfile(path):
+        raise UserError(f"--data {path}: no such file")
+    with h5py.File(path, "r") as f:
+        has_labels = train["labels"] in f
+        if train["inputs"] not in f:
+            raise UserError(f"--data {path}: no dataset '{train['inputs']}' (data.train.inputs); found "
+                            f"{sorted(f.keys())}")
+        xs = f[train["inputs"]].shape
+    shape = model.input_shape
+    if has_labels:
+        try:
+            validate_dataset(path, train["inputs"], train["labels"], expected_channels=shape[1],
+                             expected_spatial=shape[2:])
+        except DataError as exc:
+            raise UserError(str(exc)) from exc
+    elif tuple(xs[1:]) != tuple(shape[1:]):
+        raise UserError(f"--data {path}: dataset '{train['inputs']}' has samples of shape {tuple(xs[1:])}; "
+                        f"the model expects {tuple(shape[1:])}")
+    return int(xs[0]), has_labels
+
+
+def predict(cfg: dict, rt, args) -> dict:
+    """Who calls: every rank (the model's communicators, the per-batch gather and metrics are collective).
+    Returns the metrics (empty without labels)."""
+    import h5py
+
+    from lbannpy.backend import to_numpy
+    from lbannpy.config import validate
+    from lbannpy.layers.base import LayerContext, Timer
+    from lbannpy.tensor import DistTensor
+    from lbannpy.training.build import build_model
+
+    world = rt.world
+    cfg = validate(cfg, ranks=world.size)
+    tr = cfg["trainer"]
+    ctx = LayerContext(world, rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
+                       overlap=False, timer=Timer(events=[]))
+    model, loss = build_model(cfg, ctx, world)
+    ckpt_path, step = load_weights(args.checkpoint, model, rt.xp)
+    model.set_train(False)
+    num, has_labels = _open_data(cfg, args.data, model)
+    ids = select_ids(cfg, num, args.subset)
+    bsz = model.input_shape[0]
+    if len(ids) < bsz:
+        raise UserError(f"--data {args.data}: {len(ids)} samples selected, fewer than the model's batch size "
+                        f"{bsz}; --set trainer.batch_size={len(ids)} (with a rank layout that divides it)")
+    names = cfg["data"]["train"]
+    in_box = model.input_dist.box(model.input_shape, world.rank)
+    lab_box = loss.label_box()
+    out_shape = tuple(model.output.out_shape)
+    totals, n_full = {}, 0
+    fout = None
+    if world.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        fout = h5py.File(args.output, "w")
+        probs = fout.create_dataset("probabilities", shape=(len(ids),) + out_shape[1:], dtype=ctx.dtype,
+                                    chunks=(1,) + out_shape[1:])
+        fout.create_dataset("sample_ids", data=ids)
+    row = 0
+    try:
+        with h5py.File(args.data, "r") as fin:
+            dx = fin[names["inputs"]]
+            dy = fin[names["labels"]] if has_labels else None
+            for bids, first_new in batches(ids, bsz):
+                x = _read(dx, bids[in_box[0][0]:in_box[0][1]], in_box[1:])
+                xt = DistTensor(rt.xp.asarray(x, dtype=ctx.dtype), model.input_shape, model.input_dist,
+                                world.rank)
+                logits = model.forward(xt)
+                if dy is not None and first_new == 0:
+                    lab = _read(dy, bids[lab_box[0][0]:lab_box[0][1]], lab_box[1:])
+                    _, m = loss.forward(logits, lab)
+                    for k, v in m.items():
+                        totals[k] = totals.get(k, 0.0) + v
+                    n_full += 1
+                full = logits.gather(world, root=0)
+                if world.rank == 0:
+                    p = softmax(to_numpy(full).astype(np.float64))[first_new:]
+                    probs[row:row + len(p)] = p
+                    row += len(p)
+        metrics = {k: v / n_full for k, v in totals.items()} if n_full else {}
+        if fout is not None:
+            fout.attrs["checkpoint"] = os.path.abspath(ckpt_path)
+            fout.attrs["step"] = step
+            fout.attrs["data"] = os.path.abspath(args.data)
+            fout.attrs["subset"] = args.subset
+            fout.attrs["model"] = str(cfg["model"].get("name", ""))
+            for k, v in metrics.items():
+                fout.attrs[f"metric_{k}"] = v
+            fout.attrs["metric_batches"] = n_full
+    finally:
+        if fout is not None:
+            fout.close()
+    if world.rank == 0:
+        where = f"{len(ids)} sample(s) of {args.data} ({args.subset})"
+        sys.stdout.write(f"lbannpy.predict: {cfg['model'].get('name', 'model')} at step {step} from "
+                         f"{ckpt_path} on {where}, {world.size} rank(s) -> {args.output}\n")
+        if metrics:
+            sys.stdout.write("lbannpy.predict: " + ", ".join(f"{k} {v:.6f}" for k, v in metrics.items())
+                             + f" (mean over {n_full} full batch{'es' if n_full != 1 else ''} of {bsz}, "
+                               f"as the trainer's validation)\n")
+        if args.png:
+            png = os.path.splitext(args.output)[0] + ".png"
+            draw(args.data, names, args.output, png, args.png, args.channel)
+            sys.stdout.write(f"lbannpy.predict: {min(args.png, len(ids))} sample(s) drawn in {png}\n")
+        sys.stdout.flush()
+    return metrics
+
+
+def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> None:
+    """Rank 0: one row per sample: input channel, labels (if present), prediction (positive class
+    probability for two classes, else the argmax class; for classification the class probabilities)."""
+    import h5py
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with h5py.File(out, "r") as fo:
+        ids = fo["sample_ids"][:n]
+        probs = fo["probabilities"][:n]
+    with h5py.File(data, "r") as fi:
+        x = np.stack([fi[names["inputs"]][int(i), channel] for i in ids])
+        y = np.stack([fi[names["labels"]][int(i)] for i in ids]) if names["labels"] in fi else None
+    seg = probs.ndim > 2
+    cols = 3 if (seg and y is not None) else 2
+    fig, axes = plt.subplots(len(ids), cols, figsize=(3.2 * cols, 3.0 * len(ids)), squeeze=False)
+    for r, i in enumerate(ids):
+        ax = axes[r]
+        img = x[r] if x[r].ndim == 2 else x[r][x[r].shape[0] // 2] if x[r].ndim == 3 else x[r][None]
+        ax[0].imshow(img, cmap="viridis")
+        ax[0].set_title(f"sample {int(i)}: input channel {channel}", fontsize=9)
+        if seg:
+            if y is not None:
+                ax[1].imshow(y[r] if y[r].ndim == 2 else y[r][y[r].shape[0] // 2], cmap="gray",
+                             vmin=0, vmax=max(1, probs.shape[1] - 1))
+                ax[1].set_title("labels", fontsize=9)
+            p = probs[r]
+            pm = p[1] if p.shape[0] == 2 else p.argmax(axis=0)
+            pm = pm if pm.ndim == 2 else pm[pm.shape[0] // 2]
+            im = ax[cols - 1].imshow(pm, cmap="gray", vmin=0, vmax=1 if p.shape[0] == 2 else p.shape[0] - 1)
+            ax[cols - 1].set_title("prediction: P(class 1)" if p.shape[0] == 2 else "prediction: class",
+                                   fontsize=9)
+            fig.colorbar(im, ax=ax[cols - 1], fraction=0.046)
+        else:
+            ax[1].bar(range(probs.shape[1]), probs[r])
+            lab = f", label {int(y[r])}" if y is not None else ""
+            ax[1].set_title(f"class probabilities (argmax {int(probs[r].argmax())}{lab})", fontsize=9)
+            ax[1].set_ylim(0, 1)
+        for a in ax[:cols if seg else 1]:
+            a.set_xticks([])
+            a.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from lbannpy.checkpoint import CheckpointError
+    from lbannpy.comm import Runtime
+    from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.data.reader import DataError
+    from lbannpy.dist import DistributionError
+    from lbannpy.layers.base import LayerError
+
+    try:
+        cfg = apply_overrides(load_config(args.config), args.overrides)
+        early = None
+    except ConfigError as exc:
+        cfg, early = None, exc
+    rt_cfg = (cfg or {}).get("runtime", {}) if cfg else {}
+    with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu")) as rt:
+        world = rt.world
+        err = f"{args.config}: {early}" if early is not None else None
+        if err is None:
+            from lbannpy.threads import set_threads
+
+            set_threads(world, rt_cfg.get("threads"), "lbannpy.predict")
+            try:
+                predict(cfg, rt, args)
+            except (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError,
+                    OSError) as exc:
+                err = f"{exc}"
+        # every rank took the same path up to the first collective a user error can stop; agree on exit
+        errors = world.allgather_obj(err)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            if world.rank == 0:
+                r, e = bad[0]
+                where = "" if all(x == e for _, x in bad) else f" (rank {r})"
+                sys.stderr.write(f"lbannpy.predict: error{where}: {e}\n")
+                sys.stderr.flush()
+            return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
