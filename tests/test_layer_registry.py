@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 import yaml
@@ -158,9 +157,10 @@ def test_a_toy_type_trains_under_a_spatial_split_like_one_rank(tmp_path):
         spec.write_text(yaml.safe_dump(cfg))
         driver = ("import sys, toy_layer\nfrom lbannpy.train import main\nraise SystemExit(main())")
         sh([MPIEXEC, "-n", str(ranks), sys.executable, "-c", driver, str(spec), "--quiet"])
-        ck = tmp_path / tag / "ckpt"
-        with h5py.File(ck / sorted(f for f in os.listdir(ck) if f.endswith(".h5"))[-1], "r") as f:
-            return {k: v[()] for k, v in f["params"].items()}
+        from lbannpy import checkpoint
+
+        _, ckpt = checkpoint.load_newest(str(tmp_path / tag / "ckpt"))
+        return {k[len("params/"):]: v for k, v in ckpt["tensors"].items() if k.startswith("params/")}
 
     one = run(1, {}, "one")
     two = run(2, {"default": {"h": 2}}, "two")
