@@ -117,13 +117,14 @@ class Communicator(abc.ABC):
 
     # -- collectives on buffers -----------------------------------------------------------------------
     @abc.abstractmethod
-    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
+    def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
         """Collective: reduce ``buf`` over all ranks into ``out`` (``out is buf`` reduces in place; default a
-        new array). ``wait()`` returns ``out``."""
+        new array). ``wait()`` returns ``out``. ``after`` (GPU buffers): an event recorded on the stream
+        that wrote ``buf``; by default the calling thread's current stream is taken to be that stream."""
 
-    def allreduce(self, buf, op: str = "sum", out=None):
+    def allreduce(self, buf, op: str = "sum", out=None, after=None):
         """Collective: blocking :meth:`iallreduce`."""
-        return self.iallreduce(buf, op, out).wait()
+        return self.iallreduce(buf, op, out, after).wait()
 
     @abc.abstractmethod
     def iallgather(self, buf) -> Handle:

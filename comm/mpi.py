@@ -4,8 +4,13 @@ Arrays travel with the buffer (upper-case) mpi4py calls, which never pickle; onl
 use the pickled (lower-case) calls, and only for small internal metadata. Every non-blocking call returns a
 :class:`Handle` that keeps the send and receive buffers alive until ``wait()``.
 
-CuPy arrays are handed to MPI as device pointers, which needs a CUDA-aware MPI. The current stream is
-synchronized first, because MPI reads and writes the memory outside any CUDA stream. An MPI that is not
+CuPy arrays are handed to MPI as device pointers, which needs a CUDA-aware MPI. MPI reads and writes that
+memory outside any CUDA stream, so the kernels that produced a buffer must have finished first: the caller
+passes ``after=``, an event recorded on the producing stream (the overlap engine does, from its thread),
+or else the calling thread's current stream *on the buffer's device* is synchronized (right when the
+caller is the thread that launched the producers). CuPy's current device and stream are per thread, so
+the calling thread's current stream of its current device can be another GPU's, or a stream that never
+saw the producer. An MPI that is not
 CUDA-aware is refused with :class:`CommError`: copying through the host behind the caller's back would
 hide a large cost (use the NCCL backend on GPUs instead).
 """
@@ -159,6 +164,17 @@ class MPICommunicator(Communicator):
         self._children.append(child)
         return child
 
+    def release(self, child: "MPICommunicator") -> "MPICommunicator":
+        """Not collective: hand ``child`` (made by this communicator's ``split``/``dup``) over to the
+        caller, who frees it from now on (e.g. an NCCL communicator bootstrapped over it); :meth:`free`
+        no longer frees it with this one."""
+        try:
+            self._children.remove(child)
+        except ValueError:
+            raise CommError(f"{self._where()}: release: {child!r} was not split or duplicated from this "
+                            f"communicator, or was released already") from None
+        return child
+
     def free(self) -> None:
         """Collective: free this communicator and any still-live ones split or duplicated from it, newest
         first. Idempotent; does nothing after ``MPI.Finalize``."""
@@ -215,9 +231,9 @@ class MPICommunicator(Communicator):
 
         return Handle(wait, test, finish, buffers, what)
 
-    def _prepare(self, buf, what: str, writable: bool = False):
+    def _prepare(self, buf, what: str, writable: bool = False, after=None):
         """Buffer spec ``(array, datatype)`` for MPI. Send-only buffers that are not contiguous are
-        copied; buffers MPI writes into must already be contiguous."""
+        copied; buffers MPI writes into must already be contiguous. ``after``: see the module docstring."""
         if _is_cupy(buf):
             if not cuda_aware_mpi():
                 raise CommError(
@@ -225,12 +241,17 @@ class MPICommunicator(Communicator):
                     f"(MPIX_Query_cuda_support() is 0); use the 'nccl' backend for GPU arrays, build MPI "
                     f"with CUDA support, or set LBANNPY_CUDA_AWARE_MPI=1 if the probe is wrong")
             import cupy
-            # MPI touches device memory outside any stream: finish the producer's kernels first.
-            cupy.cuda.get_current_stream().synchronize()
-            contiguous = buf.flags.c_contiguous
-            if not contiguous and not writable:
-                buf = cupy.ascontiguousarray(buf)
-                cupy.cuda.get_current_stream().synchronize()
+            # MPI touches device memory outside any stream: finish the producer's kernels first, on the
+            # buffer's device (not this thread's current one).
+            with buf.device:
+                if after is not None:
+                    after.synchronize()
+                else:
+                    cupy.cuda.get_current_stream().synchronize()
+                contiguous = buf.flags.c_contiguous
+                if not contiguous and not writable:
+                    buf = cupy.ascontiguousarray(buf)
+                    cupy.cuda.get_current_stream().synchronize()
         else:
             if not isinstance(buf, np.ndarray):
                 raise CommError(f"{self._where()}: {what} needs a NumPy or CuPy array, got {type(buf).__name__}")
@@ -276,20 +297,23 @@ class MPICommunicator(Communicator):
 
     @staticmethod
     def _empty(buf, shape):
-        xp = sys.modules["cupy"] if _is_cupy(buf) else np
-        return xp.empty(shape, dtype=buf.dtype)
+        if not _is_cupy(buf):
+            return np.empty(shape, dtype=buf.dtype)
+        with buf.device:  # on the buffer's GPU, whichever device is current in this thread
+            return sys.modules["cupy"].empty(shape, dtype=buf.dtype)
 
     # -- collectives ----------------------------------------------------------------------------------
-    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
+    def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
         """Collective: elementwise reduction of ``buf`` over all ranks into ``out`` (``out is buf``:
-        in place). ``wait()`` returns ``out``."""
+        in place). ``wait()`` returns ``out``. ``after``: for CuPy buffers, an event recorded on the
+        stream that wrote ``buf`` (see the module docstring)."""
         check_op(op)
         comm = self._live()
         if out is buf:
-            out, dt = self._prepare(buf, "allreduce (in place)", writable=True)
+            out, dt = self._prepare(buf, "allreduce (in place)", writable=True, after=after)
             req = self._call("allreduce", comm.Iallreduce, MPI.IN_PLACE, [out, dt], _OPS[op])
             return self._request("allreduce", req, lambda: out, (out,))
-        send, dt = self._prepare(buf, "allreduce")
+        send, dt = self._prepare(buf, "allreduce", after=after)
         if out is None:
             out = self._empty(send, send.shape)
         self._check_like(out, send, "allreduce")

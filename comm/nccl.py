@@ -5,10 +5,17 @@ bytes that hold rank 0's bootstrap socket address) on every rank, so rank 0 crea
 ``nccl.get_unique_id()`` and broadcasts it over the MPI communicator the job already has. MPI stays the
 out-of-band channel afterwards: the ``*_obj`` methods, ``split``, ``dup`` and the teardown barrier use it.
 
-Every NCCL call is enqueued on this communicator's own non-blocking CuPy stream, after that stream waits
-(device side) for the work already queued on the caller's current stream, so inputs are complete
-without a host synchronization. A handle records a CUDA event after its operation; ``wait()``
-synchronizes that event and makes the caller's current stream wait on it.
+Devices: the communicator belongs to one GPU (the one current when it is built, normally chosen by
+:func:`~lbannpy.comm.make_communicator` from the node-local rank; children inherit it). CuPy's current
+device and stream are per thread (a new thread starts on device 0), so every CUDA call here runs inside
+``with self._device``, whichever thread makes it.
+
+Ordering, without host synchronization: every NCCL call is enqueued on this communicator's own
+non-blocking stream after that stream waits (device side) on an event: the caller's ``after=`` event
+(recorded on the stream that wrote the inputs) or one recorded on the calling thread's current stream of
+this device. A handle records an event after its operation; ``wait()`` makes the caller's current stream
+wait on it (device side) and returns at once: the host never blocks, so the launch queue stays full.
+Events are made with ``disable_timing=True`` (cheaper to record and wait on).
 
 Point to point: an ``ncclSend`` blocks its stream until the peer posts the matching ``ncclRecv``, so a
 send and a receive posted one after the other on two ranks that exchange data would deadlock. Sends and
@@ -54,7 +61,7 @@ class NCCLCommunicator(Communicator):
 
     backend = "nccl"
 
-    def __init__(self, bootstrap: MPICommunicator):
+    def __init__(self, bootstrap: MPICommunicator, device: int | None = None):
         if not isinstance(bootstrap, MPICommunicator):
             raise CommError(f"NCCLCommunicator is bootstrapped over an MPICommunicator, got "
                             f"{type(bootstrap).__name__}")
@@ -65,18 +72,21 @@ class NCCLCommunicator(Communicator):
         self._mpi = bootstrap
         self._rank = bootstrap.rank
         self._size = bootstrap.size
-        self._device = cupy.cuda.Device()  # the device selected by the Runtime for this rank
+        # the rank's device (make_communicator selected it), or the parent's for a split/dup
+        self._device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
         # Rank 0 makes the id; everyone must pass the identical 128 bytes to ncclCommInitRank (see module
         # docstring). The id is a tuple of small ints: internal metadata, fine for a pickled bcast.
         uid = nccl.get_unique_id() if self._rank == 0 else None
         uid = bootstrap.bcast_obj(uid, root=0)
         try:
-            self._comm = nccl.NcclCommunicator(self._size, uid, self._rank)
+            with self._device:
+                self._comm = nccl.NcclCommunicator(self._size, uid, self._rank)
         except Exception as exc:
             raise CommError(f"rank {self._rank} of {self._size}: ncclCommInitRank failed on CUDA device "
                             f"{self._device.id}: {exc}; every rank needs its own GPU (check "
                             f"CUDA_VISIBLE_DEVICES and the ranks per node)") from exc
-        self._stream = cupy.cuda.Stream(non_blocking=True)
+        with self._device:
+            self._stream = cupy.cuda.Stream(non_blocking=True)
         self._pending: list[tuple] = []  # queued point-to-point ops: (kind, array, peer, tag, handle_state)
         self._children: list[Communicator] = []
         self._freed = False
@@ -110,16 +120,13 @@ class NCCLCommunicator(Communicator):
         sub = self._mpi.split(color, key)
         if sub is None:
             return None
-        self._mpi._children.remove(sub)  # the new NCCL communicator owns it from here
-        child = NCCLCommunicator(sub)
+        child = NCCLCommunicator(self._mpi.release(sub), device=self._device.id)  # it owns ``sub`` now
         self._children.append(child)
         return child
 
     def dup(self) -> "NCCLCommunicator":
         self.flush()
-        sub = self._mpi.dup()
-        self._mpi._children.remove(sub)
-        child = NCCLCommunicator(sub)
+        child = NCCLCommunicator(self._mpi.release(self._mpi.dup()), device=self._device.id)
         self._children.append(child)
         return child
 
@@ -135,7 +142,8 @@ class NCCLCommunicator(Communicator):
         self._launch_pending()
         self._stream.synchronize()
         self._mpi.barrier()
-        self._comm.destroy()
+        with self._device:
+            self._comm.destroy()
         self._freed = True
         self._mpi.free()
 
@@ -172,7 +180,8 @@ class NCCLCommunicator(Communicator):
         if writable:
             raise CommError(f"{self._where()}: {what} writes into a non-contiguous array of shape "
                             f"{buf.shape}; pass a contiguous buffer")
-        return self._cupy.ascontiguousarray(buf)
+        with self._device:  # a copy on this thread's current stream, which _begin orders NCCL after
+            return self._cupy.ascontiguousarray(buf)
 
     def _dtype(self, dtype, what: str) -> int:
         name = _DTYPE_NAMES.get(str(dtype))
@@ -185,21 +194,29 @@ class NCCLCommunicator(Communicator):
     def _op(self, op: str) -> int:
         return getattr(self._nccl_mod, _OP_NAMES[check_op(op)])
 
-    def _begin(self):
-        """Order this stream after the caller's queued work (the inputs' producers)."""
+    def _event(self):
+        """A fresh event of this device; no timing (cheaper to record and to wait on)."""
+        with self._device:
+            return self._cupy.cuda.Event(disable_timing=True)
+
+    def _begin(self, after=None):
+        """Order this stream after the inputs' producers: ``after`` (an event recorded on the stream that
+        wrote them) or else the calling thread's current stream on this device. Device side only."""
         self._live()
-        self._stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        with self._device:
+            if after is None:
+                after = self._cupy.cuda.get_current_stream().record(self._event())
+            self._stream.wait_event(after)
         return self._stream
 
+    def _consume(self, ev) -> None:
+        """The calling thread's current stream on this device waits (device side) for ``ev``."""
+        with self._device:
+            self._cupy.cuda.get_current_stream().wait_event(ev)
+
     def _handle(self, what: str, buffers, finish=None) -> Handle:
-        ev = self._stream.record()
-        cp = self._cupy
-
-        def wait():
-            ev.synchronize()
-            cp.cuda.get_current_stream().wait_event(ev)
-
-        return Handle(wait, lambda: ev.done, finish, buffers, what)
+        ev = self._stream.record(self._event())
+        return Handle(lambda: self._consume(ev), lambda: ev.done, finish, buffers, what)
 
     def _empty(self, like, shape):
         with self._device:
@@ -219,10 +236,15 @@ class NCCLCommunicator(Communicator):
         return check_counts(counts, self._size, self._where(), what, total, total_name)
 
     # -- collectives ----------------------------------------------------------------------------------
-    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
-        """Collective: elementwise reduction into ``out`` (``out is buf``: in place)."""
+    def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
+        """Collective: elementwise reduction into ``out`` (``out is buf``: in place). ``after``: an event
+        recorded on the stream that wrote ``buf`` (default: the calling thread's current stream)."""
         code = self._op(op)
         self.flush()
+        if after is not None and out is not buf \
+                and not self._check_array(buf, "allreduce").flags.c_contiguous:
+            self._consume(after)  # the contiguous copy made below (on the current stream) reads ``buf``
+            after = None
         if out is buf:
             send = out = self._contig(buf, "allreduce (in place)", writable=True)
         else:
@@ -234,7 +256,7 @@ class NCCLCommunicator(Communicator):
                 raise CommError(f"{self._where()}: allreduce: output has {out.size} elements of {out.dtype}, "
                                 f"needs {send.size} of {send.dtype}")
         dt = self._dtype(send.dtype, "allreduce")
-        s = self._begin()
+        s = self._begin(after)
         self._nccl_call("allreduce", self._comm.allReduce, send.data.ptr, out.data.ptr, send.size, dt, code,
                         s.ptr)
         return self._handle("allreduce", (send, out), lambda: out)
@@ -282,17 +304,19 @@ class NCCLCommunicator(Communicator):
         counts = self._check_counts(counts, "reduce_scatter", buf.size)
         send = self._contig(buf.reshape(-1), "reduce_scatter")
         dt = self._dtype(send.dtype, "reduce_scatter")
+        even = len(set(counts)) == 1
+        # outputs first: allocating writes on the current stream, which _begin orders the NCCL stream after
+        out = self._empty(send, (counts[0],) if even else send.shape)
         s = self._begin()
-        if len(set(counts)) == 1:
-            out = self._empty(send, (counts[0],))
+        if even:
             self._nccl_call("reduce_scatter", self._comm.reduceScatter, send.data.ptr, out.data.ptr, counts[0],
                             dt, code, s.ptr)
             return self._handle("reduce_scatter", (send, out), lambda: out)
-        full = self._empty(send, send.shape)
+        full = out
         self._nccl_call("reduce_scatter", self._comm.allReduce, send.data.ptr, full.data.ptr, send.size, dt,
                         code, s.ptr)
         lo = sum(counts[:self._rank])
-        with s:
+        with self._device, s:
             out = full[lo:lo + counts[self._rank]].copy()
         return self._handle("reduce_scatter", (send, full, out), lambda: out)
 
@@ -317,7 +341,7 @@ class NCCLCommunicator(Communicator):
             raise CommError(f"{self._where()}: alltoallv: sends {sendcounts[me]} elements to itself but "
                             f"expects {recvcounts[me]}")
         if sendcounts[me]:
-            with s:
+            with self._device, s:
                 flat[rdis[me]:rdis[me] + recvcounts[me]] = send[sdis[me]:sdis[me] + sendcounts[me]]
         nccl = self._nccl_mod
         nccl.groupStart()
@@ -357,8 +381,7 @@ class NCCLCommunicator(Communicator):
 
         def wait():
             self._launch_pending()
-            state["event"].synchronize()
-            self._cupy.cuda.get_current_stream().wait_event(state["event"])
+            self._consume(state["event"])
 
         def test():
             self._launch_pending()
@@ -386,7 +409,7 @@ class NCCLCommunicator(Communicator):
                 self._nccl_call(f"{kind} with {peer} (tag {tag})", fn, arr.data.ptr, arr.size, dt, peer, s.ptr)
         finally:
             nccl.groupEnd()
-        ev = s.record()
+        ev = s.record(self._event())
         for *_, state in ops:
             state["event"] = ev
 

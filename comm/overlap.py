@@ -1,4 +1,4 @@
-"""The overlap engine: gradient buckets reduced on a background thread while backprop continues.
+"""The overlap engine: gradient buckets reduced while backprop continues.
 
 Set-up (collective, identical on every rank): parameters are taken in *reverse layer order* (the order
 backprop produces their gradients), grouped by the communicator that reduces them, and cut into buckets
@@ -7,14 +7,30 @@ of at most ``bucket_bytes`` (the first one ``first_bucket_bytes``, so communicat
 layers, then everything else. The bucket order is fixed here and is the order in which buckets are
 posted, so no collective is ever issued in a different order on different ranks.
 
-Each group communicator is duplicated for the engine's thread, so its messages never mix with the
-main thread's (halo exchanges, shuffles, batch-norm statistics). The MPI library must provide
-``MPI_THREAD_MULTIPLE`` for that; the engine refuses to start a thread without it.
+Each group communicator is duplicated for the engine, so its messages never mix with the main thread's
+(halo exchanges, shuffles, batch-norm statistics) and, on NCCL, its reductions run on their own stream.
 
 During backprop the trainer calls :meth:`OverlapEngine.layer_done` after each layer's backward. Once
-every parameter of a bucket is done, the bucket is queued; the communication thread reduces queued buckets in order (one allreduce each). The
-trainer then calls :meth:`OverlapEngine.finish`, which waits for the buckets in completion order and hands
-each to ``on_bucket`` (the optimizer updates that bucket's parameters) as soon as it is reduced.
+every parameter of a bucket (and of every bucket before it) is done, the bucket is posted. How it is
+reduced depends on the communicator:
+
+- NCCL (as DDP and ChainerMN do): no thread. The main thread enqueues the bucket's allreduce on the
+  communicator's own stream at once, ordered after the compute stream by an event recorded there; the
+  host never waits. NCCL can deadlock when operations on several communicators are issued concurrently
+  in different orders on different ranks; from one thread, the buckets (in plan order) and the halo
+  exchanges, shuffles and batch-norm reductions are issued in program order, the same on every rank.
+- MPI with more than one rank: a background thread reduces the queued buckets in order (one allreduce
+  each), so that the host-side progress of MPI overlaps backprop. That needs ``MPI_THREAD_MULTIPLE``
+  (the engine refuses to start the thread without it). On a GPU (CUDA-aware MPI) the thread first makes
+  the rank's device current (CuPy's current device is per thread; a new thread starts on device 0) and
+  waits on an event recorded on the compute stream at posting, so MPI never reads a gradient that
+  backward is still writing, whatever stream backward ran on.
+- one rank: nothing to reduce; nothing is started (``runtime.backend: single`` overlaps trivially).
+
+The trainer then calls :meth:`OverlapEngine.finish`, which takes the buckets in completion order (plan
+order) and hands each to ``on_bucket`` (the optimizer updates that bucket's parameters) as soon as it is
+reduced. On NCCL "reduced" means the compute stream now waits (device side) on the bucket's event, so the
+optimizer's kernels, enqueued next on the compute stream, run after the reduction.
 
 Each parameter's ``grad`` is made a view into its bucket's flat buffer at set-up (the layers accumulate
 into ``grad`` in place), so a bucket is reduced where the gradients lie: no packing before the reduction
@@ -23,7 +39,8 @@ main thread while the communication thread reduces the last one competes with it
 memory bus, and delayed that last, exposed reduction by several milliseconds. A ``grad`` that someone
 rebinds to another array later is still handled, by copying it in and out.
 
-Intervals of every reduction are recorded (``records``) for the overlap report.
+Intervals of every reduction are recorded (``records``) for the overlap report: host times, which on
+NCCL are the launch of the allreduce (its device time needs CUDA events).
 """
 from __future__ import annotations
 
@@ -50,7 +67,9 @@ class Bucket:
     buffer: object = None
     views: list = field(default_factory=list)
     pending: int = 0
-    done: threading.Event = field(default_factory=threading.Event)
+    mode: str = "inline"  # "stream" (NCCL, enqueued by the main thread), "thread" (MPI), "inline"
+    ready: object = None  # GPU: event recorded on the compute stream when the bucket is posted
+    handle: object = None  # stream mode: the allreduce in flight on the communicator's stream
     error: BaseException | None = None
     t_post: float = 0.0
     t_start: float = 0.0
@@ -106,9 +125,10 @@ class OverlapEngine:
                  layer_of: Callable | None = None, thread_multiple: bool = True, xp=None):
         self.params = list(params)
         self.overlap = bool(overlap)
-        if self.overlap and not thread_multiple:
-            raise CommError("the overlap engine reduces gradients on a background thread, which needs "
-                            "MPI_THREAD_MULTIPLE; this MPI gives less. Set comm.overlap: false")
+        mod = xp if xp is not None else __import__("numpy")
+        self._xp = mod
+        # GPU: the rank's device, current in this (the main) thread; the thread selects it too
+        self._device_id = mod.cuda.Device().id if mod.__name__.startswith("cupy") else None
         layer_of = layer_of or (lambda p: p.name.rsplit(".", 1)[0])
         plan = plan_buckets(self.params, comms, bucket_bytes, first_bucket_bytes, layer_of, chunk_layers)
         # one duplicate per distinct group communicator, created in plan order (collective, same everywhere)
@@ -124,7 +144,6 @@ class OverlapEngine:
                 bucket.offsets.append(off)
                 off += p.grad.size
             first = bucket.params[0].grad
-            mod = xp if xp is not None else __import__("numpy")
             bucket.buffer = mod.empty(off, dtype=first.dtype)
             bucket.nbytes = bucket.buffer.nbytes
             for p, o in zip(bucket.params, bucket.offsets):  # gradients live in the bucket from now on
@@ -132,7 +151,18 @@ class OverlapEngine:
                 view[...] = p.grad
                 p.grad = view
                 bucket.views.append(view)
+            if bucket.comm.size > 1 and self.overlap:
+                bucket.mode = "stream" if getattr(bucket.comm, "backend", "") == "nccl" else "thread"
+            if self._device_id is not None:  # reused every step: recorded at posting, waited on once
+                with mod.cuda.Device(self._device_id):
+                    bucket.ready = mod.cuda.Event(disable_timing=True)
             self.buckets.append(bucket)
+        if any(b.mode == "thread" for b in self.buckets) and not thread_multiple:
+            for c in dups.values():
+                if c.size > 1 and self.overlap:
+                    c.free()
+            raise CommError("the overlap engine reduces gradients over MPI on a background thread, which "
+                            "needs MPI_THREAD_MULTIPLE; this MPI gives less. Set comm.overlap: false")
         self._owned = [c for c in dups.values() if self.overlap and c.size > 1]
         self._bucket_of = {}
         for bucket in self.buckets:
@@ -145,12 +175,14 @@ class OverlapEngine:
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         self._completed: queue.Queue = queue.Queue()
-        if self.overlap:
+        if any(b.mode == "thread" for b in self.buckets):
             self._thread = threading.Thread(target=self._run, name="lbannpy-grad-comm", daemon=True)
             self._thread.start()
 
     # -- the communication thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._device_id is not None:  # a new thread starts on device 0: select the rank's GPU first
+            self._xp.cuda.Device(self._device_id).use()
         while True:
             bucket = self._queue.get()
             if bucket is _STOP:
@@ -159,20 +191,24 @@ class OverlapEngine:
             self._completed.put(bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
+        """Blocking reduction (on the thread, or inline without overlap); on a GPU ordered after the
+        compute stream by ``bucket.ready`` (MPI waits for it on the host, NCCL on its stream)."""
         bucket.t_start = time.perf_counter()
         try:
             if bucket.comm.size > 1:
-                bucket.comm.allreduce(bucket.buffer, out=bucket.buffer)
+                if bucket.ready is not None:
+                    bucket.comm.allreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+                else:
+                    bucket.comm.allreduce(bucket.buffer, out=bucket.buffer)
         except BaseException as exc:  # handed to the main thread, which raises it
             bucket.error = exc
         bucket.t_end = time.perf_counter()
-        bucket.done.set()
 
     # -- the main thread ------------------------------------------------------------------------------------
     def start_step(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-            bucket.done.clear()
+            bucket.handle = None
             bucket.error = None
         self._next = 0  # index of the next bucket to post: buckets go out strictly in plan order
 
@@ -194,12 +230,23 @@ class OverlapEngine:
         for p, off, view in zip(bucket.params, bucket.offsets, bucket.views):
             if p.grad is not view:  # rebound elsewhere: copy in (and out in finish)
                 bucket.buffer[off:off + p.grad.size] = p.grad.reshape(-1)
+        if bucket.ready is not None:  # the gradients are final once the compute stream gets here
+            with self._xp.cuda.Device(self._device_id):
+                self._xp.cuda.get_current_stream().record(bucket.ready)
         bucket.t_post = time.perf_counter()
-        if self.overlap:
+        if bucket.mode == "thread":
             self._queue.put(bucket)
+            return
+        if bucket.mode == "stream":  # enqueued on the communicator's stream; the host does not wait
+            bucket.t_start = bucket.t_post
+            try:
+                bucket.handle = bucket.comm.iallreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+            except BaseException as exc:
+                bucket.error = exc
+            bucket.t_end = time.perf_counter()
         else:
             self._reduce(bucket)
-            self._completed.put(bucket)
+        self._completed.put(bucket)
 
     def finish(self, on_bucket: Callable[[list], None] | None = None) -> None:
         """Post what is left (in plan order), then wait for every bucket; unpack each reduced bucket into
@@ -209,6 +256,12 @@ class OverlapEngine:
         self._post_ready()
         for _ in self.buckets:
             bucket = self._completed.get()
+            if bucket.handle is not None:
+                handle, bucket.handle = bucket.handle, None
+                try:
+                    handle.wait()  # NCCL: the compute stream waits on the bucket's event (device side)
+                except BaseException as exc:
+                    bucket.error = exc
             if bucket.error is not None:
                 raise CommError(f"gradient reduction of bucket {bucket.index} failed: {bucket.error}") \
                     from bucket.error

@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 import types
+from dataclasses import dataclass
 
 from .base import CommError, Communicator
 from .single import SingleCommunicator
@@ -105,35 +106,79 @@ def install_abort_hook() -> None:
     threading.excepthook = thread_hook
 
 
-def make_communicator(backend: str = "auto", *, device: str = "cpu", mpi_comm=None,
-                      check: bool = False) -> Communicator:
-    """Collective over ``mpi_comm`` (default a duplicate of ``COMM_WORLD``): a communicator of the given
-    backend. ``auto`` picks ``single`` for one rank without MPI, ``nccl`` for GPUs when CuPy has NCCL,
-    else ``mpi``. The result owns what it created; free it with ``free()``."""
+@dataclass(frozen=True)
+class _Built:
+    """What :func:`_build` set up for this process: the communicator and where the rank runs."""
+
+    comm: Communicator
+    backend: str  # the backend chosen ('single', 'mpi' or 'nccl')
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device_id: int | None  # the CUDA device selected for this rank (device 'gpu'), else None
+    thread_level: str | None  # MPI's thread support level, None without MPI
+
+
+def _refuse_single_under_launcher() -> None:
+    n = launched_size()
+    if n is not None and n > 1:
+        raise CommError(f"backend 'single' runs one process, but the launcher started {n} ranks, each of "
+                        f"which would train alone and write the same files; use backend 'mpi', 'nccl' or "
+                        f"'auto', or launch one process")
+
+
+def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
+    """The one set-up path of :func:`make_communicator` and :class:`Runtime`: validate, find the node-local
+    rank, select the rank's GPU (before anything touches CUDA, so no rank opens a context on GPU 0), build
+    the communicator of the chosen backend."""
     if backend not in BACKENDS:
         raise CommError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if device not in DEVICES:
         raise CommError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
-    if backend == "single":
-        return SingleCommunicator()
-    MPI = _mpi_module()
-    if MPI is None:
-        if backend == "auto" and mpi_comm is None:
-            return SingleCommunicator()
-        raise CommError(f"backend {backend!r} needs mpi4py and an MPI library; install lbannpy[mpich] "
-                        f"(pip install mpich mpi4py) or use backend 'single' for one process")
-    base = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
-    if backend == "auto":
-        if base.Get_size() == 1 and mpi_comm is None:
-            return SingleCommunicator()
-        backend = "nccl" if device == "gpu" and _nccl_available() else "mpi"
-    from .mpi import MPICommunicator
-    if backend == "mpi":
-        return MPICommunicator(base.Dup(), owned=True, check=check)
-    if device != "gpu":
+    if backend == "nccl" and device != "gpu":
         raise CommError("backend 'nccl' needs device='gpu'")
-    from .nccl import NCCLCommunicator
-    return NCCLCommunicator(MPICommunicator(base.Dup(), owned=True, check=check))
+    if backend == "single":
+        _refuse_single_under_launcher()
+    MPI = None if backend == "single" else _mpi_module()
+    if MPI is None and (backend != "auto" or mpi_comm is not None):
+        if backend != "single":
+            raise CommError(f"backend {backend!r} needs mpi4py and an MPI library; install lbannpy[mpich] "
+                            f"(pip install mpich mpi4py) or use backend 'single' for one process")
+    if MPI is None:
+        device_id = _select_gpu(0, 0, 1) if device == "gpu" else None
+        return _Built(SingleCommunicator(), "single", 0, 1, 0, 1, device_id, None)
+    from .mpi import MPICommunicator, thread_level_name
+    base = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    rank, size = base.Get_rank(), base.Get_size()
+    local_rank, local_size = _node_local(MPI, base)
+    device_id = _select_gpu(local_rank, rank, size) if device == "gpu" else None
+    level = thread_level_name(MPI.Query_thread())
+    if backend == "auto":
+        if size == 1 and mpi_comm is None:
+            return _Built(SingleCommunicator(), "single", rank, size, local_rank, local_size, device_id,
+                          level)
+        backend = "nccl" if device == "gpu" and _nccl_available() else "mpi"
+    mpi = MPICommunicator(base.Dup(), owned=True, check=check)
+    comm: Communicator = mpi
+    if backend == "nccl":
+        from .nccl import NCCLCommunicator
+        try:
+            comm = NCCLCommunicator(mpi, device=device_id)  # owns ``mpi`` from here
+        except BaseException:
+            mpi.free()
+            raise
+    return _Built(comm, backend, rank, size, local_rank, local_size, device_id, level)
+
+
+def make_communicator(backend: str = "auto", *, device: str = "cpu", mpi_comm=None,
+                      check: bool = False) -> Communicator:
+    """Collective over ``mpi_comm`` (default a duplicate of ``COMM_WORLD``): a communicator of the given
+    backend. ``auto`` picks ``single`` for one rank without MPI, ``nccl`` for GPUs when CuPy has NCCL,
+    else ``mpi``. With ``device='gpu'`` it first makes the rank's GPU (node-local rank modulo the visible
+    GPUs) the current device of the calling thread. ``single`` under a launcher that started more than
+    one rank is refused. The result owns what it created; free it with ``free()``."""
+    return _build(backend, device, mpi_comm, check).comm
 
 
 def _nccl_available() -> bool:
@@ -142,6 +187,37 @@ def _nccl_available() -> bool:
     except Exception:
         return False
     return bool(getattr(nccl, "available", True))
+
+
+def _node_local(MPI, base) -> tuple[int, int]:
+    """(rank on this node, ranks on this node): from the launcher's variables, else by shared memory
+    (collective over the mpi4py communicator ``base``)."""
+    local = _env_local_rank()
+    if local is not None:
+        for var in ("SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+            v = os.environ.get(var, "")
+            if v.isdigit():
+                return local, int(v)
+    # ranks that share memory share a node
+    node = base.Split_type(MPI.COMM_TYPE_SHARED, base.Get_rank())
+    try:
+        return (local if local is not None else node.Get_rank()), node.Get_size()
+    finally:
+        node.Free()
+
+
+def _select_gpu(local_rank: int, rank: int, size: int) -> int:
+    """Make GPU ``local_rank % count`` this thread's current device; its id. Threads started later begin on
+    device 0 and must select it themselves (the overlap engine's thread does)."""
+    from lbannpy.backend import get_xp
+    cupy = get_xp("cupy")
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise CommError(f"rank {rank} of {size}: device='gpu' but no CUDA device is visible "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    device_id = local_rank % count
+    cupy.cuda.Device(device_id).use()
+    return device_id
 
 
 class Runtime:
@@ -188,72 +264,15 @@ class Runtime:
         return self
 
     def _setup(self) -> None:
-        backend = self.requested_backend
-        MPI = None if backend == "single" else _mpi_module()
-        if MPI is None and backend in ("mpi", "nccl"):
-            raise CommError(f"backend {backend!r} needs mpi4py and an MPI library; install lbannpy[mpich] "
-                            f"(pip install mpich mpi4py) or use backend 'single' for one process")
-        if MPI is not None:
-            from .mpi import MPICommunicator, thread_level_name
-            self.thread_level = thread_level_name(MPI.Query_thread())
-            world_size = MPI.COMM_WORLD.Get_size()
-            self.rank = MPI.COMM_WORLD.Get_rank()
-            self.size = world_size
-            self.local_rank, self.local_size = self._node_local(MPI)
-        if self.device == "gpu":
-            self._select_gpu()
+        built = _build(self.requested_backend, self.device, None, self.check)
+        self.world = built.comm
+        self._owned.append(built.comm)  # an NCCL world owns the MPI communicator it was bootstrapped over
+        self.backend = built.backend
+        self.rank, self.size = built.rank, built.size
+        self.local_rank, self.local_size = built.local_rank, built.local_size
+        self.device_id, self.thread_level = built.device_id, built.thread_level
         from lbannpy.backend import get_xp
         self.xp = get_xp("cupy" if self.device == "gpu" else "numpy")
-
-        if MPI is None or backend == "single" or (backend == "auto" and self.size == 1):
-            if self.size > 1:
-                raise CommError(f"backend 'single' was asked for but this job has {self.size} ranks; use "
-                                f"'mpi' or 'auto'")
-            self.world = SingleCommunicator()
-            self.backend = "single"
-        else:
-            if backend == "auto":
-                backend = "nccl" if self.device == "gpu" and _nccl_available() else "mpi"
-            mpi_world = MPICommunicator(MPI.COMM_WORLD.Dup(), owned=True, check=self.check)
-            self._owned.append(mpi_world)
-            if backend == "nccl":
-                if self.device != "gpu":
-                    raise CommError("backend 'nccl' needs device='gpu'")
-                from .nccl import NCCLCommunicator
-                # NCCL ops get their own duplicate so that its bootstrap traffic never mixes with MPI's.
-                self.world = NCCLCommunicator(mpi_world.dup())
-                self._owned.append(self.world)
-            else:
-                self.world = mpi_world
-            self.backend = backend
-
-    def _node_local(self, MPI) -> tuple[int, int]:
-        local = _env_local_rank()
-        if local is not None:
-            size = None
-            for var in ("SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-                v = os.environ.get(var, "")
-                if v.isdigit():
-                    size = int(v)
-                    break
-            if size is not None:
-                return local, size
-        # ranks that share memory share a node
-        node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, MPI.COMM_WORLD.Get_rank())
-        try:
-            return (local if local is not None else node.Get_rank()), node.Get_size()
-        finally:
-            node.Free()
-
-    def _select_gpu(self) -> None:
-        from lbannpy.backend import get_xp
-        cupy = get_xp("cupy")
-        count = cupy.cuda.runtime.getDeviceCount()
-        if count < 1:
-            raise CommError(f"rank {self.rank} of {self.size}: device='gpu' but no CUDA device is visible "
-                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        self.device_id = self.local_rank % count
-        cupy.cuda.Device(self.device_id).use()
 
     # -- teardown -------------------------------------------------------------------------------------
     def _teardown(self) -> None:

@@ -38,8 +38,10 @@ class SingleCommunicator(Communicator):
     def _xp(buf):
         return sys.modules["cupy"] if type(buf).__module__.startswith("cupy") else sys.modules["numpy"]
 
-    def iallreduce(self, buf, op: str = "sum", out=None) -> Handle:
+    def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
         check_op(op)
+        if after is not None:  # the copy below runs on this thread's current stream: after the producer
+            sys.modules["cupy"].cuda.get_current_stream().wait_event(after)
         if out is None:
             out = buf.copy()
         elif out is not buf:

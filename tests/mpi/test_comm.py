@@ -311,6 +311,20 @@ def test_free_is_idempotent_and_use_after_free_fails(comm, xp):
     raises_all(comm, CommError, other.allreduce, as_xp(xp, np.ones(1)), match="freed")
 
 
+def test_release_hands_over_ownership(comm, xp):
+    if comm.backend != "mpi":
+        pytest.skip("release belongs to the MPI backend (the bootstrap of NCCL communicators)")
+    parent = comm.dup()
+    child = parent.dup()
+    assert parent.release(child) is child
+    again = raises_all(comm, CommError, parent.release, child, match="released already")
+    parent.free()  # no longer frees the child
+    got = child.allreduce(as_xp(xp, np.ones(2)))
+    assert_all(comm, not child.freed and "release" in str(again), "child freed with its old parent")
+    assert_allclose_all(comm, got, np.full(2, float(comm.size)), what="allreduce on the released child")
+    child.free()
+
+
 def test_objects(comm):
     p, me = comm.size, comm.rank
     every = comm.allgather_obj({"rank": me})

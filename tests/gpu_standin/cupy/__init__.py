@@ -1,0 +1,358 @@
+"""Strict NumPy-backed stand-in for CuPy, visible only to tests that put ``tests/gpu_standin`` first on
+``sys.path``. Device arrays refuse implicit host conversion, NumPy operands, and arrays of another device;
+every kernel is checked for stream order; every host synchronisation is counted by call site."""
+import types as _types
+
+import numpy as _np
+
+from cupy import _standin
+from cupy import cuda
+
+__version__ = "13.99.0+standin"
+_ITEM_SYNC = "host sync"
+
+
+def _wrap_result(r, owners, stream, what):
+    """Wrap a NumPy result: a view of an input allocation stays a view, anything else is a new buffer."""
+    if isinstance(r, tuple):
+        return tuple(_wrap_result(x, owners, stream, what) for x in r)
+    if isinstance(r, list):
+        return [_wrap_result(x, owners, stream, what) for x in r]
+    if isinstance(r, _np.ndarray):
+        for a in owners:
+            if _np.may_share_memory(r, a.buf):
+                return ndarray._view(r, a)
+        out = ndarray._new(r.shape, r.dtype)
+        out._a[...] = r
+        _standin.launch(stream, writes=[out._alloc], what=what)
+        return out
+    if isinstance(r, _np.generic):   # reductions return 0-d device arrays
+        out = ndarray._new((), r.dtype)
+        out._a[...] = r
+        _standin.launch(stream, writes=[out._alloc], what=what)
+        return out
+    return r
+
+
+def _unwrap(x, dev, allocs, what):
+    if isinstance(x, ndarray):
+        if x._alloc.device != dev:
+            raise ValueError(f"{what}: array on device {x._alloc.device} used while device {dev} is current "
+                             f"(CuPy: 'The device where the array resides ({x._alloc.device}) is different "
+                             f"from the current device ({dev}).')")
+        allocs.append(x._alloc)
+        return x._a
+    if isinstance(x, _np.ndarray):
+        raise TypeError(f"{what}: unsupported type <class 'numpy.ndarray'>; upload with cupy.asarray first")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(y, dev, allocs, what) for y in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v, dev, allocs, what) for k, v in x.items()}
+    return x
+
+
+def _call(fn, args, kwargs, what, writes_out=True):
+    dev = _standin.local.device
+    allocs = []
+    a = _unwrap(args, dev, allocs, what)
+    outs = []
+    k = {}
+    for key, v in kwargs.items():
+        if key == "out":
+            tmp = []
+            k[key] = _unwrap(v, dev, tmp, what)
+            outs += tmp
+        else:
+            k[key] = _unwrap(v, dev, allocs, what)
+    stream = cuda.get_current_stream()
+    _standin.launch(stream, reads=allocs, writes=outs, what=what)  # check stream order before running
+    r = fn(*a, **k)
+    if "out" in kwargs:
+        return kwargs["out"]
+    return _wrap_result(r, allocs, stream, what)
+
+
+class ndarray:
+    """A device array: a NumPy view over a stand-in allocation of one device."""
+
+    __array_priority__ = 100
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        dtype = _np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(_np.prod(shape)) * dtype.itemsize
+        self._alloc = _standin.allocate(n, _standin.local.device)
+        self._a = _np.ndarray(shape, dtype, buffer=self._alloc.buf[:max(n, 1)] if n else None, order=order) \
+            if n else _np.empty(shape, dtype)
+
+    @classmethod
+    def _new(cls, shape, dtype):
+        return cls(shape, dtype)
+
+    @classmethod
+    def _view(cls, a, alloc):
+        v = cls.__new__(cls)
+        v._a = a
+        v._alloc = alloc
+        return v
+
+    # --- identity and metadata
+    shape = property(lambda s: s._a.shape)
+    dtype = property(lambda s: s._a.dtype)
+    ndim = property(lambda s: s._a.ndim)
+    size = property(lambda s: s._a.size)
+    itemsize = property(lambda s: s._a.itemsize)
+    nbytes = property(lambda s: s._a.nbytes)
+    strides = property(lambda s: s._a.strides)
+    flags = property(lambda s: s._a.flags)
+
+    @property
+    def device(self):
+        return cuda.Device(self._alloc.device)
+
+    @property
+    def data(self):
+        if self._a.size == 0:
+            return cuda.MemoryPointer(self._alloc, 0)
+        off = self._a.__array_interface__["data"][0] - self._alloc.buf.__array_interface__["data"][0]
+        return cuda.MemoryPointer(self._alloc, off)
+
+    @property
+    def base(self):
+        return None
+
+    def __len__(self):
+        return len(self._a)
+
+    def __repr__(self):
+        return f"standin_device_array(shape={self.shape}, dtype={self.dtype}, device={self._alloc.device})"
+
+    # --- refused implicit host conversions (CuPy raises TypeError)
+    def __array__(self, *a, **k):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    # --- explicit host synchronisations
+    def _sync(self, kind):
+        _standin.count_sync(kind)
+        s = cuda.get_current_stream()
+        _standin.launch(s, reads=[self._alloc], what=kind)
+        _standin.host_observes(s._clock)
+
+    def get(self, stream=None, order="C", out=None):
+        self._sync("ndarray.get")
+        if out is not None:
+            out[...] = self._a
+            return out
+        return _np.array(self._a, order=order)
+
+    def item(self):
+        self._sync("ndarray.item")
+        return self._a.item()
+
+    def tolist(self):
+        self._sync("ndarray.tolist")
+        return self._a.tolist()
+
+    def __float__(self):
+        self._sync("float(ndarray)")
+        return float(self._a)
+
+    def __int__(self):
+        self._sync("int(ndarray)")
+        return int(self._a)
+
+    def __index__(self):
+        self._sync("index(ndarray)")
+        return self._a.__index__()
+
+    def __bool__(self):
+        self._sync("bool(ndarray)")
+        return bool(self._a)
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, _np.ndarray):
+            raise TypeError("set() takes a numpy.ndarray")
+        self._a[...] = arr
+        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="ndarray.set")
+
+    # --- NumPy protocols: operate on the NumPy views, keep results on the device
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = tuple(kwargs["out"]) if isinstance(kwargs["out"], tuple) else kwargs["out"]
+            o = kwargs["out"]
+            kwargs["out"] = o[0] if isinstance(o, tuple) and len(o) == 1 else o
+        return _call(getattr(ufunc, method), inputs, kwargs, f"cupy.{ufunc.__name__}")
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _call(func, args, kwargs, f"cupy.{func.__name__}")
+
+    def __getitem__(self, key):
+        return _call(lambda a, k: a[k], (self, key), {}, "getitem")
+
+    def __setitem__(self, key, value):
+        def f(a, k, v):
+            a[k] = v
+        _call(f, (self, key, value), {}, "setitem")
+        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="setitem")
+
+    def _method(name):
+        def m(self, *args, **kwargs):
+            return _call(lambda a, *x, **k: getattr(a, name)(*x, **k), (self,) + args, kwargs, f"ndarray.{name}")
+        m.__name__ = name
+        return m
+
+    for _n in ("reshape", "astype", "copy", "sum", "mean", "max", "min", "argmax", "argmin", "ravel",
+               "transpose", "view", "squeeze", "swapaxes", "prod", "std", "var", "any", "all", "dot",
+               "clip", "cumsum", "flatten", "diagonal", "round", "conj", "nonzero", "take", "repeat"):
+        locals()[_n] = _method(_n)
+    del _n
+
+    def fill(self, value):
+        self._a.fill(value)
+        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="ndarray.fill")
+
+    T = property(lambda s: s.transpose())
+    real = property(lambda s: _call(lambda a: a.real, (s,), {}, "real"))
+
+    def _binop(name, inplace=False):
+        def op(self, other):
+            if isinstance(other, _np.ndarray) and not isinstance(other, ndarray):
+                raise TypeError(f"operand type <class 'numpy.ndarray'> is not a cupy.ndarray")
+            r = _call(lambda a, b: getattr(a, name)(b), (self, other), {}, name)
+            if inplace:
+                _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what=name)
+                return self
+            return r
+        op.__name__ = name
+        return op
+
+    for _n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+               "lshift", "rshift"):
+        locals()[f"__{_n}__"] = _binop(f"__{_n}__")
+        locals()[f"__r{_n}__"] = _binop(f"__r{_n}__")
+        locals()[f"__i{_n}__"] = _binop(f"__i{_n}__", inplace=True)
+    for _n in ("lt", "le", "gt", "ge", "eq", "ne"):
+        locals()[f"__{_n}__"] = _binop(f"__{_n}__")
+    del _n
+    __hash__ = None
+
+    def __neg__(self):
+        return _call(lambda a: -a, (self,), {}, "negative")
+
+    def __abs__(self):
+        return _call(lambda a: abs(a), (self,), {}, "absolute")
+
+    def __invert__(self):
+        return _call(lambda a: ~a, (self,), {}, "invert")
+
+
+# ---------------------------------------------------------------- creation and transfers
+def asarray(a, dtype=None, order=None):
+    if isinstance(a, ndarray):
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    src = _np.asarray(a, dtype=dtype, order=order)
+    out = ndarray(src.shape, src.dtype)
+    out._a[...] = src
+    _standin.launch(cuda.get_current_stream(), writes=[out._alloc], what="cupy.asarray (upload)")
+    return out
+
+
+def array(a, dtype=None, copy=True, order="K", ndmin=0):
+    if isinstance(a, ndarray):
+        r = a.astype(dtype or a.dtype, copy=True)
+        return r
+    return asarray(_np.array(a, dtype=dtype, ndmin=ndmin))
+
+
+def asnumpy(a, stream=None, order="C", out=None):
+    if isinstance(a, ndarray):
+        return a.get(order=order, out=out)
+    return _np.asarray(a, order=order)
+
+
+def get_array_module(*args):
+    return _this if any(isinstance(a, ndarray) for a in args) else _np
+
+
+def _creator(name):
+    f = getattr(_np, name)
+
+    def create(*args, **kwargs):
+        r = f(*args, **kwargs)
+        out = ndarray(r.shape, r.dtype)
+        out._a[...] = r
+        _standin.launch(cuda.get_current_stream(), writes=[out._alloc], what=f"cupy.{name}")
+        return out
+    create.__name__ = name
+    return create
+
+
+for _n in ("zeros", "ones", "empty", "full", "arange", "linspace", "eye", "identity"):
+    globals()[_n] = _creator(_n)
+
+
+def _like(name):
+    def create(a, dtype=None, *args, **kwargs):
+        if not isinstance(a, ndarray):
+            raise TypeError(f"cupy.{name}: unsupported type {type(a)}")
+        return globals()[name[:-5]](a.shape, *args, dtype=dtype or a.dtype, **kwargs) if name != "full_like" \
+            else full(a.shape, args[0] if args else kwargs.pop("fill_value"), dtype=dtype or a.dtype)
+    return create
+
+
+for _n in ("zeros_like", "ones_like", "empty_like", "full_like"):
+    globals()[_n] = _like(_n)
+del _n
+
+
+def ascontiguousarray(a, dtype=None):
+    if not isinstance(a, ndarray):
+        raise TypeError(f"cupy.ascontiguousarray: unsupported type {type(a)}")
+    return _call(_np.ascontiguousarray, (a,), {"dtype": dtype}, "cupy.ascontiguousarray")
+
+
+class _StrideTricks(_types.ModuleType):
+    @staticmethod
+    def as_strided(x, shape=None, strides=None):
+        return _call(lambda a: _np.lib.stride_tricks.as_strided(a, shape, strides), (x,), {}, "as_strided")
+
+
+lib = _types.ModuleType("cupy.lib")
+lib.stride_tricks = _StrideTricks("cupy.lib.stride_tricks")
+
+
+class ElementwiseKernel:
+    def __init__(self, *a, **k):
+        raise NotImplementedError("the stand-in has no ElementwiseKernel; lbannpy does not use one")
+
+
+RawKernel = ElementwiseKernel
+
+
+def __getattr__(name):
+    """Any other NumPy name: dtypes and constants as is, functions wrapped to require device operands."""
+    try:
+        obj = getattr(_np, name)
+    except AttributeError:
+        raise AttributeError(f"module 'cupy' (stand-in) has no attribute {name!r}") from None
+    if isinstance(obj, type) or not callable(obj):
+        return obj
+    if isinstance(obj, _np.ufunc):
+        def uf(*args, **kwargs):
+            return _call(obj, args, kwargs, f"cupy.{name}")
+        uf.__name__ = name
+        return uf
+
+    def fn(*args, **kwargs):
+        return _call(obj, args, kwargs, f"cupy.{name}")
+    fn.__name__ = name
+    return fn
+
+
+import sys as _sys  # noqa: E402
+_this = _sys.modules[__name__]

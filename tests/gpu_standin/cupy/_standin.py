@@ -1,0 +1,139 @@
+"""State of the strict CuPy stand-in: devices, allocator, streams, race checker, host-sync counter.
+
+Only the test suite sees this package (``tests/gpu_standin`` first on ``sys.path``). Everything here is
+NumPy-backed; the strictness (device ownership, stream order, host syncs) is what NumPy-only code lacks.
+"""
+import collections
+import os
+import sys
+import threading
+
+import numpy
+
+_HERE = os.path.dirname(os.path.abspath(__file__))  # the stand-in package: call sites are outside it
+
+
+def device_count():
+    return int(os.environ.get("LBANNPY_STANDIN_DEVICES", "4"))
+
+
+class _Local(threading.local):
+    def __init__(self):
+        self.device = 0          # a new thread starts on device 0, as with the CUDA runtime
+        self.streams = {}        # device id -> current Stream of this thread
+
+
+local = _Local()
+_lock = threading.RLock()
+
+# ---------------------------------------------------------------- host synchronisations by call site
+_syncs = collections.Counter()
+
+
+def _caller():
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_HERE):
+        f = f.f_back
+    if f is None:
+        return "<unknown>"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def count_sync(kind):
+    _syncs[(kind, _caller())] += 1
+
+
+def host_syncs():
+    """{(kind, 'file:line'): count} of host synchronisations since the last reset."""
+    return dict(_syncs)
+
+
+def reset_host_syncs():
+    _syncs.clear()
+
+
+# ---------------------------------------------------------------- allocator
+class Allocation:
+    __slots__ = ("ptr", "nbytes", "device", "buf", "last_write", "__weakref__")
+
+    def __init__(self, ptr, nbytes, device):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.device = device
+        self.buf = numpy.zeros(max(nbytes, 1), dtype=numpy.uint8)
+        self.last_write = None   # (stream uid, seq, stream repr)
+
+
+import weakref  # noqa: E402
+
+_allocs = weakref.WeakValueDictionary()  # base ptr -> Allocation, freed with its last array
+_next_ptr = [1 << 32]
+
+
+def allocate(nbytes, device):
+    with _lock:
+        ptr = _next_ptr[0]
+        _next_ptr[0] += ((max(nbytes, 1) + 511) // 512) * 512 + 512
+        a = Allocation(ptr, nbytes, device)
+        _allocs[ptr] = a
+        return a
+
+
+def free(alloc):
+    with _lock:
+        _allocs.pop(alloc.ptr, None)
+
+
+def resolve(ptr, nbytes):
+    """The allocation holding [ptr, ptr + nbytes); refuses unknown pointers and out-of-range extents."""
+    if not isinstance(ptr, int):
+        raise TypeError(f"device pointer must be an int, got {type(ptr).__name__}")
+    with _lock:
+        for base, a in list(_allocs.items()):
+            if base <= ptr < base + max(a.nbytes, 1):
+                if ptr + nbytes > base + a.nbytes:
+                    raise ValueError(f"range [{ptr:#x}, +{nbytes}) runs past the end of allocation "
+                                     f"{base:#x} of {a.nbytes} bytes on device {a.device}")
+                return a
+    raise ValueError(f"pointer {ptr:#x} is not a live allocation of the stand-in allocator")
+
+
+# ---------------------------------------------------------------- stream order (vector clocks)
+_host_clock = {}        # what the host has observed as complete: stream uid -> seq
+
+
+class RaceError(RuntimeError):
+    """A buffer was read or written on a stream not ordered after its last write on another stream."""
+
+
+def merge(dst, src):
+    for k, v in src.items():
+        if dst.get(k, 0) < v:
+            dst[k] = v
+
+
+def launch(stream, reads=(), writes=(), what="kernel"):
+    """Model one kernel launch on ``stream`` reading/writing the given allocations."""
+    with _lock:
+        merge(stream._clock, _host_clock)
+        for a in list(reads) + list(writes):
+            if a is None:
+                continue
+            lw = a.last_write
+            if lw is None or lw[0] == stream._uid:
+                continue
+            if stream._clock.get(lw[0], 0) < lw[1]:
+                raise RaceError(
+                    f"{what} on {stream!r} touches buffer {a.ptr:#x} ({a.nbytes} bytes, device {a.device}) "
+                    f"last written on {lw[2]} (seq {lw[1]}) with no event or synchronisation ordering them; "
+                    f"record an event on the writing stream and wait_event it on {stream!r}")
+        stream._clock[stream._uid] = stream._clock.get(stream._uid, 0) + 1
+        seq = stream._clock[stream._uid]
+        for a in writes:
+            if a is not None:
+                a.last_write = (stream._uid, seq, repr(stream))
+
+
+def host_observes(clock):
+    with _lock:
+        merge(_host_clock, clock)
