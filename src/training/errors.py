@@ -6,3 +6,13 @@ EXIT_USER_ERROR = 2
 
 class UserError(Exception):
     """A problem the user can fix (config, data, distribution); reported without a traceback."""
+
+
+class Stopped(Exception):
+    """The ranks agreed to stop after ``step`` on a signal (SIGTERM, SIGUSR1); a checkpoint and the metrics
+    have been written. Not a failure of the run: it can be resumed with ``--resume``."""
+
+    def __init__(self, signal: str, step: int, ckpt_dir: str, out_dir: str):
+        super().__init__(f"stopped by {signal} after step {step}; checkpoint in {ckpt_dir}/, metrics in "
+                         f"{out_dir}/; resume with --resume")
+        self.signal, self.step = signal, step

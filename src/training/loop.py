@@ -1,7 +1,8 @@
 """The step loop: :class:`Trainer` wires the parts together and runs steps, evaluations and checkpoints.
 
-Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a signal
-handler sets a flag that :meth:`Trainer.run` reads after each step (then checkpoint and leave); initial
+Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a stop
+request (SIGTERM, SIGUSR1: :mod:`.signals`) is voted on by all ranks after each step in :meth:`Trainer.run`
+(then checkpoint, metrics, :class:`~.errors.Stopped`); initial
 weights (``--init``) or a step-0 checkpoint in :meth:`Trainer.setup` after ``_resume``; the batch upload to
 the device in :meth:`Trainer.upload`.
 """
@@ -13,7 +14,9 @@ from . import ckpt
 from .build import build
 from .clock import Clock
 from .gradsync import GradSync
+from .errors import Stopped
 from .report import Report
+from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 
 
@@ -27,6 +30,7 @@ class Trainer:
         self.clock = Clock()
         self.step = 0
         self.resumed_from = None  # the checkpoint path --resume started from
+        self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
@@ -40,7 +44,9 @@ class Trainer:
         self.timer = Timer(events=[])  # cleared every step unless tracing
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
-        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort)
+        # set-up reads files and builds communicators: a rank stuck there must not hang the others
+        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
+        self.watchdog.progress("set-up: model, data and communicators")
         parts = build(cfg, self.ctx, world)
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
@@ -49,7 +55,9 @@ class Trainer:
                              self.clock, self.watchdog.progress)
         self.report = Report(world, s.out_dir, self.timer, self.trace)
         if resume:
+            self.watchdog.progress("set-up: reading the checkpoint (--resume)")
             self._resume()
+        self.watchdog.progress("set-up done")
         if world.rank == 0:
             import os
 
@@ -165,16 +173,27 @@ class Trainer:
         # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
         # follow it (summary.json "layers")
         rep.warmup_steps = 1 if s.total_steps - first > 1 else 0
+        sig = self.signals
+        vote = StopVote(self.world)
+        stop = 0
+        final_eval: dict = {}
         try:
+            if sig is not None:
+                sig.graceful = True
             while self.step < s.total_steps:
                 row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
                     else self.train_step()
                 self._after_step(row, bar)
+                stop = vote.post(sig.requested if sig is not None else 0)
+                if stop:
+                    break
+            vote.drain()  # a request during the last step: the run is complete anyway
             self.sync.flush()
-            final_eval = rep.untimed(self.evaluate)
-            if final_eval:
-                rep.add_eval(self.step, final_eval)
-            if s.ckpt_at_end:
+            if not stop:
+                final_eval = rep.untimed(self.evaluate)
+                if final_eval:
+                    rep.add_eval(self.step, final_eval)
+            if s.ckpt_at_end or stop:
                 self.save_checkpoint()
         finally:
             if bar is not None:
@@ -185,6 +204,10 @@ class Trainer:
             if self.val_reader is not None:
                 self.val_reader.close()
         self.write_outputs(self.clock.now() - t_start, self.step - first, final_eval)
+        if sig is not None:
+            sig.finished()
+        if stop:
+            raise Stopped(signal_name(stop), self.step, self.settings.ckpt_dir, self.settings.out_dir)
 
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
         """Who calls: every rank (collective)."""
