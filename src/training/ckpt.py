@@ -19,13 +19,32 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
 
 def load_newest(ckpt_dir: str):
     """``(path, data)`` of the newest complete checkpoint; a :class:`UserError` when there is none."""
+    import os
+    import stat
+
     from lbannpy import checkpoint
 
+    # only regular files are opened: opening a FIFO (or a device) named like a checkpoint blocks forever
+    for cand in checkpoint.candidates(ckpt_dir):
+        mode = os.stat(cand).st_mode
+        if not stat.S_ISREG(mode):
+            raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
+                            f"{ckpt_dir}/ (checkpoint.dir)")
     path, data = checkpoint.load_newest(ckpt_dir)
     if path is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
                         f"--resume to start from scratch")
     return path, data
+
+
+def _kind(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def restore(data, model, optimizer, reader, xp) -> tuple[int, dict]:
