@@ -32,7 +32,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     """Exit status: 0 done; 2 a user error (one line); 4 stopped by SIGTERM/SIGUSR1 after writing a checkpoint
-    and the metrics (resubmit with ``--resume``); 5 aborted by a signal; 3 the watchdog; 1 any other failure
+    and the metrics (resubmit with ``--resume``); 5 aborted by a signal; 6 a non-finite loss; 3 the watchdog;
+    1 any other failure
     (one line naming ``run-dir/failure-rankR.log``, which holds the traceback)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
-    from lbannpy.training.errors import Stopped
+    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, apply_overrides, load_config
@@ -100,6 +101,12 @@ def _main(args) -> int:
                 sys.stderr.write(f"lbannpy.train: {exc}\n")
                 sys.stderr.flush()
             return EXIT_STOPPED
+        except NonFinite as exc:
+            if world.rank == 0:
+                sys.stderr.write(f"lbannpy.train: error: {exc}; metrics so far in {trainer.settings.out_dir}/, "
+                                 f"the newest checkpoint is the last good one\n")
+                sys.stderr.flush()
+            return EXIT_NONFINITE
     return 0
 
 

@@ -14,7 +14,8 @@ from . import ckpt
 from .build import build
 from .clock import Clock
 from .gradsync import GradSync
-from .errors import Stopped
+from . import health
+from .errors import NonFinite, Stopped
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
@@ -40,6 +41,11 @@ class Trainer:
 
         world = self.world
         cfg = self.cfg = validate(self.cfg, ranks=world.size)
+        # overflow and invalid operations are found by the health checks (one line naming the step and
+        # place), not by NumPy warnings on stderr from every rank
+        import numpy as np
+
+        np.seterr(over="ignore", invalid="ignore", divide="ignore")
         tr = cfg["trainer"]
         self.timer = Timer(events=[])  # cleared every step unless tracing
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
@@ -94,6 +100,8 @@ class Trainer:
         logits = self.model.forward(x, before_layer=sync.before_forward)
         wd.progress("loss")
         loss, metrics = self.loss.forward(logits, labels)
+        # before backward and the update: the parameters stay those of the last good step
+        health.check_loss(self.world, self.step + 1, loss, self.model, x.local, self.rt.xp)
         wd.progress("backward")
         mark = sync.start_backward()
         t_bp = clock.now()
@@ -139,6 +147,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         self.sync.flush()
         self.watchdog.progress("checkpoint")
+        health.check_params(self.world, self.step, self.model, self.rt.xp)
         ckpt.save(self.world, self.settings.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
                   self.report.rows, self.report.evals)
 
@@ -176,25 +185,33 @@ class Trainer:
         sig = self.signals
         vote = StopVote(self.world)
         stop = 0
+        bad = None  # a NonFinite: the run stops at that step after writing the metrics
         final_eval: dict = {}
         try:
             if sig is not None:
                 sig.graceful = True
             while self.step < s.total_steps:
-                row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
-                    else self.train_step()
-                self._after_step(row, bar)
+                try:
+                    row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
+                        else self.train_step()
+                    self._after_step(row, bar)
+                except NonFinite as exc:
+                    bad = exc
+                    break
                 stop = vote.post(sig.requested if sig is not None else 0)
                 if stop:
                     break
             vote.drain()  # a request during the last step: the run is complete anyway
             self.sync.flush()
-            if not stop:
+            if not stop and bad is None:
                 final_eval = rep.untimed(self.evaluate)
                 if final_eval:
                     rep.add_eval(self.step, final_eval)
-            if s.ckpt_at_end or stop:
-                self.save_checkpoint()
+            if bad is None and (s.ckpt_at_end or stop):
+                try:
+                    self.save_checkpoint()
+                except NonFinite as exc:
+                    bad = exc
         finally:
             if bar is not None:
                 bar.close()
@@ -206,6 +223,8 @@ class Trainer:
         self.write_outputs(self.clock.now() - t_start, self.step - first, final_eval)
         if sig is not None:
             sig.finished()
+        if bad is not None:
+            raise bad
         if stop:
             raise Stopped(signal_name(stop), self.step, self.settings.ckpt_dir, self.settings.out_dir)
 

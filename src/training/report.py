@@ -84,8 +84,10 @@ class Report:
         summary = self.summary(run, steps_run, final_eval, buckets, merged, distributions)
         os.makedirs(self.out_dir, exist_ok=True)
         self.write_metrics()
+        from .health import json_safe
+
         with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+            json.dump(json_safe(summary), f, indent=2, sort_keys=True, allow_nan=False)  # NaN is not JSON
         write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals)
         self.print_summary(summary, final_eval)
 
