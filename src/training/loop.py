@@ -14,7 +14,7 @@ from . import ckpt
 from .build import build
 from .clock import Clock
 from .gradsync import GradSync
-from . import health
+from . import health, outdirs
 from .errors import NonFinite, Stopped
 from .report import Report
 from .signals import StopVote, signal_name
@@ -64,10 +64,13 @@ class Trainer:
             self.watchdog.progress("set-up: reading the checkpoint (--resume)")
             self._resume()
         self.watchdog.progress("set-up done")
-        if world.rank == 0:
-            import os
-
-            os.makedirs(s.out_dir, exist_ok=True)
+        if world.rank == 0:  # no collective after this: the entry point gathers every rank's set-up error
+            run = outdirs.this_run(str(cfg["model"].get("name", "")))
+            outdirs.check_dir(s.out_dir, "output.dir")
+            outdirs.lock_dir(s.out_dir, "output.dir", run)
+            outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
+            outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
+            self.report.start_metrics()
 
     def _resume(self) -> None:
         path, data = ckpt.load_newest(self.settings.ckpt_dir)

@@ -2,8 +2,9 @@
 
 :class:`Report` owns what is reported: the rows and evaluations (restored on resume, saved in
 checkpoints), and which per-layer timer totals are left out of ``summary.json`` (warm-up step and
-evaluation passes). Files are written by :meth:`Report.write` at the end of the run; a writer that
-appends ``metrics.csv`` row by row belongs in :meth:`Report.add_row`.
+evaluation passes). ``metrics.csv`` is appended and flushed row by row (:meth:`Report.add_row`); at the end
+of the run, and when a signal or a non-finite loss stops it, :meth:`Report.write` replaces ``metrics.csv``,
+``summary.json`` and ``loss.png`` atomically.
 """
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ import os
 import sys
 
 import numpy as np
+
+class _atomic:
+    """``with _atomic(path, mode) as f``: written to a temporary name, renamed over ``path`` when the block
+    ends without an error (a reader or a later failure never sees half a file)."""
+
+    def __init__(self, path: str, mode: str, **kw):
+        self.path, self.tmp = path, f"{path}.tmp{os.getpid()}"
+        self.f = open(self.tmp, mode, **kw)
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, exc_type, exc, tb):
+        self.f.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
+        return False
+
 
 # metrics-row columns that are timings (left out of summary.json's "final")
 TIMING_COLUMNS = ("step_time_s", "io_wait_s", "comm_time_s", "hidden_comm_s", "samples_per_s")
@@ -33,8 +54,25 @@ class Report:
         self.rows = meta.get("rows", [])
         self.evals = meta.get("evals", [])
 
+    def start_metrics(self) -> None:
+        """Rank 0, at the start of a run: ``metrics.csv`` holds the rows so far (none, or those restored from
+        the checkpoint); :meth:`add_row` appends each new one."""
+        self.write_metrics()
+
     def add_row(self, row: dict) -> None:
+        """Rank 0 appends the row to ``metrics.csv`` and flushes it: a run that dies keeps its rows. The
+        columns are fixed by the first row (every row has the same keys)."""
         self.rows.append(row)
+        if self.world.rank != 0:
+            return
+        path = os.path.join(self.out_dir, "metrics.csv")
+        keys = self._columns()
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            if f.tell() == 0:
+                w.writeheader()
+            w.writerow(row)
+            f.flush()
 
     def add_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
@@ -86,7 +124,7 @@ class Report:
         self.write_metrics()
         from .health import json_safe
 
-        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+        with _atomic(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(json_safe(summary), f, indent=2, sort_keys=True, allow_nan=False)  # NaN is not JSON
         write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals)
         self.print_summary(summary, final_eval)
@@ -118,17 +156,19 @@ class Report:
             "distributions": distributions,
         }
 
+    def _columns(self) -> list:
+        return list(self.rows[0]) if self.rows else []
+
     def write_metrics(self) -> None:
-        keys = []
-        for r in self.rows:
-            for k in r:
-                if k not in keys:
-                    keys.append(k)
-        with open(os.path.join(self.out_dir, "metrics.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow(r)
+        """``metrics.csv`` from all rows, replaced atomically."""
+        keys = self._columns()
+        path = os.path.join(self.out_dir, "metrics.csv")
+        with _atomic(path, "w", newline="") as f:
+            if keys:
+                w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+                w.writeheader()
+                for r in self.rows:
+                    w.writerow(r)
 
     def print_summary(self, summary: dict, final_eval: dict) -> None:
         fin = summary["final"]
@@ -177,5 +217,7 @@ def write_plot(path: str, rows: list[dict], evals: list[dict]) -> None:
     ax[0, 0].legend()
     ax[0, 0].grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
+    os.replace(tmp, path)  # readers never see half a plot
