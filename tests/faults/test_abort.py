@@ -79,3 +79,19 @@ def test_exception_on_one_rank_one_line_traceback_in_run_dir(tmp_path):
         job.err[-2000:]
     assert "Traceback" in log.read_text() and "train_step" in log.read_text()
     assert job.took < 30
+
+
+def test_gpu_device_without_cupy_is_one_line_per_rank(tmp_path):
+    pytest.importorskip("mpi4py")
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, runtime={"device": "gpu"})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=60)
+    job.assert_every_rank_failed()
+    job.assert_no_traceback()
+    assert "CuPy" in job.err and job.took < 30
+    assert (tmp_path / "out" / "failure-rank0.log").exists()
