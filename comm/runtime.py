@@ -7,7 +7,7 @@ On a clean exit the communicators are freed in reverse order of creation (no bar
 ncclCommDestroy do not need one, and a barrier would hang if ranks leave at different times for a good
 reason). When an exception leaves the block on any rank, that rank prints
 ``lbannpy: rank R of P failed: <type>: <message>`` and its traceback to stderr and calls
-``MPI_Abort(COMM_WORLD, 1)``: the other ranks may be waiting in a collective this rank will never enter,
+``MPI_Abort(COMM_WORLD, 1)`` (KeyboardInterrupt included): the other ranks may be waiting in a collective this rank will never enter,
 and aborting is the only way they do not hang.
 """
 from __future__ import annotations
@@ -66,6 +66,35 @@ def failure_message(rank: int, size: int, exc: BaseException) -> str:
     return f"lbannpy: rank {rank} of {size} failed: {type(exc).__name__}: {exc}"
 
 
+# where report_and_abort writes tracebacks (one file per rank); None: to stderr after the one line
+_failure_log_dir: str | None = None
+
+
+def set_failure_log_dir(path: str | None) -> None:
+    """Send the tracebacks of :func:`report_and_abort` to ``PATH/failure-rankR.log`` (named in the one line
+    on stderr) instead of stderr. A program whose users read stderr (the trainer) calls it once it knows its
+    run directory."""
+    global _failure_log_dir
+    _failure_log_dir = path
+
+
+def _write_traceback(rank: int, text: str) -> str | None:
+    """The file the traceback went to, or None when none could be written."""
+    import tempfile
+
+    for d in (_failure_log_dir, tempfile.gettempdir()):
+        try:
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, f"failure-rank{rank}.log" if d == _failure_log_dir
+                                else f"lbannpy-failure-{os.getpid()}-rank{rank}.log")
+            with open(path, "a") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     """Print the failure of this rank (message and traceback) to stderr, flush, and end the whole job.
 
@@ -74,7 +103,17 @@ def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     MPI = sys.modules.get("mpi4py.MPI")
     up = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
     rank, size = (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()) if up else (0, 1)
-    text = failure_message(rank, size, exc) + "\n" + "".join(traceback.format_exception(exc_type, exc, tb))
+    line = failure_message(rank, size, exc).splitlines()[0]  # one line even for a multi-line message
+    tb_text = "".join(traceback.format_exception(exc_type, exc, tb))
+    if _failure_log_dir is None:
+        text = failure_message(rank, size, exc) + "\n" + tb_text
+    else:
+        where = _write_traceback(rank, line + "\n" + tb_text)
+        text = line + (f" (traceback in {where})" if where else "") + "\n"
+    try:
+        exc.lbannpy_reported = True  # the entry point must not print it again
+    except Exception:
+        pass
     try:
         sys.stdout.flush()
     except Exception:  # a closed stdout must not hide the failure
@@ -286,7 +325,8 @@ class Runtime:
         if not failed:
             self._teardown()
             return False
-        if self.abort_on_error and self.size > 1 and not issubclass(exc_type, KeyboardInterrupt):
+        # KeyboardInterrupt too: a Ctrl-C reaching one rank must not leave the others in a collective
+        if self.abort_on_error and self.size > 1:
             code = exc.code if exc_type is SystemExit and isinstance(exc.code, int) else 1
             report_and_abort(exc_type, exc, tb, code)
         return False

@@ -39,8 +39,27 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Exit status: 0 done; 2 a user error (one line); 4 stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+    and the metrics (resubmit with ``--resume``); 5 aborted by a signal; 6 a non-finite loss; 3 the watchdog;
+    1 any other failure
+    (one line naming ``run-dir/failure-rankR.log``, which holds the traceback)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(args)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # one rank alone (with more, Runtime aborted the job and never returns)
+        if not getattr(exc, "lbannpy_reported", False):
+            from lbannpy.comm.runtime import report_and_abort
+            report_and_abort(type(exc), exc, exc.__traceback__)
+        return 1
+
+
+def _main(args) -> int:
     from lbannpy.comm import Runtime
+    from lbannpy.comm.runtime import set_failure_log_dir
+    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped
+    from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, apply_overrides, load_config
     from lbannpy.data.reader import DataError
@@ -56,8 +75,13 @@ def main(argv=None) -> int:
     else:
         early = None
     rt_cfg = (cfg or {}).get("runtime", {}) if cfg else {}
+    # tracebacks go to the run directory, named in the one line on stderr (from the Runtime's set-up on:
+    # a missing CuPy or GPU fails there)
+    set_failure_log_dir(str(((cfg or {}).get("output") or {}).get("dir", "run")))
     with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu")) as rt:
         world = rt.world
+        # from here a signal on any rank ends every rank within seconds (SIGTERM/SIGUSR1 after a checkpoint)
+        signals = SignalWatch(rt.rank, rt.size, world.abort).install()
         if early is not None:
             # a config error names its file already
             msg = f"{early}" if f"{early}".startswith(args.config) else f"{args.config}: {early}"
@@ -83,7 +107,20 @@ def main(argv=None) -> int:
                 sys.stderr.write(f"lbannpy.train: error{where}: {e}\n")
                 sys.stderr.flush()
             return EXIT_USER_ERROR
-        trainer.run()
+        trainer.signals = signals
+        try:
+            trainer.run()
+        except Stopped as exc:
+            if world.rank == 0:
+                sys.stderr.write(f"lbannpy.train: {exc}\n")
+                sys.stderr.flush()
+            return EXIT_STOPPED
+        except NonFinite as exc:
+            if world.rank == 0:
+                sys.stderr.write(f"lbannpy.train: error: {exc}; metrics so far in {trainer.settings.out_dir}/, "
+                                 f"the newest checkpoint is the last good one\n")
+                sys.stderr.flush()
+            return EXIT_NONFINITE
     return 0
 
 

@@ -140,6 +140,7 @@ def render(spec: JobSpec) -> str:
         f"--cpus-per-task={spec.cpus_per_task}",
         f"--time={spec.time}",
         "--output=%x-%j.out",
+        "--signal=USR1@120",  # every rank: checkpoint, metrics, exit 4 two minutes before the time limit
     ]
     if spec.gpus_per_node:
         sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")

@@ -18,8 +18,18 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int
     """Who calls: every rank (collective). Parameters, optimizer state and layer state of the newest
     usable checkpoint, each rank reading only its own hyperslabs, then the reader position; returns
     ``(path, step, meta)``, or a :class:`UserError` when there is no checkpoint."""
+    import os
+    import stat
+
     from lbannpy import checkpoint
 
+    # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
+    # checkpoint blocks forever
+    for cand in checkpoint.candidates(ckpt_dir):
+        mode = os.stat(cand).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
+                            f"{ckpt_dir}/ (checkpoint.dir)")
     path, data = checkpoint.resume(world, ckpt_dir, model.params, optimizer, model.layers, xp)
     if path is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
@@ -27,3 +37,13 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int
     meta = data["meta"]
     reader.load_state(meta["reader"])
     return path, data["step"], meta
+
+
+def _kind(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"

@@ -1,7 +1,8 @@
 """The step loop: :class:`Trainer` wires the parts together and runs steps, evaluations and checkpoints.
 
-Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a signal
-handler sets a flag that :meth:`Trainer.run` reads after each step (then checkpoint and leave); initial
+Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a stop
+request (SIGTERM, SIGUSR1: :mod:`.signals`) is voted on by all ranks after each step in :meth:`Trainer.run`
+(then checkpoint, metrics, :class:`~.errors.Stopped`); initial
 weights (``--init``) or a step-0 checkpoint in :meth:`Trainer.setup` after ``_resume``; the batch upload to
 the device in :meth:`Trainer.upload`.
 """
@@ -14,7 +15,10 @@ from . import ckpt
 from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
+from . import health, outdirs
+from .errors import NonFinite, Stopped
 from .report import Report
+from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 
 
@@ -28,6 +32,7 @@ class Trainer:
         self.clock = Clock()
         self.step = 0
         self.resumed_from = None  # the checkpoint path --resume started from
+        self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False) -> None:
@@ -37,6 +42,11 @@ class Trainer:
 
         world = self.world
         cfg = self.cfg = validate(self.cfg, ranks=world.size)
+        # overflow and invalid operations are found by the health checks (one line naming the step and
+        # place), not by NumPy warnings on stderr from every rank
+        import numpy as np
+
+        np.seterr(over="ignore", invalid="ignore", divide="ignore")
         tr = cfg["trainer"]
         # per-layer, halo and step times on the device's clock (CUDA events on a GPU: host time there
         # measures kernel launches)
@@ -44,7 +54,9 @@ class Trainer:
         self.timer = Timer(events=[], clock=None if self.clock.name == "host" else self.clock)
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
-        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort)
+        # set-up reads files and builds communicators: a rank stuck there must not hang the others
+        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
+        self.watchdog.progress("set-up: model, data and communicators")
         parts = build(cfg, self.ctx, world)
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
@@ -57,17 +69,20 @@ class Trainer:
                              self.clock, self.watchdog.progress)
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         if resume:
+            self.watchdog.progress("set-up: reading the checkpoint (--resume)")
             self._resume()
         elif cfg["model"].get("init"):
             from lbannpy.export import init_from
 
             init_from(cfg["model"]["init"], self.model, self.rt.xp)
-        if world.rank == 0:
-            import os
-
-            os.makedirs(s.out_dir, exist_ok=True)
-        if (cfg.get("checkpoint") or {}).get("at_start") and self.step == 0:
-            self.save_checkpoint()
+        self.watchdog.progress("set-up done")
+        if world.rank == 0:  # no collective after this: the entry point gathers every rank's set-up error
+            run = outdirs.this_run(str(cfg["model"].get("name", "")))
+            outdirs.check_dir(s.out_dir, "output.dir")
+            outdirs.lock_dir(s.out_dir, "output.dir", run)
+            outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
+            outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
+            self.report.start_metrics()
 
     def _resume(self) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -105,6 +120,13 @@ class Trainer:
         logits = self.model.forward(x, before_layer=sync.before_forward)
         wd.progress("loss")
         stats = self.loss.forward_stats(logits, labels)  # stays on the device, reduced there
+        host_stats = self.rt.xp is np
+        if host_stats:
+            # before backward and the update, so the parameters stay those of the last good step; the
+            # statistics are already host numbers here. On a GPU the check runs where the loss reaches the
+            # host anyway (logged steps), so an unlogged step makes no host synchronisation
+            health.check_loss(self.world, self.step + 1, self.loss.metrics(stats)[0], self.model, x.local,
+                              self.rt.xp)
         wd.progress("backward")
         mark = sync.start_backward()
         t_bp, h_bp = clock.now(), time.perf_counter()
@@ -133,7 +155,9 @@ class Trainer:
             self.timer.settle()
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
-            _, metrics = self.loss.metrics(stats)
+            loss, metrics = self.loss.metrics(stats)
+            if not host_stats:
+                health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
             timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
         row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
                "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
@@ -162,6 +186,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         self.sync.flush()
         self.watchdog.progress("checkpoint")
+        health.check_params(self.world, self.step, self.model, self.rt.xp)
         ckpt.save(self.world, self.settings.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
                   self.report.rows, self.report.evals)
 
@@ -201,17 +226,40 @@ class Trainer:
         # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
         # follow it (summary.json "layers")
         rep.warmup_steps = 1 if s.total_steps - first > 1 else 0
+        sig = self.signals
+        vote = StopVote(self.world)
+        stop = 0
+        bad = None  # a NonFinite: the run stops at that step after writing the metrics
+        final_eval: dict = {}
         try:
-            while self.step < s.total_steps:
-                row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
-                    else self.train_step()
-                self._after_step(row, bar)
-            self.sync.flush()
-            final_eval = rep.untimed(self.evaluate)
-            if final_eval:
-                rep.add_eval(self.step, final_eval)
-            if s.ckpt_at_end:
+            if sig is not None:
+                sig.graceful = True
+            # a step-0 checkpoint on request: here, not in set-up, whose errors are agreed on before any
+            # collective that follows it
+            if (self.cfg.get("checkpoint") or {}).get("at_start") and self.step == 0:
                 self.save_checkpoint()
+            while self.step < s.total_steps:
+                try:
+                    row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
+                        else self.train_step()
+                    self._after_step(row, bar)
+                except NonFinite as exc:
+                    bad = exc
+                    break
+                stop = vote.post(sig.requested if sig is not None else 0)
+                if stop:
+                    break
+            vote.drain()  # a request during the last step: the run is complete anyway
+            self.sync.flush()
+            if not stop and bad is None:
+                final_eval = rep.untimed(self.evaluate)
+                if final_eval:
+                    rep.add_eval(self.step, final_eval)
+            if bad is None and (s.ckpt_at_end or stop):
+                try:
+                    self.save_checkpoint()
+                except NonFinite as exc:
+                    bad = exc
         finally:
             if bar is not None:
                 bar.close()
@@ -221,6 +269,12 @@ class Trainer:
             if self.val_reader is not None:
                 self.val_reader.close()
         self.write_outputs(time.perf_counter() - t_start, self.step - first, final_eval)
+        if sig is not None:
+            sig.finished()
+        if bad is not None:
+            raise bad
+        if stop:
+            raise Stopped(signal_name(stop), self.step, self.settings.ckpt_dir, self.settings.out_dir)
 
     def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
         """Who calls: every rank (collective)."""

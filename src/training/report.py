@@ -2,8 +2,9 @@
 
 :class:`Report` owns what is reported: the rows and evaluations (restored on resume, saved in
 checkpoints), and which per-layer timer totals are left out of ``summary.json`` (warm-up step and
-evaluation passes). Files are written by :meth:`Report.write` at the end of the run; a writer that
-appends ``metrics.csv`` row by row belongs in :meth:`Report.add_row`.
+evaluation passes). ``metrics.csv`` is appended and flushed row by row (:meth:`Report.add_row`); at the end
+of the run, and when a signal or a non-finite loss stops it, :meth:`Report.write` replaces ``metrics.csv``,
+``summary.json`` and ``loss.png`` atomically.
 """
 from __future__ import annotations
 
@@ -14,6 +15,26 @@ import sys
 import time
 
 import numpy as np
+
+class _atomic:
+    """``with _atomic(path, mode) as f``: written to a temporary name, renamed over ``path`` when the block
+    ends without an error (a reader or a later failure never sees half a file)."""
+
+    def __init__(self, path: str, mode: str, **kw):
+        self.path, self.tmp = path, f"{path}.tmp{os.getpid()}"
+        self.f = open(self.tmp, mode, **kw)
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, exc_type, exc, tb):
+        self.f.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
+        return False
+
 
 # metrics-row columns that are timings (left out of summary.json's "final")
 TIMING_COLUMNS = ("step_time_s", "io_wait_s", "comm_time_s", "hidden_comm_s", "samples_per_s")
@@ -35,8 +56,25 @@ class Report:
         self.rows = meta.get("rows", [])
         self.evals = meta.get("evals", [])
 
+    def start_metrics(self) -> None:
+        """Rank 0, at the start of a run: ``metrics.csv`` holds the rows so far (none, or those restored from
+        the checkpoint); :meth:`add_row` appends each new one."""
+        self.write_metrics()
+
     def add_row(self, row: dict) -> None:
+        """Rank 0 appends the row to ``metrics.csv`` and flushes it: a run that dies keeps its rows. The
+        columns are fixed by the first row (every row has the same keys)."""
         self.rows.append(row)
+        if self.world.rank != 0:
+            return
+        path = os.path.join(self.out_dir, "metrics.csv")
+        keys = self._columns()
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            if f.tell() == 0:
+                w.writeheader()
+            w.writerow(row)
+            f.flush()
 
     def add_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
@@ -89,8 +127,10 @@ class Report:
         summary = self.summary(run, steps_run, final_eval, buckets, merged, distributions)
         os.makedirs(self.out_dir, exist_ok=True)
         self.write_metrics()
-        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
+        from .health import json_safe
+
+        with _atomic(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(json_safe(summary), f, indent=2, sort_keys=True, allow_nan=False)  # NaN is not JSON
         split = ", ".join(sorted(set(distributions.values())))
         write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals,
                    title=f"{run.get('model', 'model')} on {run['ranks']} rank(s), split {split}")
@@ -126,15 +166,21 @@ class Report:
             "distributions": distributions,
         }
 
-    def write_metrics(self) -> None:
+    def _columns(self) -> list:
         # a fixed order: rows restored on resume come back with their keys sorted (the checkpoint's JSON)
         seen = {k for r in self.rows for k in r}
-        keys = [k for k in METRICS_ORDER if k in seen] + sorted(seen - set(METRICS_ORDER))
-        with open(os.path.join(self.out_dir, "metrics.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow(r)
+        return [k for k in METRICS_ORDER if k in seen] + sorted(seen - set(METRICS_ORDER))
+
+    def write_metrics(self) -> None:
+        """``metrics.csv`` from all rows, replaced atomically."""
+        keys = self._columns()
+        path = os.path.join(self.out_dir, "metrics.csv")
+        with _atomic(path, "w", newline="") as f:
+            if keys:
+                w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+                w.writeheader()
+                for r in self.rows:
+                    w.writerow(r)
 
     def print_summary(self, summary: dict, final_eval: dict) -> None:
         fin = summary["final"]
@@ -234,5 +280,7 @@ def write_plot(path: str, rows: list[dict], evals: list[dict], title: str = "") 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
+    os.replace(tmp, path)  # readers never see half a plot

@@ -27,7 +27,7 @@ class Watchdog:
         self.last = time.monotonic()
 
     def start(self):
-        if self.timeout > 0:
+        if self.timeout > 0 and self._thread is None:  # started by set-up; run() calls it again
             self._thread = threading.Thread(target=self._run, name="lbannpy-watchdog", daemon=True)
             self._thread.start()
         return self

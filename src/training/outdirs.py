@@ -1,0 +1,76 @@
+"""The run's output and checkpoint directories, checked on rank 0 before any step and held by a lock file.
+
+Checked at start, so a run never trains for hours and then fails at its first checkpoint: each directory
+exists or can be created, is a directory, is writable, is not under ``/proc`` or ``/sys``, and (checkpoint
+directory) has room for one checkpoint of the estimated size. A lock file in each (``flock``: released by the
+kernel when the process ends, however it ends) names the run that holds it, so two runs writing into one
+directory get one clear line instead of mixing their files.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import time
+
+from .errors import UserError
+
+LOCK_NAME = ".lbannpy.lock"
+_held: dict[str, int] = {}  # directory -> fd of its lock, held for the life of the process
+
+
+def check_dir(path: str, key: str, need_bytes: int = 0) -> None:
+    """Raise :class:`UserError` naming ``key`` unless ``path`` is (or can be made) a writable directory
+    with ``need_bytes`` free."""
+    real = os.path.realpath(path)
+    if real == "/proc" or real.startswith(("/proc/", "/sys/")) or real == "/sys":
+        raise UserError(f"{key}: {path} is in a virtual file system ({real}); choose a directory on disk")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{key}: {path} exists and is not a directory; choose another {key}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{key}: cannot create {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: {path} is not writable")
+    if need_bytes:
+        free = shutil.disk_usage(path).free
+        if free < need_bytes:
+            raise UserError(f"{key}: {path} has {free / 2**20:.1f} MiB free, one checkpoint needs about "
+                            f"{need_bytes / 2**20:.1f} MiB; free space or choose another {key}")
+
+
+def lock_dir(path: str, key: str, run: str) -> None:
+    """Hold ``path/.lbannpy.lock`` for this process; :class:`UserError` naming the holder when another run
+    holds it."""
+    real = os.path.realpath(path)
+    if real in _held:
+        return
+    lock = os.path.join(path, LOCK_NAME)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another run"
+        finally:
+            os.close(fd)
+        raise UserError(f"{key}: {path} is in use by {holder}; wait for it to end or choose another {key}") \
+            from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{run}\n".encode(), 0)
+    _held[real] = fd
+
+
+def this_run(model: str) -> str:
+    return (f"the run of model '{model}' started {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()} on "
+            f"{socket.gethostname()})")
+
+
+def checkpoint_bytes(model) -> int:
+    """About the size of one checkpoint: every parameter in float64 (as the checkpoint writes them), three
+    tensors per parameter (the value and up to two optimizer state tensors)."""
+    import numpy as np
+
+    return 3 * 8 * sum(int(np.prod(p.global_shape)) for p in model.params)

@@ -1,0 +1,152 @@
+"""Signals: every rank reacts to SIGINT, SIGTERM, SIGUSR1 and SIGHUP within seconds, whatever it is doing.
+
+Python runs signal handlers in the main thread between bytecodes, so a rank blocked inside an MPI call would
+never run one, and a signal reaching a single rank (``srun`` forwards Ctrl-C to one task; SLURM may signal
+one) would leave the job hanging. :class:`SignalWatch` therefore makes the C-level handler write the signal
+number to a socket (``signal.set_wakeup_fd``) that a thread of its own reads; the thread acts at once:
+
+- SIGTERM and SIGUSR1 (SLURM's time-limit and preemption signals; ``#SBATCH --signal=USR1@120``) while the
+  step loop runs: a *stop request*. The loop combines the request across ranks after each step (a one-integer
+  non-blocking allreduce, so every rank stops after the same step), writes a checkpoint and the metrics, and
+  the job exits with :data:`EXIT_STOPPED` on every rank. If that does not finish within the grace time
+  (a rank stuck in a collective, a slow file system), or a second signal comes, the job is aborted.
+- anything else, or any of them outside the step loop (set-up, where there is nothing to save): the rank
+  prints one line and aborts the job (``MPI_Abort``; ``os._exit`` alone), every rank exits non-zero.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+
+EXIT_STOPPED = 4  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint and the metrics: resubmit --resume
+EXIT_SIGNAL_ABORT = 5  # aborted by a signal (nothing more was written)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+ABORT_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+GRACE_ENV = "LBANNPY_STOP_GRACE_S"  # seconds a stop request may take before the job is aborted
+DEFAULT_GRACE_S = 60.0
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class SignalWatch:
+    """Installed once per process, from the main thread, before the work that must be interruptible.
+
+    ``abort(code)``: ends every rank of the job (not collective: ``Communicator.abort``). ``requested``: the
+    number of the signal that asked this rank to stop (0: none); the step loop reads it.
+    """
+
+    def __init__(self, rank: int, size: int, abort, grace_s: float | None = None):
+        self.rank, self.size, self.abort = rank, size, abort
+        if grace_s is None:
+            try:
+                grace_s = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S))
+            except ValueError:
+                grace_s = DEFAULT_GRACE_S
+        self.grace_s = grace_s
+        self.requested = 0
+        self.graceful = False  # True while the step loop can honour a stop request
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._previous: dict = {}
+        self._socks = None
+
+    def install(self) -> "SignalWatch":
+        r, w = socket.socketpair()
+        r.setblocking(True)
+        w.setblocking(False)
+        self._socks = (r, w)
+        # the Python-level handler does nothing: the thread below acts (a handler that raised could leave
+        # a collective half-entered); setting one keeps the default action (death) from happening
+        for s in STOP_SIGNALS + ABORT_SIGNALS:
+            self._previous[s] = signal.signal(s, _ignore)
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._run, name="lbannpy-signals", daemon=True).start()
+        return self
+
+    def finished(self) -> None:
+        """The stop request (if any) has been honoured: the grace timer must not abort."""
+        self._done.set()
+
+    def _run(self) -> None:
+        r = self._socks[0]
+        while True:
+            try:
+                data = r.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                self._on(signum)
+
+    def _on(self, signum: int) -> None:
+        name = signal_name(signum)
+        with self._lock:
+            if signum in STOP_SIGNALS and self.graceful and not self.requested and not self._done.is_set():
+                self.requested = signum
+                threading.Thread(target=self._grace, args=(name,), name="lbannpy-stop-grace",
+                                 daemon=True).start()
+                return
+            if self._done.is_set() and signum in STOP_SIGNALS:
+                return  # the stop has been written; the process is on its way out
+            again = " again" if self.requested else ""
+        self._abort(f"{name} received{again}; ending the job without a checkpoint", EXIT_SIGNAL_ABORT)
+
+    def _grace(self, name: str) -> None:
+        if not self._done.wait(self.grace_s):
+            self._abort(f"{name}: the checkpoint and metrics were not written within {self.grace_s:g} s "
+                        f"({GRACE_ENV}); ending the job", EXIT_SIGNAL_ABORT)
+
+    def _abort(self, reason: str, code: int) -> None:
+        try:
+            sys.stderr.write(f"lbannpy: rank {self.rank} of {self.size}: {reason}\n")
+            sys.stderr.flush()
+        except Exception:  # a closed stderr must not stop the abort
+            pass
+        if self.size > 1:
+            self.abort(code)
+        os._exit(code)
+
+
+def _ignore(signum, frame) -> None:
+    return None
+
+
+class StopVote:
+    """A non-blocking agreement on stop requests: :meth:`post` after each step starts a one-integer
+    max-allreduce of this rank's request and returns the previous vote's result (its wait is on an operation
+    that had a whole step to complete). Every rank sees the same results in the same order, so all stop
+    after the same step. Who calls: every rank, once after each step (collective)."""
+
+    def __init__(self, world):
+        import numpy as np
+
+        # a host integer: an NCCL world votes over the MPI communicator it was bootstrapped on
+        self.world = getattr(world, "_mpi", world)
+        self._np = np
+        self._pending = None
+        self._buf = None
+
+    def post(self, mine: int) -> int:
+        """Start this step's vote; the signal number agreed by the previous vote (0: go on)."""
+        agreed = self.drain()
+        self._buf = self._np.array([int(mine)], dtype=self._np.int64)
+        self._pending = self.world.iallreduce(self._buf, op="max")
+        return agreed
+
+    def drain(self) -> int:
+        """Wait for the vote in flight (if any); its result."""
+        if self._pending is None:
+            return 0
+        out = self._pending.wait()
+        self._pending = None
+        return int(out[0])

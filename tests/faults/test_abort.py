@@ -1,0 +1,97 @@
+"""Abort discipline: an exception or a signal on any one rank (or a signal to the launcher) ends every rank
+within seconds, with one line on stderr and no Python traceback there (it goes to the run directory)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from . import util
+
+pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
+
+
+@pytest.fixture()
+def long_run(tmp_path):
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120}, checkpoint={"every_steps": 20})
+    return tmp_path, cfg
+
+
+@pytest.mark.parametrize("sig,target,ranks", [
+    ("SIGINT", 1, 2),            # Ctrl-C reaching one rank (srun forwards it to one task)
+    ("SIGINT", "launcher", 2),   # Ctrl-C at the terminal
+    ("SIGINT", 3, 4),
+    ("SIGHUP", 0, 2),            # the terminal went away
+])
+def test_signal_to_one_rank_ends_every_rank(long_run, sig, target, ranks):
+    tmp, cfg = long_run
+    job = util.start(tmp, cfg, ranks=ranks)
+    try:
+        pids = job.pids()
+        util.wait_for(lambda: list((tmp / "ck").glob("ckpt-*.h5")), 90, "the first checkpoint")
+        t0 = time.monotonic()
+        os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
+        job.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        util.kill(job)
+    assert took < 10, f"{took:.1f} s from {sig} to the end of the job"
+    job.assert_every_rank_failed()
+    job.assert_no_traceback()
+    assert f"{sig} received" in job.err, job.err[-2000:]
+    # what was complete stays complete: the checkpoints written before the signal load
+    path, data = util.newest_checkpoint(tmp / "ck")
+    assert path is not None and data["step"] % 20 == 0
+
+
+def test_signal_during_setup_ends_every_rank(tmp_path):
+    """Set-up is interruptible too: a rank blocked in a collective of set-up (here: waiting for a rank that
+    sits in a long read) still ends when one rank gets SIGINT."""
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path)
+    job = util.start(tmp_path, cfg, ranks=2, env={"FAULT_SETUP_SLEEP": "1:60"})
+    try:
+        pids = job.pids()
+        util.wait_for(lambda: (tmp_path / "setup.1").exists(), 60, "rank 1 in set-up")
+        t0 = time.monotonic()
+        os.kill(pids[0], signal.SIGINT)
+        job.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        util.kill(job)
+    assert took < 10, f"{took:.1f} s"
+    job.assert_every_rank_failed()
+    job.assert_no_traceback()
+
+
+def test_exception_on_one_rank_one_line_traceback_in_run_dir(tmp_path):
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120})
+    job = util.run(tmp_path, cfg, ranks=2, env={"FAULT_RAISE": "1:3"}, timeout=60)
+    job.assert_every_rank_failed()
+    job.assert_no_traceback()
+    log = tmp_path / "out" / "failure-rank1.log"
+    line = [ln for ln in job.err.splitlines() if "injected fault" in ln]
+    assert line == [f"lbannpy: rank 1 of 2 failed: RuntimeError: injected fault at step 3 (traceback in {log})"], \
+        job.err[-2000:]
+    assert "Traceback" in log.read_text() and "train_step" in log.read_text()
+    assert job.took < 30
+
+
+def test_gpu_device_without_cupy_is_one_line_per_rank(tmp_path):
+    pytest.importorskip("mpi4py")
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, runtime={"device": "gpu"})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=60)
+    job.assert_every_rank_failed()
+    job.assert_no_traceback()
+    assert "CuPy" in job.err and job.took < 30
+    assert (tmp_path / "out" / "failure-rank0.log").exists()

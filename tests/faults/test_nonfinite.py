@@ -1,0 +1,52 @@
+"""Numerical health: a non-finite loss stops the run with one line naming the step and the first place that
+went non-finite; the metrics so far are written, summary.json is valid JSON, and the newest checkpoint holds
+finite parameters."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from . import util
+
+pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("case", ["nan-pixel", "huge-lr"])
+def test_nonfinite_loss_stops_the_run(tmp_path, case):
+    if case == "nan-pixel":
+        util.make_data(tmp_path / "data.h5", n=32, nan_at=13)
+        cfg = util.spec(tmp_path, trainer={"steps": 40}, checkpoint={"every_steps": 2})
+        where = "first non-finite: the input batch"
+    else:
+        util.make_data(tmp_path / "data.h5")
+        cfg = util.spec(tmp_path, trainer={"steps": 40}, checkpoint={"every_steps": 1},
+                        optimizer={"lr": 1e300})
+        where = "first non-finite: the parameters of layer"
+    job = util.run(tmp_path, cfg, ranks=2, timeout=90)
+    assert job.rank_codes() == [6, 6] and job.proc.returncode == 6, (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = [ln for ln in job.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "non-finite values at step" in lines[0] and where in lines[0], job.err
+    step = int(lines[0].split("at step ")[1].split(":")[0])
+    assert 1 <= step < 40
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    # every step before the failing one; a step whose update made the parameters non-finite (found when its
+    # checkpoint was to be written) has its row
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) in (step - 1, step), (steps, step)
+    summary = _strict_json((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] in (step - 1, step)
+    path, data = util.newest_checkpoint(tmp_path / "ck")
+    if path is not None:  # the newest checkpoint is a good one
+        assert data["step"] < step
+        assert all(np.isfinite(v).all() for v in data["tensors"].values())
