@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
+
 from . import ckpt
 from .build import build
 from .clock import Clock, make_clock
