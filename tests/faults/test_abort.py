@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from lbannpy import checkpoint
+
 from . import util
 
 pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
@@ -31,7 +33,7 @@ def test_signal_to_one_rank_ends_every_rank(long_run, sig, target, ranks):
     job = util.start(tmp, cfg, ranks=ranks)
     try:
         pids = job.pids()
-        util.wait_for(lambda: list((tmp / "ck").glob("ckpt-*.h5")), 90, "the first checkpoint")
+        util.wait_for(lambda: checkpoint.candidates(str(tmp / "ck")), 90, "the first checkpoint")
         t0 = time.monotonic()
         os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
         job.wait(30)
