@@ -18,6 +18,7 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int
     """Who calls: every rank (collective). Parameters, optimizer state and layer state of the newest
     usable checkpoint, each rank reading only its own hyperslabs, then the reader position; returns
     ``(path, step, meta)``, or a :class:`UserError` when there is no checkpoint."""
+    import glob
     import os
     import stat
 
@@ -25,7 +26,7 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int
 
     # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
     # checkpoint blocks forever
-    for cand in checkpoint.candidates(ckpt_dir):
+    for cand in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt-*"))):
         mode = os.stat(cand).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
