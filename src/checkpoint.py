@@ -541,6 +541,49 @@ class Checkpoint:
         self._files.clear()
 
 
+def load(path: str) -> dict:
+    """Not collective (tools and tests): the checkpoint at ``path`` (a version 2 directory or a version 1
+    file) with every tensor assembled in its global shape."""
+    ck = Checkpoint(path)
+    try:
+        return {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta,
+                "tensors": ck.read_global()}
+    finally:
+        ck.close()
+
+
+def resolve(path: str) -> str | None:
+    """The checkpoint ``path`` names: itself when it is one, else the newest complete one in the directory
+    ``path`` (``None`` when there is none)."""
+    found = candidates(path) if os.path.isdir(path) else []
+    if found:
+        return found[0]
+    return path if os.path.exists(path) else None
+
+
+def restore_weights(path: str, params, layers, xp) -> int:
+    """Not collective (inference, ``model.init``): parameters and layer state from the checkpoint at
+    ``path``, each rank reading only its own boxes; no optimizer state. Returns the checkpoint's step."""
+    ck = Checkpoint(path)
+    try:
+        for p in params:
+            key = f"params/{p.name}"
+            if key not in ck.index:
+                raise CheckpointError(f"{path} has no tensor for parameter {p.name}; was it written for "
+                                      f"another model?")
+            if tuple(ck.index[key][0]) != tuple(p.global_shape):
+                raise CheckpointError(f"parameter {p.name}: checkpoint shape {tuple(ck.index[key][0])} != "
+                                      f"model shape {tuple(p.global_shape)}")
+            p.value[...] = xp.asarray(ck.read(key, p.box), dtype=p.value.dtype)
+        for layer in layers:
+            st = _layer_readers(ck, layer)
+            if st:
+                layer.load_state(st)
+        return ck.step
+    finally:
+        ck.close()
+
+
 def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
     """Not collective (tools and tests): the newest readable checkpoint in ``directory`` with every
     tensor assembled in its global shape, skipping broken ones with a note."""

@@ -99,14 +99,10 @@ def load_checkpoint(path: str) -> tuple[str, dict]:
     touches :mod:`lbannpy.checkpoint`."""
     from lbannpy import checkpoint
 
-    if os.path.isdir(path):
-        found, data = checkpoint.load_newest(path)
-        if found is None:
-            raise ExportError(f"no checkpoint in {path}/")
-        return found, data
-    if not os.path.isfile(path):
-        raise ExportError(f"{path}: no such checkpoint file or directory")
-    return path, checkpoint._read(path)
+    found = checkpoint.resolve(path)
+    if found is None:
+        raise ExportError(f"{path}: no checkpoint there (no such file or directory, or an empty directory)")
+    return found, checkpoint.load(found)
 
 
 def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -118,13 +114,19 @@ def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
         layer, _, pname = key[len("params/"):].rpartition(".")
         pname = {"scale": "weight"}.get(pname, pname)  # batch norm's gamma is torch's weight
         out[f"{attr_name(layer)}.{pname}"] = np.asarray(arr, dtype=dtype)
-    for layer, st in (data["meta"].get("layers") or {}).items():
-        if "running_mean" in st:
-            a = attr_name(layer)
-            out[f"{a}.running_mean"] = np.asarray(st["running_mean"], dtype=dtype)
-            out[f"{a}.running_var"] = np.asarray(st["running_var"], dtype=dtype)
-            # torch counts training-mode forward passes: one per optimizer step here
-            out[f"{a}.num_batches_tracked"] = np.asarray(int(data["step"]), dtype=np.int64)
+    stats = {layer: st for layer, st in (data["meta"].get("layers") or {}).items() if "running_mean" in st}
+    for key, arr in data["tensors"].items():  # version 2: (sample groups, C) rows; torch has one set
+        if key.startswith("state/") and key.endswith("/running_mean"):
+            layer = key[len("state/"):-len("/running_mean")]
+            var = data["tensors"][f"state/{layer}/running_var"]
+            stats[layer] = {"running_mean": np.asarray(arr).reshape(-1, arr.shape[-1]).mean(axis=0),
+                            "running_var": np.asarray(var).reshape(-1, var.shape[-1]).mean(axis=0)}
+    for layer, st in stats.items():
+        a = attr_name(layer)
+        out[f"{a}.running_mean"] = np.asarray(st["running_mean"], dtype=dtype)
+        out[f"{a}.running_var"] = np.asarray(st["running_var"], dtype=dtype)
+        # torch counts training-mode forward passes: one per optimizer step here
+        out[f"{a}.num_batches_tracked"] = np.asarray(int(data["step"]), dtype=np.int64)
     return out
 
 

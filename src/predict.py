@@ -66,21 +66,15 @@ def load_weights(path: str, model, xp) -> tuple[str, int]:
     The only place this module touches :mod:`lbannpy.checkpoint`. Returns ``(file, step)``."""
     from lbannpy import checkpoint
 
-    if os.path.isdir(path):
-        found, data = checkpoint.load_newest(path)
-        if found is None:
-            raise UserError(f"--checkpoint: no checkpoint in {path}/")
-        path = found
-    elif os.path.isfile(path):
-        data = checkpoint._read(path)
-    else:
-        raise UserError(f"--checkpoint {path}: no such file or directory")
-    checkpoint.restore(data, model.params, _NoOptimizer(model.params), xp)
-    for layer in model.layers:  # batch-norm running statistics and the like
-        st = data["meta"].get("layers", {}).get(layer.name)
-        if st:
-            layer.load_state(st)
-    return path, int(data["step"])
+    found = checkpoint.resolve(path)
+    if found is None:
+        raise UserError(f"--checkpoint {path}: no checkpoint there (no such file or directory, or an empty "
+                        f"checkpoint directory)")
+    try:
+        step = checkpoint.restore_weights(found, model.params, model.layers, xp)
+    except (OSError, KeyError, ValueError, checkpoint.CheckpointError) as exc:
+        raise UserError(f"--checkpoint {found}: {exc}") from exc
+    return found, int(step)
 
 
 def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:

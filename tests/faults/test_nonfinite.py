@@ -34,7 +34,7 @@ def test_nonfinite_loss_stops_the_run(tmp_path, case):
     job = util.run(tmp_path, cfg, ranks=2, timeout=90)
     assert job.rank_codes() == [6, 6] and job.proc.returncode == 6, (job.rank_codes(), job.err[-3000:])
     job.assert_no_traceback()
-    lines = [ln for ln in job.err.splitlines() if ln.strip()]
+    lines = util.error_lines(job.err)
     assert len(lines) == 1 and "non-finite values at step" in lines[0] and where in lines[0], job.err
     step = int(lines[0].split("at step ")[1].split(":")[0])
     assert 1 <= step < 40

@@ -29,7 +29,7 @@ def test_bad_output_directory_is_refused_before_training(tmp_path, case):
     job = util.run(tmp_path, cfg, ranks=2, timeout=60)
     assert job.rank_codes() == [2, 2], (job.rank_codes(), job.err[-3000:])
     job.assert_no_traceback()
-    lines = [ln for ln in job.err.splitlines() if ln.strip()]
+    lines = util.error_lines(job.err)
     assert len(lines) == 1 and key in lines[0], job.err
     assert job.took < 30
     assert not (tmp_path / "out" / "metrics.csv").exists() or case == "out-dir-is-a-file"
@@ -53,7 +53,7 @@ def test_two_runs_into_one_directory_and_metrics_as_they_happen(tmp_path):
         second = util.run(second_dir, cfg2, ranks=2, timeout=60)
         assert second.rank_codes() == [2, 2], (second.rank_codes(), second.err[-3000:])
         second.assert_no_traceback()
-        lines = [ln for ln in second.err.splitlines() if ln.strip()]
+        lines = util.error_lines(second.err)
         assert len(lines) == 1 and "output.dir" in lines[0] and "is in use by the run of model" in lines[0] \
             and f"pid {pids[0]}" in lines[0], second.err
         # the first run dies hard: the rows it logged are on disk

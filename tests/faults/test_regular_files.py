@@ -30,7 +30,7 @@ def test_fifo_instead_of_a_file(tmp_path, where):
     assert job.took < 20
     assert job.rank_codes() == [2, 2], (job.rank_codes(), job.err[-2000:])
     job.assert_no_traceback()
-    lines = [ln for ln in job.err.splitlines() if ln.strip()]
+    lines = util.error_lines(job.err)
     assert len(lines) == 1 and name in lines[0], job.err
     if where == "checkpoint":  # (the data file was already refused before: a guard against regressions)
         assert "not a regular file (a FIFO)" in lines[0], job.err

@@ -35,7 +35,7 @@ def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig
     assert took < 10, f"{took:.1f} s"
     assert job.rank_codes() == [4, 4] and job.proc.returncode == 4, (job.rank_codes(), job.err[-2000:])
     job.assert_no_traceback()
-    lines = [ln for ln in job.err.splitlines() if ln.strip()]
+    lines = util.error_lines(job.err)
     assert len(lines) == 1 and lines[0].startswith(f"lbannpy.train: stopped by {sig} after step "), job.err
     step = int(lines[0].split("after step ")[1].split(";")[0])
     assert step >= 1

@@ -174,3 +174,13 @@ def kill(job: Job) -> None:
         os.killpg(job.proc.pid, 9)
     except ProcessLookupError:
         pass
+
+
+# start-up notes every run prints on stderr (the thread choice, the rank defaults): information, not the
+# failure; the failure itself must be one line
+_NOTES = ("BLAS/OpenMP thread", "left free by parallel.default", "every layer is replicated")
+
+
+def error_lines(err: str) -> list[str]:
+    """The non-empty stderr lines that are not start-up notes."""
+    return [ln for ln in err.splitlines() if ln.strip() and not any(n in ln for n in _NOTES)]
