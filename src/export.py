@@ -159,8 +159,13 @@ def init_from(path: str, model, xp) -> None:
     for layer in model.layers:
         a = attr_name(layer.name)
         if f"{a}.running_mean" in tensors and hasattr(layer, "running_mean"):
-            layer.load_state({k: tensors[f"{a}.{k}"].astype(np.float64).tolist()
-                              for k in ("running_mean", "running_var")})
+            from lbannpy.checkpoint import StateReader
+
+            # torch keeps one set of statistics: one sample group, which every group of this run takes
+            rows = {k: tensors[f"{a}.{k}"].astype(np.float64).reshape(1, -1) for k in ("running_mean",
+                                                                                      "running_var")}
+            layer.load_state({k: StateReader(k, v.shape, lambda key, box: rows[key][
+                tuple(slice(lo, hi) for lo, hi in box)]) for k, v in rows.items()})
 
 
 # ---------------------------------------------------------------------------------------------- torch source

@@ -31,17 +31,15 @@ def trained_like_checkpoint(spec: dict, directory, seed: int):
     ctx = LayerContext(SingleCommunicator(), np, "float64", seed=seed)
     model = Model(spec["model"], 2, ctx, {})
     rng = np.random.default_rng(seed)
-    meta = {"layers": {}}
     for p in model.params:
         p.value[...] += 0.1 * rng.standard_normal(p.value.shape)
     for layer in model.layers:
-        if hasattr(layer, "running_mean"):  # batch norm
+        if hasattr(layer, "running_mean"):  # batch norm (one sample group on one rank)
             c = layer.in_shapes[0][1]
-            layer.load_state({"running_mean": rng.standard_normal(c).tolist(),
-                              "running_var": (0.5 + rng.random(c)).tolist()})
-            meta["layers"][layer.name] = layer.state()
+            layer.running_mean = rng.standard_normal(c)
+            layer.running_var = 0.5 + rng.random(c)
     opt = make_optimizer({"type": "sgd", "lr": 0.01, "momentum": 0.9}, model.params, 10)
-    checkpoint.save(SingleCommunicator(), str(directory), 7, model.params, opt, meta)
+    checkpoint.save(SingleCommunicator(), str(directory), 7, model.params, opt, {}, model.layers)
     return model
 
 
