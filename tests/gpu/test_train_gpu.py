@@ -104,12 +104,10 @@ def spec(work, kind, tag, parallel=None, comm=None, dtype="float64", steps=STEPS
 
 
 def final_params(work, tag) -> dict:
-    import h5py
+    from lbannpy import checkpoint
 
-    ck = work / tag / "ckpt"
-    newest = sorted(f for f in os.listdir(ck) if f.endswith(".h5"))[-1]
-    with h5py.File(ck / newest, "r") as f:
-        return {name: ds[()] for name, ds in f["params"].items()}
+    _, data = checkpoint.load_newest(str(work / tag / "ckpt"))
+    return {k[len("params/"):]: v for k, v in data["tensors"].items() if k.startswith("params/")}
 
 
 def losses(work, tag) -> list[float]:
