@@ -67,9 +67,9 @@ def main(argv=None) -> int:
         summary = json.load(f)
     print(f"\nmesh-tangling demo on {args.ranks} rank(s), {args.size}×{args.size} images, distributions "
           f"{sorted(set(summary['distributions'].values()))}:")
-    print(f"  final training batch: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items()
+    print("  final training batch: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items()
                                                   if k in ("loss", "accuracy", "iou")))
-    print(f"  validation:           " + ", ".join(f"{k} {v:.4f}" for k, v in summary["validation"].items()))
+    print("  validation:           " + ", ".join(f"{k} {v:.4f}" for k, v in summary["validation"].items()))
     print(f"  median step {summary['median_step_s'] * 1e3:.0f} ms; outputs: {out}/metrics.csv, "
           f"{out}/summary.json, {out}/loss.png")
     return 0

@@ -290,7 +290,7 @@ def test_costmodel_quick_run(tmp_path):
         assert c["predicted_s"] > 0 and all(t > 0 for t in c["measured_s"])
         assert pred == pytest.approx(c["predicted_s"] * 1e3, abs=0.01)
     assert any(ln.startswith("ranking cls    2 rank(s): predicted ") for ln in lines)
-    assert f"within 15%: " in r.stdout and f" of {len(cases)} cases" in r.stdout
+    assert "within 15%: " in r.stdout and f" of {len(cases)} cases" in r.stdout
     machine = load_machine(tmp_path / "work" / "machine.yaml")  # written by calibrate --quick
     assert machine.cores_per_node >= 1 and machine.mem_s_per_byte > 0 and machine.kernel_overhead_s > 0
 

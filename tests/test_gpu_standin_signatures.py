@@ -10,8 +10,6 @@ import ast
 import glob
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -226,7 +226,7 @@ def test_the_counters_see_a_loop_over_ranks(monkeypatch):
             raise DistributionError("empty")
 
     monkeypatch.setattr(T, "_validate", brute)
-    monkeypatch.setattr(T.DistTensor, "wrap", classmethod(lambda cls, l, s, d, r: cls(l, s, d, r)))
+    monkeypatch.setattr(T.DistTensor, "wrap", classmethod(lambda cls, lay, s, d, r: cls(lay, s, d, r)))
     counter = Counter(monkeypatch)
     steps = [_run(P, counter)[1] for P in (16, 64)]
     assert steps[0] != steps[1]

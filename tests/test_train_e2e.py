@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 import yaml

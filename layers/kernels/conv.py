@@ -481,7 +481,6 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
     dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
     dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dt) if out is None else out
     est = _elem_strides(dyp)
-    none = np.zeros(1, dtype=dt)  # the weights of a phase without taps (never read)
     for a in itertools.product(*(range(s) for s in geo.stride[:-1])):
         rows = tuple(-(-(n - ad) // s) for n, ad, s in zip(geo.window[:-1], a, geo.stride[:-1]))
         pair = []

@@ -47,6 +47,11 @@ DEFAULT_RANKS = (64, 256, 1024, 4096)
 # splits and specs
 
 
+def _first(v, default):
+    """A per-dimension spec's first entry (scalar specs as they are, None as `default`)."""
+    return v[0] if isinstance(v, list) else (default if v is None else v)
+
+
 def spatial_sizes(spec: dict) -> dict:
     """Output spatial extent (smallest dimension) of every layer of ``spec``; ``None`` for layers without
     spatial dimensions (fully connected, flatten)."""
@@ -58,14 +63,13 @@ def spatial_sizes(spec: dict) -> dict:
         parents = [parents] if isinstance(parents, str) else parents
         known = [sizes[p] for p in parents if sizes[p] is not None]
         m = min(known) if known else None
-        first = (lambda v, d: v[0] if isinstance(v, list) else (d if v is None else v))
         if layer["type"] in ("fc", "flatten"):
             m = None
         elif layer["type"] == "pool" and layer.get("global"):
             m = 1
         elif layer["type"] in ("conv", "pool") and m is not None:
-            k, st = int(first(layer.get("kernel"), 1)), int(first(layer.get("stride"), 1))
-            pad = first(layer.get("padding"), 0)
+            k, st = int(_first(layer.get("kernel"), 1)), int(_first(layer.get("stride"), 1))
+            pad = _first(layer.get("padding"), 0)
             if pad == "same":
                 m = -(-m // st)
             else:

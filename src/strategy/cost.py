@@ -35,7 +35,8 @@ from lbannpy.layers.registry import layer_spec
 
 from ..dist import Distribution, block_range
 from .graph import Node
-from ..machine import Link, Machine as MachineModel, allgather_time, allreduce_time
+from ..machine import Link, Machine as MachineModel, allreduce_time
+from ..machine import allgather_time  # noqa: F401  (re-exported: callers price allgathers through cost)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -30,7 +30,7 @@ class GradSync:
         f = int(cfg_comm.get("replicate_fc", 0) or 0)
         if f > len(fcs):
             raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
-                            f"({', '.join(l.name for l in fcs) or 'none'}); use at most {len(fcs)}")
+                            f"({', '.join(f.name for f in fcs) or 'none'}); use at most {len(fcs)}")
         self.replicated = fcs[:f]
         for layer in self.replicated:  # collective: the same layers in the same order on every rank
             layer.replicate_gradients()

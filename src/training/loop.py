@@ -284,4 +284,4 @@ class Trainer:
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
-                          {l.name: str(l.out_dist) for l in self.model.layers})
+                          {lay.name: str(lay.out_dist) for lay in self.model.layers})

@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import yaml
 
 from . import util
 

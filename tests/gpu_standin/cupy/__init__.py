@@ -233,7 +233,7 @@ class ndarray:
     def _binop(name, inplace=False):
         def op(self, other):
             if isinstance(other, _np.ndarray) and not isinstance(other, ndarray):
-                raise TypeError(f"operand type <class 'numpy.ndarray'> is not a cupy.ndarray")
+                raise TypeError("operand type <class 'numpy.ndarray'> is not a cupy.ndarray")
             r = _call(lambda a, b: getattr(a, name)(b), (self, other), {}, name)
             if inplace:
                 _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what=name)
@@ -312,7 +312,7 @@ def _like(name):
         if not isinstance(a, ndarray):
             raise TypeError(f"cupy.{name}: unsupported type {type(a)}")
         return globals()[name[:-5]](a.shape, *args, dtype=dtype or a.dtype, **kwargs) if name != "full_like" \
-            else full(a.shape, args[0] if args else kwargs.pop("fill_value"), dtype=dtype or a.dtype)
+            else globals()["full"](a.shape, args[0] if args else kwargs.pop("fill_value"), dtype=dtype or a.dtype)
     return create
 
 
