@@ -16,7 +16,8 @@ from .single import SingleCommunicator
 
 __all__ = [
     "REDUCE_OPS", "CommError", "Communicator", "Handle", "wait_all", "Runtime", "install_abort_hook",
-    "make_communicator", "launched_size", "SingleCommunicator", "LoopbackCommunicator", "MPICommunicator", "NCCLCommunicator",
+    "make_communicator", "launched_size", "SingleCommunicator", "LoopbackCommunicator", "MPICommunicator",
+    "NCCLCommunicator",
 ]
 
 

@@ -47,7 +47,8 @@ class LoopbackCommunicator(Communicator):
         return LoopbackCommunicator(len(members), members.index(self._rank))
 
     def split(self, color: int, key: int | None = None):
-        raise CommError("loopback: split cannot know the other ranks' colours; ask for the group with group()")
+        raise CommError("loopback: split cannot know the other ranks' colours; ask for the group with "
+                        "group()")
 
     def dup(self):
         return LoopbackCommunicator(self._size, self._rank)

@@ -7,8 +7,8 @@ On a clean exit the communicators are freed in reverse order of creation (no bar
 ncclCommDestroy do not need one, and a barrier would hang if ranks leave at different times for a good
 reason). When an exception leaves the block on any rank, that rank prints
 ``lbannpy: rank R of P failed: <type>: <message>`` and its traceback to stderr and calls
-``MPI_Abort(COMM_WORLD, 1)`` (KeyboardInterrupt included): the other ranks may be waiting in a collective this rank will never enter,
-and aborting is the only way they do not hang.
+``MPI_Abort(COMM_WORLD, 1)`` (KeyboardInterrupt included): the other ranks may be waiting in a collective
+this rank will never enter, and aborting is the only way they do not hang.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _env_local_rank() -> int | None:
 
 
 # launcher variables that carry the number of ranks of the job
-_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE",
+                    "SLURM_STEP_NUM_TASKS")
 
 
 def launched_size() -> int | None:

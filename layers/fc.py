@@ -70,7 +70,8 @@ class FullyConnected(Layer):
         self.use_bias = bool(self.hparams["bias"])
         w0 = self.rng("weight").standard_normal((units, self.features)) * math.sqrt(2.0 / self.features)
         cbox = dist.box(self.out_shape, self.ctx.rank)[1]
-        self.w = self.new_param("weight", (units, self.features), w0, (cbox, (0, self.features)), dist, ("n",))
+        self.w = self.new_param("weight", (units, self.features), w0, (cbox, (0, self.features)), dist,
+                                ("n",))
         self.b = self.new_param("bias", (units,), None, (cbox,), dist, ("n",)) if self.use_bias else None
         self.row = self.ctx.grid_comm(self.in_dists[0], ["c"]) if pr > 1 else None
         self.gather = None  # the sample-group communicator, once replicated gradients are enabled

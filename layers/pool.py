@@ -67,7 +67,8 @@ class Pool(Layer):
         self.stride = tuple(w.stride for w in sp)
         self.out_shape = self.stencil.output_shape(in_shape)
         if min(self.out_shape[2:]) < 1:
-            raise LayerError(f"layer '{self.name}' (pool): kernel {self.kernel} does not fit input {in_shape}")
+            raise LayerError(f"layer '{self.name}' (pool): kernel {self.kernel} does not fit input "
+                             f"{in_shape}")
         self.out_dist = dist
         self.in_dists = [dist]
         self.plan_halo(dist, in_shape, self.stencil)

@@ -47,7 +47,8 @@ def layer_dist(layer_type: str, splittable, ndim: int, ranks: int, default: dict
         degrees = {k: int(v) for k, v in override.items() if k in ALL_DIMS}
         extra = [k for k, v in degrees.items() if k not in names and v > 1]
         if extra:
-            raise ModelError(f"a {layer_type} layer has a rank-{ndim} output {names}; it cannot split {extra}")
+            raise ModelError(f"a {layer_type} layer has a rank-{ndim} output {names}; it cannot split "
+                             f"{extra}")
         degrees = {k: v for k, v in degrees.items() if k in names}
     else:
         degrees = {k: int(v) for k, v in (default or {}).items() if k in names and k in splittable}

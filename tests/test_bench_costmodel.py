@@ -94,7 +94,8 @@ def test_communication_is_time_sliced_where_ranks_share_cores():
                 seen[term] = max(seen[term], getattr(a, term))
     assert all(v > 0 for v in seen.values())  # every kind of term was exercised
     shape, src, dst = (8, 8, 16, 16), Distribution.make(4, 4, n=4), Distribution.make(4, 4, h=4)
-    t_free, t_shared = redistribution_time(shape, src, dst, free), redistribution_time(shape, src, dst, shared)
+    t_free = redistribution_time(shape, src, dst, free)
+    t_shared = redistribution_time(shape, src, dst, shared)
     assert t_free > 0 and t_shared == pytest.approx(2 * t_free)
     assert redistribution_matrix(shape, [src], [dst], shared)[0, 0] == pytest.approx(t_shared)
     p = plan(g, 4, shared, max_candidates=6, compare=False)

@@ -17,8 +17,8 @@ from lbannpy import zoo
 from lbannpy.config import (FORMAT, SCHEMA, VERSION, ConfigError, load_config, normalize, parse_yaml, read_h5,
                             save_config, to_yaml, validate, write_h5)
 from lbannpy.config import io as config_io
-from lbannpy.config.schema import (INT_LIMIT, NAME_RE, Bool, Float, Int, LayerList, LAYER_TYPES, ListOf, MapOf,
-                                   Padding, PerDim, Section, Str, COMMON_LAYER_KEYS)
+from lbannpy.config.schema import (INT_LIMIT, NAME_RE, Bool, Float, Int, LayerList, LAYER_TYPES, ListOf,
+                                   MapOf, Padding, PerDim, Section, Str, COMMON_LAYER_KEYS)
 
 
 def strict_equal(a, b) -> bool:
@@ -94,7 +94,8 @@ def test_save_is_atomic(tmp_path: Path, monkeypatch):
 
 def test_save_refuses_invalid_tree(tmp_path: Path):
     with pytest.raises(ConfigError):
-        save_config({"model": {"input": {"channels": 0, "spatial": [4]}, "layers": []}}, str(tmp_path / "c.h5"))
+        save_config({"model": {"input": {"channels": 0, "spatial": [4]}, "layers": []}},
+                    str(tmp_path / "c.h5"))
     assert not os.listdir(tmp_path)
 
 
@@ -129,7 +130,8 @@ def values(t):
     if isinstance(t, Bool):
         return st.booleans()
     if isinstance(t, Int):
-        return st.integers(t.lo if t.lo is not None else -INT_LIMIT, t.hi if t.hi is not None else INT_LIMIT - 1)
+        return st.integers(t.lo if t.lo is not None else -INT_LIMIT,
+                           t.hi if t.hi is not None else INT_LIMIT - 1)
     if isinstance(t, Float):
         return st.floats(t.lo, t.hi, exclude_min=t.lo_open and t.lo is not None,
                          exclude_max=t.hi_open and t.hi is not None, allow_nan=False, allow_infinity=False)
@@ -141,7 +143,8 @@ def values(t):
         return st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp")), min_size=1,
                        max_size=12)
     if isinstance(t, ListOf):
-        return st.lists(values(t.item), min_size=t.min_len, max_size=t.max_len if t.max_len is not None else 4)
+        return st.lists(values(t.item), min_size=t.min_len,
+                        max_size=t.max_len if t.max_len is not None else 4)
     if isinstance(t, PerDim):
         return st.one_of(values(t.item), st.lists(values(t.item), min_size=1, max_size=3))
     if isinstance(t, Padding):
@@ -176,7 +179,8 @@ def section(sec: Section, keys=None):
                 return None
         return d
 
-    return st.fixed_dictionaries(required, optional=optional).map(one_per_rule).filter(lambda d: d is not None)
+    return (st.fixed_dictionaries(required, optional=optional).map(one_per_rule)
+            .filter(lambda d: d is not None))
 
 
 @st.composite

@@ -24,7 +24,8 @@ DEFAULTS = {
     "optimizer.schedule.type": "none", "optimizer.schedule.warmup_steps": 0,
     "optimizer.schedule.step_size": 1000, "optimizer.schedule.gamma": 0.1,
     "parallel.default.n": 1, "parallel.default.c": 1, "parallel.default.d": 1, "parallel.default.h": 1,
-    "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual", "parallel.machine": "lassen",
+    "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual",
+    "parallel.machine": "lassen",
     "comm.bucket_mb": 25.0, "comm.first_bucket_mb": 1.0, "comm.overlap": True, "comm.replicate_fc": 0,
     "comm.chunks.k": 0,
     "checkpoint.dir": "ckpt", "checkpoint.every_steps": 0, "checkpoint.at_start": False,
@@ -215,7 +216,8 @@ def test_exponent_floats_from_yaml(text, value):
     """PyYAML (YAML 1.1) reads 1e-3 as a string; a number key takes it as the number it is."""
     from lbannpy.config import parse_yaml
 
-    spec = parse_yaml(f"model: {{input: {{channels: 1, spatial: [4]}}, layers: [{{name: f, type: fc, units: 2}}]}}\n"
+    spec = parse_yaml(f"model: {{input: {{channels: 1, spatial: [4]}}, "
+                      f"layers: [{{name: f, type: fc, units: 2}}]}}\n"
                       f"optimizer: {{lr: {text}}}\n")
     if value is None:
         with pytest.raises(ConfigError, match="must be > 0"):

@@ -109,7 +109,8 @@ def test_rendered_script_structure(case):
     for ln in lines:
         if ln.lstrip().startswith("srun "):
             ln = ln.split(" python ")[0]  # srun's own options, not the program's
-            assert not re.search(r"--(nodes|ntasks|ntasks-per-node|cpus-per-task|gpus|gpus-per-node|time|mpi)\b"
+            assert not re.search(r"--(nodes|ntasks|ntasks-per-node|cpus-per-task|gpus|gpus-per-node|time"
+                                 r"|mpi)\b"
                                  r"|\s-N\s|\s-c\s|\s-t\s", ln), ln
             assert re.search(r"\s-n\s", ln) is None or '-n "$p"' in ln, ln
     assert "@" not in re.sub(r"\[@\]", "", text.replace("${ranks[@]}", "").replace("USR1@120", "")), \
@@ -172,8 +173,8 @@ def test_gpu_sites_train_and_calibrate_on_their_gpus(site, tmp_path):
         for line in trains:
             sets = re.findall(r"--set \"?([a-z_.]+=[^ \"]+)", line)
             cfg = apply_overrides(base, [x for x in sets if x.startswith("runtime.")])
-            assert {k: cfg["runtime"][k] for k in ("device", "backend")} == {"device": "gpu", "backend": "nccl"}, \
-                (name, line)
+            got = {k: cfg["runtime"][k] for k in ("device", "backend")}
+            assert got == {"device": "gpu", "backend": "nccl"}, (name, line)
         for line in _srun_lines(text, "lbannpy.bench"):
             assert "--device gpu --backend nccl" in line, (name, line)
         if tpl.kind == "calibrate":
@@ -209,7 +210,8 @@ BAD_SPECS = [
     BadSpec("unknown-template", "mesh9k", "local", (), r"unknown template 'mesh9k'.*mesh1k"),
     BadSpec("unknown-site", "mesh1k", "lassen", (), r"unknown site 'lassen'.*gpu-cluster"),
     BadSpec("zero-nodes", "mesh1k", "local", (("nodes", 0),), r"nodes must be >= 1, got 0"),
-    BadSpec("float-tasks", "mesh1k", "local", (("tasks_per_node", 2.0),), r"tasks_per_node must be an integer"),
+    BadSpec("float-tasks", "mesh1k", "local", (("tasks_per_node", 2.0),),
+            r"tasks_per_node must be an integer"),
     BadSpec("bool-cpus", "mesh1k", "local", (("cpus_per_task", True),), r"cpus_per_task must be an integer"),
     BadSpec("gpus-on-cpu-site", "mesh1k", "local", (("gpus_per_node", 1),),
             r"site 'local' has 0 GPU\(s\) per node"),
@@ -335,7 +337,8 @@ def test_scaling_table(tmp_path):
         ("weak", 1, 2.0, 1.0, 1.0, "timing.step_time_s"),
         ("weak", 2, 2.5, 1.6, 0.8, "timing.step_time_s"),
     ]
-    proc = run([sys.executable, "-m", "lbannpy.jobs", "scaling", str(tmp_path), "-o", str(tmp_path / "s.csv")])
+    proc = run([sys.executable, "-m", "lbannpy.jobs", "scaling", str(tmp_path), "-o",
+                str(tmp_path / "s.csv")])
     assert proc.returncode == 0, proc.stderr
     csv_lines = (tmp_path / "s.csv").read_text().splitlines()
     assert csv_lines[0] == "sweep,ranks,step_s,speedup,efficiency,key"

@@ -63,7 +63,8 @@ def test_optimizer_matches_torch(case):
 def test_schedules():
     assert learning_rate(0.1, 5, 100, None) == 0.1
     warm = {"type": "none", "warmup_steps": 4}
-    assert [learning_rate(0.1, s, 100, warm) for s in range(5)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+    got = [learning_rate(0.1, s, 100, warm) for s in range(5)]
+    assert got == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
     step = {"type": "step", "step_size": 3, "gamma": 0.5}
     assert [learning_rate(1.0, s, 100, step) for s in range(7)] == pytest.approx([1, 1, 1, .5, .5, .5, .25])
     cos = {"type": "cosine", "warmup_steps": 2}

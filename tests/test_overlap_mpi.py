@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent('''
         layers = [f"l{i}" for i in range(8)]
         # each layer: a large weight and a small bias. Backprop reaches both at once, but the bias is cut
         # into the bucket before the weight's (reverse order), so a bucket completes before an earlier one
-        params = [P(f"{l}.{k}", n) for i, l in enumerate(layers) for k, n in (("w", 3000 + 500 * i), ("b", 7))]
+        params = [P(f"{lay}.{k}", n) for i, lay in enumerate(layers)
+                  for k, n in (("w", 3000 + 500 * i), ("b", 7))]
         eng = OverlapEngine(params, [world] * len(params), bucket_bytes=30_000, first_bucket_bytes=8_000)
         rng = np.random.default_rng(rank)
         try:

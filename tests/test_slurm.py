@@ -72,8 +72,8 @@ def cluster():
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"jobs/local-cluster/start did not finish in {START_TIMEOUT_S} s: {exc.stderr!r}")
     if proc.returncode != 0:
-        pytest.fail(f"jobs/local-cluster/start failed ({proc.returncode}); set LBANNPY_NO_SLURM=1 only to skip "
-                    f"SLURM tests deliberately.\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(f"jobs/local-cluster/start failed ({proc.returncode}); set LBANNPY_NO_SLURM=1 only to "
+                    f"skip SLURM tests deliberately.\n{proc.stdout}\n{proc.stderr}")
     started_here = "already running" not in proc.stderr
     c = Cluster(conf=str(slurm_dir / "etc" / "slurm.conf"), slurm_dir=slurm_dir)
     yield c
@@ -173,7 +173,7 @@ MPI_PY = (
 )
 
 
-# ------------------------------------------------------------------------------------------------ cluster tests
+# -------------------------------------------------------------------------------------------- cluster tests
 def test_cluster_node_is_idle_and_configured(cluster):
     sinfo = cluster.cmd("sinfo", "-h", "-o", "%t %c")
     assert sinfo.returncode == 0, sinfo.stderr
@@ -264,7 +264,8 @@ def test_start_after_daemons_died_begins_with_an_empty_queue(cluster, tmp_path):
         proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr
         cpus = c2.cmd("sinfo", "-h", "-o", "%c").stdout.split()[0]
-        before = submit(c2, "", cwd=tmp_path, sbatch_opts=("--time=00:02:00", "--wrap=echo before"), timeout=60)
+        before = submit(c2, "", cwd=tmp_path, sbatch_opts=("--time=00:02:00", "--wrap=echo before"),
+                        timeout=60)
         assert before.state == "COMPLETED", before.describe()
         hog = "echo $PPID > stepd.pid; echo $$ > job.pid; sleep 600"
         sub = c2.cmd("sbatch", "--parsable", f"--chdir={tmp_path}", "-n", cpus, f"--wrap={hog}")
@@ -281,8 +282,8 @@ def test_start_after_daemons_died_begins_with_an_empty_queue(cluster, tmp_path):
         proc = subprocess.run([str(START)], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0 and "already running" not in proc.stderr, proc.stderr
         assert c2.cmd("squeue", "-h").stdout.strip() == "", "a dead cluster's job survived the restart"
-        result = submit(c2, "", cwd=tmp_path, sbatch_opts=("-n", cpus, "--time=00:02:00", "--wrap=echo fresh"),
-                        timeout=60)
+        result = submit(c2, "", cwd=tmp_path,
+                        sbatch_opts=("-n", cpus, "--time=00:02:00", "--wrap=echo fresh"), timeout=60)
         assert (result.state, result.exit_code) == ("COMPLETED", "0:0"), result.describe()
         assert "fresh" in result.output
         assert (slurm_dir / "log" / "jobcomp.log.1").exists(), "the previous job-completion log was not kept"
@@ -301,7 +302,8 @@ def test_mpi_under_srun_pmi2_two_ranks_thread_multiple(cluster, tmp_path):
 
 def test_failed_srun_step_fails_the_job(cluster, tmp_path):
     # negative control for the exit-state checks: a rank that fails must show as FAILED with its code
-    wrap = f'srun -n 2 {sys.executable} -c "import os, sys; sys.exit(3 if os.environ[\'SLURM_PROCID\'] == \'1\' else 0)"'
+    wrap = (f'srun -n 2 {sys.executable} -c '
+            f'"import os, sys; sys.exit(3 if os.environ[\'SLURM_PROCID\'] == \'1\' else 0)"')
     result = submit(cluster, "", cwd=tmp_path, sbatch_opts=("-n", "2", "--time=00:05:00", f"--wrap={wrap}"))
     assert result.state == "FAILED" and result.exit_code == "3:0", result.describe()
     assert "JobState=FAILED" in jobcomp_line(cluster, result.job_id)
@@ -342,7 +344,8 @@ def assert_run_dir(run: Path, steps: int) -> dict:
     """A finished training run: metrics.csv with `step` and `loss` (finite) per step, summary.json with a
     positive median_step_s."""
     rows = read_metrics(run / "metrics.csv")
-    assert rows and {"step", "loss"} <= set(rows[0]), f"{run}/metrics.csv columns: {list(rows[0]) if rows else []}"
+    assert rows and {"step", "loss"} <= set(rows[0]), \
+        f"{run}/metrics.csv columns: {list(rows[0]) if rows else []}"
     assert len(rows) == steps, f"{run}/metrics.csv has {len(rows)} rows, expected {steps}"
     assert all(float(r["loss"]) == float(r["loss"]) for r in rows), "NaN loss"
     summary = json.loads((run / "summary.json").read_text())
@@ -401,8 +404,8 @@ def test_resnet50_template_default_config(cluster, tmp_path):
     run = tmp_path / "run"
     env = cluster.env(LBANNPY_IMAGE_SIZE="64", LBANNPY_SAMPLES="4", LBANNPY_STEPS="2", LBANNPY_BATCH_SIZE="2",
                       LBANNPY_RUN_DIR=str(run))
-    result = submit(cluster, JOBS / "resnet50.sbatch", cwd=tmp_path, env=env, sbatch_opts=("--time=00:20:00",),
-                    timeout=1200)
+    result = submit(cluster, JOBS / "resnet50.sbatch", cwd=tmp_path, env=env,
+                    sbatch_opts=("--time=00:20:00",), timeout=1200)
     assert_completed(cluster, result)
     summary = assert_run_dir(run, steps=2)
     assert summary.get("ranks", 2) == 2
@@ -412,8 +415,8 @@ def test_strategy_template_default_config(cluster, tmp_path):
     require_cli("lbannpy.strategy", "lbannpy.config")
     run = tmp_path / "run"
     env = cluster.env(LBANNPY_MESH_SIZE="128", LBANNPY_RUN_DIR=str(run))
-    result = submit(cluster, JOBS / "strategy.sbatch", cwd=tmp_path, env=env, sbatch_opts=("--time=00:10:00",),
-                    timeout=600)
+    result = submit(cluster, JOBS / "strategy.sbatch", cwd=tmp_path, env=env,
+                    sbatch_opts=("--time=00:10:00",), timeout=600)
     assert_completed(cluster, result)
     assert (run / "input" / "config.h5").is_file()
     assert (run / "strategy.txt").read_text().strip(), "strategy --explain printed nothing"

@@ -25,14 +25,16 @@ def _graph(layers, spatial=(32, 32), channels=8, batch=8):
 def test_allreduce_switches_algorithm_at_threshold():
     link = M.allreduce_link or M.intra  # a machine file may give allreduce its own α, β
     small = M.allreduce_threshold_bytes - 1
-    assert cost.allreduce_time(small, 8, link, M) == pytest.approx(3 * (link.alpha_s + small * link.beta_s_per_byte))
+    want = 3 * (link.alpha_s + small * link.beta_s_per_byte)
+    assert cost.allreduce_time(small, 8, link, M) == pytest.approx(want)
     big = 10 * M.allreduce_threshold_bytes
     assert cost.allreduce_time(big, 8, link, M) == pytest.approx(
         14 * link.alpha_s + 2 * 7 / 8 * big * link.beta_s_per_byte)
     assert cost.allreduce_time(big, 1, link, M) == 0.0
 
 
-@pytest.mark.parametrize("dist", [Distribution.make(4, 8, n=2, h=2), Distribution.make(4, 8, c=2, replicate=["c"]),
+@pytest.mark.parametrize("dist", [Distribution.make(4, 8, n=2, h=2),
+                                  Distribution.make(4, 8, c=2, replicate=["c"]),
                                   Distribution.make(4, 12, n=3, w=2), Distribution.make(2, 4, c=4)], ids=str)
 def test_boxes_match_dist(dist):
     shape = (5, 7, 9, 11)[:dist.ndim]
@@ -117,7 +119,8 @@ def test_machine_model_errors_and_yaml(tmp_path):
 
 
 def test_candidate_filters_record_reasons():
-    g = _graph([{"name": "c", "type": "conv", "filters": 8, "kernel": 7, "padding": 3}], spatial=(8, 8), batch=2)
+    g = _graph([{"name": "c", "type": "conv", "filters": 8, "kernel": 7, "padding": 3}], spatial=(8, 8),
+               batch=2)
     node = g["c"]
     assert "empty blocks" in filter_reason(node, Distribution.make(4, 4, n=4), 0.25)
     assert "smaller than its halo" in filter_reason(node, Distribution.make(4, 4, h=4), 0.25)
@@ -153,7 +156,8 @@ def test_memory_limit_forces_spatial_parallelism():
     assert small.baselines["data-parallel"].memory_bytes > small.memory_limit_bytes
     assert small.chosen.memory_bytes <= small.memory_limit_bytes
     assert any(d.split[2] * d.split[3] > 1 for d in small.choice.values())
-    with pytest.raises(PlanError, match="no usable distribution on 16 ranks.*memory: .* GiB per rank for this layer"):
+    with pytest.raises(PlanError,
+                       match="no usable distribution on 16 ranks.*memory: .* GiB per rank for this layer"):
         plan(spec, 16, "lassen", memory_gib=0.05)
 
 

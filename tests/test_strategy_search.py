@@ -51,7 +51,8 @@ def _series_parallel(rng: random.Random, max_nodes: int = 6):
 
 def _topo(nodes, edges):
     import graphlib
-    return list(graphlib.TopologicalSorter({n: [u for u, v in edges if v == n] for n in nodes}).static_order())
+    preds = {n: [u for u, v in edges if v == n] for n in nodes}
+    return list(graphlib.TopologicalSorter(preds).static_order())
 
 
 def _problem(nodes, edges, seed) -> Problem:

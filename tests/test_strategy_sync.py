@@ -128,10 +128,11 @@ def test_vgg16_p100_fcs_split_channels_and_reduce_degree(vgg_p100):
     assert all(vgg_p100.chosen.layer[n].t_s == 0.0 for n in fcs)
 
 
-CONV5_GAP = ("not reproduced: with a FLOP roofline for t_C, h/w splits of conv5_x do the same work per device "
-             "as n4, keep 4 weight copies (same t_S) and add halos and a reshuffle; Jia et al. measure t_C")
-FC8_GAP = ("not reproduced: fc8 is cheapest replicated on every rank (r4, degree 1), by tens of µs over c2 and "
-           "c4; Jia et al. have fc8 {n=1, c=2}")
+CONV5_GAP = ("not reproduced: with a FLOP roofline for t_C, h/w splits of conv5_x do the same work per "
+             "device as n4, keep 4 weight copies (same t_S) and add halos and a reshuffle; Jia et al. "
+             "measure t_C")
+FC8_GAP = ("not reproduced: fc8 is cheapest replicated on every rank (r4, degree 1), by tens of µs over c2 "
+           "and c4; Jia et al. have fc8 {n=1, c=2}")
 
 
 @pytest.mark.xfail(strict=True, reason=CONV5_GAP)

@@ -153,8 +153,8 @@ def main(argv=None) -> int:
         print(run.stdout[-3000:] + run.stderr[-3000:], file=sys.stderr)
         return run.returncode
     res = json.loads([ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    print(f"VGG-like net, {res['grad_mib']:.0f} MiB of gradients, batch {args.batch}, 2 ranks sample-parallel, "
-          f"one thread per rank, median of {args.steps} steps")
+    print(f"VGG-like net, {res['grad_mib']:.0f} MiB of gradients, batch {args.batch}, 2 ranks "
+          f"sample-parallel, one thread per rank, median of {args.steps} steps")
     print(f"{'case':<34} {'blocking ms':>11} {'overlap ms':>10} {'comm ms':>8} {'hidden':>7} "
           f"{'max(comp,comm) ms':>17} {'overlap/max':>11}")
     for case, label in (("cpu", "CPU compute (real NumPy layers)"),
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     vols = fc_volumes(256)
     for name, (i, o), (ag, ar) in zip(("fc6", "fc7", "fc8"), VGG_A_FC, vols):
         paper = "   (Lee et al. for the first FC layer: 28.5 MB vs 392 MB)" if name == "fc6" else ""
-        print(f"  {name} {i:>5d} -> {o:<4d}  allgather {ag / 2**20:6.1f} MiB   allreduce {ar / 2**20:6.1f} MiB"
-              f"{paper}")
+        print(f"  {name} {i:>5d} -> {o:<4d}  allgather {ag / 2**20:6.1f} MiB   "
+              f"allreduce {ar / 2**20:6.1f} MiB{paper}")
     print(f"  all three          allgather {sum(a for a, _ in vols) / 2**20:6.1f} MiB   "
           f"allreduce {sum(r for _, r in vols) / 2**20:6.1f} MiB")
     return 0

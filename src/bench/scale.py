@@ -361,7 +361,8 @@ def simulate(model: str, ranks: int, degrees: dict, batch: int, rank: int, data_
            "phases": dict(setup.times),
            "index_us_per_layer": step_s / nlayers * 1e6, "plan_bytes": plan_bytes(setup),
            "sent": sent, "groups": len(comm.recorder.groups),
-           "ckpt_held": setup.ckpt.held_bytes, "ckpt_written": setup.ckpt.written_bytes, "ckpt_peak": setup.ckpt.peak_extra_bytes}
+           "ckpt_held": setup.ckpt.held_bytes, "ckpt_written": setup.ckpt.written_bytes,
+           "ckpt_peak": setup.ckpt.peak_extra_bytes}
     setup.close()
     return out
 

@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         runs = " ".join(f"{v * 1e3:.0f}" for v in per_round[name])
         print(f"  {name:<28} {t[name] * 1e3:9.1f} ms   (rounds: {runs})")
     print(f"  speedup, h split            {one / two:9.2f}x   (target >= 1.8x)")
-    print(f"  speedup, independent halves {one / ceil:9.2f}x   (what two processes get here, no communication)")
+    print(f"  speedup, independent halves {one / ceil:9.2f}x   "
+          f"(what two processes get here, no communication)")
     print(f"  h split / independent       {ceil / two:9.2f}    (1.00: the distribution costs nothing)")
     return 0
 

@@ -3,7 +3,8 @@
 Sections (``--only`` picks some): ``time`` (planning and search time, Inception-v3 and ResNet-50 at 4, 16,
 64 ranks), ``vgg`` (the VGG-16 strategy on 4 P100s next to Jia et al. Table 5, and Table 5's configurations
 priced by our model term by term), ``speedup`` (predicted speedups over data parallelism next to the ranges
-Jia et al. report), ``mesh`` (mesh2k under a 16 GiB limit). Everything printed is computed by the model; the paper's numbers are quoted for comparison only.
+Jia et al. report), ``mesh`` (mesh2k under a 16 GiB limit). Everything printed is computed by the model; the
+paper's numbers are quoted for comparison only.
 """
 from __future__ import annotations
 
@@ -30,16 +31,17 @@ JIA_TABLE5 = [
     ("Fully-connected", ["fc8"], "{n=1, c=2}"),
     ("Softmax", [], "{n=1, c=1}"),
 ]
-JIA_TABLE5_TEXT = ("\"This strategy first uses parallelism in the sample dimension for the beginning convolutional and "
-                   "pooling layers and then uses parallelism in both the height and width dimensions to accelerate "
-                   "the last three convolutional layers. For the fully-connected layers, it uses parallelism in the "
-                   "channel dimension to reduce communication costs and adaptively decreases the degrees of "
-                   "parallelism.\" (Jia et al. 2018, §6.3)")
-JIA_SPEEDUP_TEXT = ("\"layer-wise parallelism consistently outperforms the other strategies and increases the training "
-                    "throughput by up to 2.2x, 1.5x, and 1.4x for AlexNet, VGG-16, and Inception-v3, respectively.\" "
-                    "and \"Scaling ... from 1 GPU to 16 GPUs (on 4 nodes), layer-wise parallelism achieves 12.2x, "
-                    "14.8x, and 15.5x speedup for AlexNet, VGG-16, and Inception-v3, respectively, while the best "
-                    "other strategy achieves 6.1x, 10.2x, and 11.2x speedup.\" (Jia et al. 2018, §6.1)")
+JIA_TABLE5_TEXT = ("\"This strategy first uses parallelism in the sample dimension for the beginning "
+                   "convolutional and pooling layers and then uses parallelism in both the height and width "
+                   "dimensions to accelerate the last three convolutional layers. For the fully-connected "
+                   "layers, it uses parallelism in the channel dimension to reduce communication costs and "
+                   "adaptively decreases the degrees of parallelism.\" (Jia et al. 2018, §6.3)")
+JIA_SPEEDUP_TEXT = ("\"layer-wise parallelism consistently outperforms the other strategies and increases "
+                    "the training throughput by up to 2.2x, 1.5x, and 1.4x for AlexNet, VGG-16, and "
+                    "Inception-v3, respectively.\" and \"Scaling ... from 1 GPU to 16 GPUs (on 4 nodes), "
+                    "layer-wise parallelism achieves 12.2x, 14.8x, and 15.5x speedup for AlexNet, VGG-16, "
+                    "and Inception-v3, respectively, while the best other strategy achieves 6.1x, 10.2x, "
+                    "and 11.2x speedup.\" (Jia et al. 2018, §6.1)")
 JIA_REPORTED = {"alexnet": (2.2, 12.2, 6.1), "vgg16": (1.5, 14.8, 10.2), "inception_v3": (1.4, 15.5, 11.2)}
 
 
@@ -82,7 +84,8 @@ def section_vgg(machine: str) -> None:
           f"{theirs.step_s * 1e3:.3f} ms vs chosen {p.chosen.step_s * 1e3:.3f} ms")
     for name in [n.name for n in p.graph if jia[n.name] != p.choice[n.name]]:
         a, b = theirs.layer[name], p.chosen.layer[name]
-        print(f"  {name:8s} {str(jia[name]):6s} vs {str(p.choice[name]):4s}: compute {a.compute_s * 1e3:7.3f} / "
+        print(f"  {name:8s} {str(jia[name]):6s} vs {str(p.choice[name]):4s}: "
+              f"compute {a.compute_s * 1e3:7.3f} / "
               f"{b.compute_s * 1e3:7.3f} ms, halo+in-layer {(a.halo_s + a.internal_comm_s) * 1e3:6.3f} / "
               f"{(b.halo_s + b.internal_comm_s) * 1e3:6.3f}, t_S {a.t_s * 1e3:6.3f} / {b.t_s * 1e3:6.3f}, "
               f"t_X in {theirs.transfer_in[name] * 1e3:6.3f} / {p.chosen.transfer_in[name] * 1e3:6.3f}")
@@ -102,7 +105,8 @@ def section_speedup(machine: str) -> None:
             b = p.baselines
             best_other = min(s.step_s for s in b.values())
             c = p.chosen.step_s
-            print(f"{name:14s} {ranks:7d} {b['data-parallel'].step_s * 1e3:9.2f} {b['owt'].step_s * 1e3:9.2f} "
+            print(f"{name:14s} {ranks:7d} {b['data-parallel'].step_s * 1e3:9.2f} "
+                  f"{b['owt'].step_s * 1e3:9.2f} "
                   f"{b['model-parallel'].step_s * 1e3:9.2f} {c * 1e3:9.2f} "
                   f"{b['data-parallel'].step_s / c:7.2f}x {best_other / c:12.2f}x "
                   f"{ranks * one / c:10.1f}x {ranks * one / best_other:14.1f}x")
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for s in args.only:
         {"time": lambda: section_time(args.machine), "vgg": lambda: section_vgg(args.machine),
-         "speedup": lambda: section_speedup(args.machine), "mesh": lambda: section_mesh(args.mesh_machine)}[s]()
+         "speedup": lambda: section_speedup(args.machine),
+         "mesh": lambda: section_mesh(args.mesh_machine)}[s]()
         print()
     return 0
 

@@ -12,8 +12,8 @@ from .checks import check_data, check_graph, check_ranks, check_references, vali
 from .errors import ConfigError
 from .io import FORMAT, VERSION, load_config, parse_yaml, read_h5, read_raw, save_config, to_yaml, write_h5
 from .overrides import apply_overrides
-from .schema import (COMMON_LAYER_KEYS, INPUT_NAME, INPUT_NAMES, LAYER_TYPES, SCHEMA, layer_params, layer_type, layer_types,
-                     normalize, schema_text)
+from .schema import (COMMON_LAYER_KEYS, INPUT_NAME, INPUT_NAMES, LAYER_TYPES, SCHEMA, layer_params,
+                     layer_type, layer_types, normalize, schema_text)
 
 
 def parse_spec(spec) -> dict:
@@ -23,7 +23,8 @@ def parse_spec(spec) -> dict:
     return cfg
 
 
-__all__ = ["ConfigError", "SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "FORMAT", "VERSION",
+__all__ = ["ConfigError", "SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "FORMAT",
+           "VERSION",
            "apply_overrides", "check_data", "check_graph", "check_ranks", "check_references", "layer_params",
            "layer_type", "layer_types", "load_config", "normalize", "parse_spec", "parse_yaml", "read_h5",
            "read_raw", "save_config", "schema_text", "to_yaml", "validate", "write_h5"]

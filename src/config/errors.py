@@ -38,7 +38,8 @@ def did_you_mean(word: str, choices: Iterable[str], what: str = "") -> str:
 
 
 def join_path(path: str, key) -> str:
-    """``join_path('model.layers', 3) == 'model.layers[3]'``; ``join_path('model', 'name') == 'model.name'``."""
+    """``join_path('model.layers', 3) == 'model.layers[3]'``;
+    ``join_path('model', 'name') == 'model.name'``."""
     if isinstance(key, int):
         return f"{path}[{key}]"
     return f"{path}.{key}" if path else str(key)

@@ -176,7 +176,8 @@ def step_time(summary: dict) -> tuple[float, str]:
         if isinstance(inner, dict):
             candidates += [(f"{outer}.{k}", inner.get(k)) for k in STEP_TIME_KEYS]
     for key, value in candidates:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                and value > 0:
             return float(value), key
     raise JobHelperError(f"summary has none of the step-time keys {', '.join(STEP_TIME_KEYS)} (top level or "
                          f"one level down) with a positive number; its keys: {', '.join(map(str, summary))}")

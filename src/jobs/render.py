@@ -161,7 +161,8 @@ def render(spec: JobSpec) -> str:
         "#",
         f"# lbannpy job '{tpl.name}': {tpl.description}.",
         f"# Site '{site.name}': {site.description}.",
-        "# Rendered by `python -m lbannpy.jobs render` from src/jobs/{templates,sites}.py; do not edit, re-render",
+        "# Rendered by `python -m lbannpy.jobs render` from src/jobs/{templates,sites}.py; do not edit, "
+        "re-render",
         "# (jobs/*.sbatch: `python -m lbannpy.jobs render-all`).",
         "#",
     ]

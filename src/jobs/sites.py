@@ -16,7 +16,8 @@ class Site:
     description: str
     gpus_per_node: int          # GPUs on one node; 0 = CPU-only site
     partition: str | None       # default partition; None = the cluster's default partition
-    mpi: str                    # srun --mpi plugin: pmi2 (MPICH from PyPI/conda) or pmix (Open MPI, vendor MPI)
+    mpi: str                    # srun --mpi plugin: pmi2 (MPICH from PyPI/conda) or pmix (Open MPI,
+    #                             vendor MPI)
     tasks_per_node: int         # default ranks per node: one per GPU on GPU sites
     cpus_per_task: int          # default cores per rank (OMP/BLAS threads, data loading)
     time: str                   # default wall-clock limit, HH:MM:SS

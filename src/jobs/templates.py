@@ -30,9 +30,11 @@ class Template:
 TEMPLATES: dict[str, Template] = {
     t.name: t
     for t in (
-        Template("mesh1k", "sweep", "mesh tangling at 1024x1024: strong and weak scaling over ranks per sample",
+        Template("mesh1k", "sweep",
+                 "mesh tangling at 1024x1024: strong and weak scaling over ranks per sample",
                  model="mesh1k", size=1024, samples=16, steps=20),
-        Template("mesh2k", "sweep", "mesh tangling at 2048x2048: strong and weak scaling over ranks per sample",
+        Template("mesh2k", "sweep",
+                 "mesh tangling at 2048x2048: strong and weak scaling over ranks per sample",
                  model="mesh2k", size=2048, samples=16, steps=20),
         Template("resnet50", "train", "ResNet-50 training on the job's ranks (synthetic ImageNet-sized data "
                  "by default)", model="resnet50", size=224, samples=64, steps=50),
@@ -62,7 +64,8 @@ mkdir -p "$run_dir"
 
 lbannpy_job_info() {
     echo "lbannpy job $SLURM_JOB_ID: template=$template site=@SITE@ host=$(hostname) cwd=$PWD"
-    echo "  nodes=${SLURM_JOB_NUM_NODES:-?} ntasks=${SLURM_NTASKS:-?} tasks_per_node=${SLURM_NTASKS_PER_NODE:-?}" \
+    echo "  nodes=${SLURM_JOB_NUM_NODES:-?} ntasks=${SLURM_NTASKS:-?}" \
+         "tasks_per_node=${SLURM_NTASKS_PER_NODE:-?}" \
          "cpus_per_task=${SLURM_CPUS_PER_TASK:-1} gpus_per_node=${SLURM_GPUS_PER_NODE:-0}" \
          "partition=${SLURM_JOB_PARTITION:-?} mpi=$SLURM_MPI_TYPE omp_threads=$OMP_NUM_THREADS"
     echo "  run_dir=$run_dir"
@@ -75,8 +78,8 @@ CONFIG_ARG = r"""
 config="${1:-@CONFIG_DEFAULT@}"
 if [[ -n "$config" ]]; then
     if [[ ! -f "$config" ]]; then
-        echo "error: config '$config' not found (cwd $PWD); pass an existing CONFIG.h5 as the first argument" \
-             "or none to build the default" >&2
+        echo "error: config '$config' not found (cwd $PWD); pass an existing CONFIG.h5 as the first" \
+             "argument or none to build the default" >&2
         exit 2
     fi
     echo "  config=$config (given)"
@@ -155,8 +158,8 @@ for sweep in $sweeps; do
             *) echo "error: LBANNPY_SWEEPS holds '$sweep'; use 'strong', 'weak' or both" >&2; exit 2 ;;
         esac
         echo "== $sweep scaling: $p rank(s) per sample -> $run_dir/$sweep-$p"
-        srun -n "$p" python -m lbannpy.train "$config" --set parallel.default.n=1 --set "parallel.default.h=$p" \
-            --set "output.dir=$run_dir/$sweep-$p"@TRAIN_DEVICE@ "${extra[@]}"
+        srun -n "$p" python -m lbannpy.train "$config" --set parallel.default.n=1 \
+            --set "parallel.default.h=$p" --set "output.dir=$run_dir/$sweep-$p"@TRAIN_DEVICE@ "${extra[@]}"
     done
 done
 python -m lbannpy.jobs scaling "$run_dir" -o "$run_dir/scaling.csv"
@@ -261,8 +264,8 @@ BUILDERS = {
 USAGE = {
     "sweep": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
-        "Without CONFIG.h5 the job generates mesh data and builds the zoo model LBANNPY_MODEL (default @MODEL@),",
-        "  sized by",
+        "Without CONFIG.h5 the job generates mesh data and builds the zoo model LBANNPY_MODEL",
+        "  (default @MODEL@), sized by",
         "  LBANNPY_MESH_SIZE (default @SIZE@), LBANNPY_MESH_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
         "  LBANNPY_BATCH_SIZE (default: the zoo's).",
         "LBANNPY_SWEEPS='strong weak' picks the sweeps; LBANNPY_RUN_DIR the output (run/@TEMPLATE@-JOBID).",

@@ -178,7 +178,8 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
 
 
 @lru_cache(maxsize=None)
-def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int, ...]
+                ) -> tuple[tuple[int, int], ...]:
     """Largest (lo, hi) halo, in input elements, over all blocks of each dimension when input and output are
     split alike into ``parts``; elements in the padding are not exchanged."""
     out = []
@@ -260,7 +261,8 @@ def internal_comm_time(node: Node, dist: Distribution, machine: MachineModel, ne
     return t
 
 
-def parameter_server_time(nbytes_: float, copies: int, copies_on_node: int, intra: Link, inter: Link) -> float:
+def parameter_server_time(nbytes_: float, copies: int, copies_on_node: int, intra: Link, inter: Link
+                          ) -> float:
     """Seconds to synchronise a weight block of ``nbytes_`` bytes held by ``copies`` ranks through one
     parameter server (Jia et al. 2018 §5.1, t_S): each copy sends its gradient to the server and receives the
     updated block back. The server is one of the copies (its own transfer is free). It takes the other
@@ -354,8 +356,8 @@ def input_time(shape: Sequence[int], dist: Distribution, machine: MachineModel) 
 
 def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_input: bool = False,
                optimizer: str | None = "sgd") -> LayerCost:
-    """All per-layer terms for ``node`` with output distribution ``dist``. ``reads_input``: the layer reads the
-    model input, which needs no dL/dx, and reads its block of the input from the data set."""
+    """All per-layer terms for ``node`` with output distribution ``dist``. ``reads_input``: the layer reads
+    the model input, which needs no dL/dx, and reads its block of the input from the data set."""
     needs_dx = not reads_input
     f, bd, bw = compute_times(node, dist, machine, needs_dx)
     # where ranks share cores, their messages are copies through shared memory that those cores make, time-
@@ -448,7 +450,8 @@ def shuffle_times(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Se
         jj = np.array([j for _, j in pairs])
         a, b = A[ii, :period], B[jj, :period]  # (pairs, period, nd', 2)
         lo, hi = b[..., 0], b[..., 1]
-        overlap = np.maximum(np.minimum(a[..., 1], hi) - np.maximum(a[..., 0], lo), 0).prod(-1, dtype=np.int64)
+        overlap = np.maximum(np.minimum(a[..., 1], hi) - np.maximum(a[..., 0], lo), 0).prod(-1,
+                                                                                         dtype=np.int64)
         vol = ((hi - lo).prod(-1, dtype=np.int64) - overlap) * const
         q = Q[ii][:, None, :]  # source block size
         peers = ((hi - 1) // q - lo // q + 1).prod(-1, dtype=np.int64)
@@ -458,7 +461,8 @@ def shuffle_times(shape: tuple[int, ...], srcs: Sequence[Distribution], dsts: Se
     return out
 
 
-def shuffle_time(shape: tuple[int, ...], src: Distribution, dst: Distribution, machine: MachineModel) -> float:
+def shuffle_time(shape: tuple[int, ...], src: Distribution, dst: Distribution, machine: MachineModel
+                 ) -> float:
     """One-way all-to-all from ``src`` to ``dst`` (see :func:`shuffle_times`)."""
     if src == dst:
         return 0.0

@@ -115,7 +115,8 @@ def build_graph(model_spec: Mapping[str, Any], batch_size: int) -> ModelGraph:
     malformed or its shapes do not fit together.
     """
     if not isinstance(model_spec, Mapping):
-        raise ShapeError(f"model spec must be a mapping with 'input' and 'layers', got {type(model_spec).__name__}")
+        raise ShapeError(f"model spec must be a mapping with 'input' and 'layers', got "
+                         f"{type(model_spec).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ShapeError(f"batch_size must be a positive integer, got {batch_size!r}")
     name = str(model_spec.get("name", "model"))
@@ -149,8 +150,10 @@ def _input_shape(spec: Mapping[str, Any], batch: int) -> tuple[int, ...]:
         sp = [sp, sp]
     if not isinstance(ch, int) or ch < 1:
         raise ShapeError(f"input channels must be a positive integer, got {ch!r}")
-    if not isinstance(sp, Sequence) or not 1 <= len(sp) <= 3 or not all(isinstance(s, int) and s >= 1 for s in sp):
-        raise ShapeError(f"input spatial must be 1 to 3 positive integers ([W], [H, W] or [D, H, W]), got {sp!r}")
+    if not isinstance(sp, Sequence) or not 1 <= len(sp) <= 3 \
+            or not all(isinstance(s, int) and s >= 1 for s in sp):
+        raise ShapeError(f"input spatial must be 1 to 3 positive integers ([W], [H, W] or [D, H, W]), got "
+                         f"{sp!r}")
     return (batch, ch) + tuple(int(s) for s in sp)
 
 
@@ -165,7 +168,8 @@ def _normalise_layers(model: str, raw: Sequence[Any]) -> list[dict[str, Any]]:
         if not isinstance(lname, str) or not lname:
             raise ShapeError(f"model {model!r}: layer #{i} needs a 'name' (a non-empty string)")
         if lname in INPUT_NAMES:
-            raise ShapeError(f"layer #{i}: the name {lname!r} is reserved for the model input; rename the layer")
+            raise ShapeError(f"layer #{i}: the name {lname!r} is reserved for the model input; rename the "
+                             f"layer")
         if lname in seen:
             raise ShapeError(f"model {model!r}: two layers are named {lname!r}; layer names must be unique")
         seen.add(lname)
@@ -230,8 +234,8 @@ def _topological(model: str, layers: list[dict[str, Any]]) -> list[dict[str, Any
                 heapq.heappush(ready, (by_name[k]["pos"], k))
     if len(out) != len(layers):
         cyc = sorted(n for n, d in indeg.items() if d > 0)
-        raise ShapeError(f"model {model!r}: layers {cyc} form a cycle through their 'parents'; a model must be "
-                         f"acyclic")
+        raise ShapeError(f"model {model!r}: layers {cyc} form a cycle through their 'parents'; a model "
+                         f"must be acyclic")
     return out
 
 

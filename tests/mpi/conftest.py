@@ -166,9 +166,9 @@ def _wait_allgather(agree, mine: np.ndarray, what: str, own_text: str = "") -> n
     while not handle.test():
         if time.monotonic() > deadline:
             sys.stderr.write(
-                f"\n[rank {agree.rank} of {agree.size}] {what}: waited {SKEW_TIMEOUT:g} s for the other ranks "
-                f"to get here and they did not: a rank is stuck, typically in a collective that another "
-                f"rank skipped after an exception. Aborting the MPI job.\n{own_text}\n")
+                f"\n[rank {agree.rank} of {agree.size}] {what}: waited {SKEW_TIMEOUT:g} s for the other "
+                f"ranks to get here and they did not: a rank is stuck, typically in a collective that "
+                f"another rank skipped after an exception. Aborting the MPI job.\n{own_text}\n")
             sys.stderr.flush()
             agree.abort(1)
         time.sleep(0.0005)
@@ -199,8 +199,9 @@ def pytest_runtest_makereport(item, call):
         # some ranks skipped, some ran: the skip decision depended on something other than comm.size
         by = {name: [r for r, c in enumerate(codes) if c == code] for code, name in _NAMES.items()}
         report.outcome = "failed"
-        report.longrepr = (f"ranks disagree on the outcome of {call.when}: skipped on {by['skipped']}, passed "
-                           f"on {by['passed']}; skip only on conditions that are the same on every rank")
+        report.longrepr = (f"ranks disagree on the outcome of {call.when}: skipped on {by['skipped']}, "
+                           f"passed on {by['passed']}; skip only on conditions that are the same on every "
+                           f"rank")
         return report
     texts = agree.allgather_obj(own_text)
     failed = [r for r, c in enumerate(codes) if c == _FAILED]

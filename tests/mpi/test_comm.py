@@ -44,14 +44,16 @@ REDUCE_CASES = [ReduceCase(op, dt, shape, mode)
                 for op in ("sum", "max", "min", "prod")
                 for dt, shape in (("float64", (3, 5)), ("float32", (7,)), ("int64", (2, 2, 2)))
                 for mode in ("new", "out", "inplace")]
-REDUCE_CASES += [ReduceCase("sum", "float64", (0,), "new"), ReduceCase("sum", "float32", (1 << 16,), "inplace")]
+REDUCE_CASES += [ReduceCase("sum", "float64", (0,), "new"),
+                 ReduceCase("sum", "float32", (1 << 16,), "inplace")]
 
 
 @pytest.mark.ranks8
 @pytest.mark.parametrize("case", REDUCE_CASES, ids=lambda c: c.id)
 def test_allreduce(comm, xp, case):
     mine = rank_data(comm.rank, case.shape, case.dtype)
-    want = REFERENCE[case.op](np.stack([rank_data(r, case.shape, case.dtype) for r in range(comm.size)]), axis=0)
+    every = np.stack([rank_data(r, case.shape, case.dtype) for r in range(comm.size)])
+    want = REFERENCE[case.op](every, axis=0)
     buf = as_xp(xp, mine)
     if case.mode == "new":
         got = comm.allreduce(buf, case.op)

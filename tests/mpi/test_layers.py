@@ -61,8 +61,8 @@ def layer_cases(size):
     for mode in ("max", "avg"):
         for kw in (dict(kernel=2, stride=2), dict(kernel=3, stride=2, padding=1)):
             for par in splits(size, ("n", "c", "h", "w")):
-                cases.append(Case(f"pool-{mode}-k{kw['kernel']}", ({"name": "p", "type": "pool", "mode": mode,
-                                                                      **kw},), (N, C, H, W), {"default": par}))
+                pool = {"name": "p", "type": "pool", "mode": mode, **kw}
+                cases.append(Case(f"pool-{mode}-k{kw['kernel']}", (pool,), (N, C, H, W), {"default": par}))
     for par in splits(size, ("n", "c", "h", "w")):
         cases.append(Case("batchnorm-global", ({"name": "b", "type": "batchnorm", "sync": "global"},),
                           (N, C, H, W), {"default": par}))
@@ -89,13 +89,15 @@ def layer_cases(size):
     if size == 4:
         cases.append(Case("fc-1.5d", (fc,), (N, C, 4, 3), {"default": {"n": 2, "c": 2}}))
     # a chain whose distributions change from layer to layer
-    chain = (conv("c1", kernel=3, padding=1, bias=False), {"name": "b1", "type": "batchnorm", "sync": "global"},
-             {"name": "r1", "type": "relu"}, {"name": "p1", "type": "pool", "kernel": 2},
+    chain = (conv("c1", kernel=3, padding=1, bias=False),
+             {"name": "b1", "type": "batchnorm", "sync": "global"}, {"name": "r1", "type": "relu"},
+             {"name": "p1", "type": "pool", "kernel": 2},
              {"name": "f1", "type": "fc", "units": 7})
     if size > 1:
         over = {"c1": {"h": size}, "b1": {"n": size}, "r1": {"w": size}, "p1": {"h": size}, "f1": {"c": size}}
         cases.append(Case("chain", chain, (N, C, H, W), {"layers": over}))
-        cases.append(Case("chain", chain, (N, C, H, W), {"default": {"h": size}, "layers": {"f1": {"n": size}}}))
+        cases.append(Case("chain", chain, (N, C, H, W),
+                          {"default": {"h": size}, "layers": {"f1": {"n": size}}}))
     else:
         cases.append(Case("chain", chain, (N, C, H, W), {}))
     return cases
@@ -184,4 +186,5 @@ def test_a_whole_input_needs_no_redistribution_for_a_filter_split(comm):
                  Case("f", ({"name": "f", "type": "fc", "units": 6},), (N, C, 4, 3),
                       {"layers": {"f": {"c": comm.size}}})):
         model = run_lbannpy(case, comm)[4]
-        assert_all(comm, model.layers[0]._in_plans == [None], f"{case.id}: planned {model.layers[0]._in_plans}")
+        plans = model.layers[0]._in_plans
+        assert_all(comm, plans == [None], f"{case.id}: planned {plans}")
