@@ -79,7 +79,7 @@ def load_weights(path: str, model, xp) -> tuple[str, int]:
 
 def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
     """Sorted sample ids of ``--data`` to predict (the trainer's split for ``train``/``validation``)."""
-    from lbannpy.data.reader import split_indices
+    from lbannpy.data.dataset import split_indices
 
     if subset == "all":
         return np.arange(num_samples, dtype=np.int64)
@@ -119,7 +119,7 @@ def _open_data(cfg: dict, path: str, model):
     """``(num_samples, has_labels)``; the inputs checked against the model's input."""
     import h5py
 
-    from lbannpy.data.reader import DataError, validate_dataset
+    from lbannpy.data.dataset import DataError, validate_dataset
 
     train = cfg["data"]["train"]
     if not os.path.isfile(path):
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     from lbannpy.checkpoint import CheckpointError
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
-    from lbannpy.data.reader import DataError
+    from lbannpy.data.dataset import DataError
     from lbannpy.dist import DistributionError
     from lbannpy.layers.base import LayerError
 

@@ -62,7 +62,7 @@ def _main(args) -> int:
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, apply_overrides, load_config
-    from lbannpy.data.reader import DataError
+    from lbannpy.data.dataset import DataError
     from lbannpy.dist import DistributionError
     from lbannpy.layers.base import LayerError
 

@@ -11,8 +11,8 @@ import pytest
 
 from lbannpy.data.blobs import write_blobs
 from lbannpy.data.mesh import MeshParams, write_mesh
-from lbannpy.data.reader import (DataError, HDF5Reader, epoch_order, read_runs, split_indices,
-                                 validate_dataset)
+from lbannpy.data.dataset import DataError, epoch_order, read_runs, split_indices, validate_dataset
+from lbannpy.data.reader import HDF5Reader
 from lbannpy.dist import Distribution, DistributionError
 
 N_SAMPLES, SIZE, CHANNELS = 7, 20, 5

@@ -266,7 +266,7 @@ def main(argv=None) -> int:
 
 
 def _bench(args, path: str) -> int:
-    from ..data.reader import validate_dataset
+    from ..data.dataset import validate_dataset
 
     info = validate_dataset(path)
     piece = int(args.piece_mb * 2**20)

@@ -108,7 +108,8 @@ def build_model(cfg: dict, ctx, world):
 
 def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     """The training reader and the validation reader (or None): every rank reads its own hyperslab."""
-    from lbannpy.data.reader import HDF5Reader, split_indices, validate_dataset
+    from lbannpy.data.dataset import split_indices, validate_dataset
+    from lbannpy.data.reader import HDF5Reader
 
     data, tr = cfg["data"], cfg["trainer"]
     train = data["train"]

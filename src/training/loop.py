@@ -64,7 +64,7 @@ class Trainer:
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
         if self.rt.device == "gpu":  # batches go up one ahead, asynchronously, from pinned memory
-            from lbannpy.data.reader import DeviceUploader
+            from lbannpy.data.upload import DeviceUploader
 
             self.reader = DeviceUploader(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes)
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,

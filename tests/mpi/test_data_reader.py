@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from lbannpy.data.mesh import MeshParams, write_mesh
-from lbannpy.data.reader import DataError, HDF5Reader
+from lbannpy.data.dataset import DataError
+from lbannpy.data.reader import HDF5Reader
 from lbannpy.dist import Distribution
 from mpi_util import assert_all
 

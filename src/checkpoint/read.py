@@ -1,0 +1,315 @@
+"""Reading checkpoints: candidates newest first, the index checked before allocating, hyperslab
+restore on any rank count, fallback to an older checkpoint."""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import h5py
+import numpy as np
+
+from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting
+from .write import _box_slices
+
+_V1_NAME = re.compile(r"ckpt-(\d{8})\.h5$")
+_V2_NAME = re.compile(r"ckpt-(\d{8})$")
+_MAX_NDIM = 8
+_MAX_ELEMENTS = 1 << 40  # refuses absurd shapes read from a damaged index before allocating anything
+_MAX_BLOCKS = 1 << 24  # blocks of one tensor in an index (one per writing rank at most)
+
+
+def candidates(directory: str) -> list[str]:
+    """Complete checkpoints (directories of version 2, files of version 1), newest first; temporary
+    directories and files of interrupted writes are ignored."""
+    found = []
+    for path in glob.glob(os.path.join(directory, "ckpt-*")):
+        m2 = _V2_NAME.search(path)
+        m1 = _V1_NAME.search(path)
+        if m2 and os.path.isdir(path):
+            found.append((int(m2.group(1)), 1, path))
+        elif m1 and os.path.isfile(path):
+            found.append((int(m1.group(1)), 0, path))
+    return [p for _, _, p in sorted(found, reverse=True)]
+
+
+def _check_shape(shape, what: str) -> tuple:
+    shape = tuple(int(s) for s in np.asarray(shape).ravel())
+    if len(shape) > _MAX_NDIM or any(s < 0 for s in shape) or math.prod(shape) > _MAX_ELEMENTS:
+        raise CheckpointError(f"{what}: implausible shape {shape}")
+    return shape
+
+
+class Checkpoint:
+    """An opened checkpoint (either version): its step, metadata, tensor index and a hyperslab reader.
+    Opening reads the index only; :meth:`read` opens the shards a box meets (kept open until
+    :meth:`close`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._files: dict = {}
+        if os.path.isdir(path):
+            self._open_v2(path)
+        else:
+            self._open_v1(path)
+
+    def _open_v2(self, path):
+        ipath = os.path.join(path, "index.h5")
+        with h5py.File(ipath, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{ipath} is not an lbannpy checkpoint index")
+            version = int(f.attrs.get("version", -1))
+            if version != VERSION:
+                raise CheckpointError(f"{path} has checkpoint version {version}; this lbannpy reads 1 and "
+                                      f"{VERSION}")
+            self.layout = str(f.attrs["layout"])
+            if self.layout not in ("single", "shards"):
+                raise CheckpointError(f"{ipath}: unknown layout {self.layout!r}")
+            self.step = int(f.attrs["step"])
+            self.optimizer_steps = int(f.attrs["optimizer_steps"])
+            self.meta = json.loads(str(f.attrs["meta"]))
+            self.index = {}
+            for t in f["tensors"].values():
+                key = str(t.attrs["key"])
+                gshape = _check_shape(t.attrs["global_shape"], f"{ipath} tensor {key}")
+                bds, sds = t["boxes"], t["shards"]
+                n = sds.shape[0] if sds.ndim == 1 else -1
+                if n < 0 or bds.shape != (n, len(gshape), 2) or n > _MAX_BLOCKS:
+                    raise CheckpointError(f"{ipath} tensor {key}: box table of shape {bds.shape} does not "
+                                          f"match {n} blocks of a rank-{len(gshape)} tensor")
+                boxes = np.asarray(bds[()], dtype=np.int64)
+                hi = np.asarray(gshape, dtype=np.int64)
+                if np.any(boxes[:, :, 0] < 0) or np.any(boxes[:, :, 1] > hi) or np.any(
+                        boxes[:, :, 0] > boxes[:, :, 1]):
+                    raise CheckpointError(f"{ipath} tensor {key}: a block lies outside shape {gshape}")
+                self.index[key] = (gshape, boxes, np.asarray(sds[()], dtype=np.int64))
+
+    def _open_v1(self, path):
+        self.layout = "v1"
+        with h5py.File(path, "r") as f:
+            if f.attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not an lbannpy checkpoint "
+                                      f"(format {f.attrs.get('format')!r})")
+            version = int(f.attrs.get("version", -1))
+            if version != 1:
+                raise CheckpointError(f"{path} has checkpoint version {version}; this lbannpy reads 1 and "
+                                      f"{VERSION}")
+            self.step = int(f.attrs["step"])
+            self.optimizer_steps = int(f.attrs["optimizer_steps"])
+            self.meta = json.loads(str(f.attrs["meta"]))
+            self.index = {}
+
+            def visit(name, obj):
+                if isinstance(obj, h5py.Dataset):
+                    gshape = _check_shape(obj.shape, f"{path} tensor {name}")
+                    self.index[name] = (gshape, np.asarray([[(0, s) for s in gshape]], dtype=np.int64)
+                                        .reshape(1, len(gshape), 2), np.asarray([-1], dtype=np.int64))
+            f.visititems(visit)
+        # version 1 kept layer tensors (batch-norm statistics) as JSON lists of the global channels: they
+        # read as one sample group
+        self._v1_state = {}
+        for lname, st in (self.meta.get("layers") or {}).items():
+            for k, v in st.items():
+                if isinstance(v, list):
+                    arr = np.asarray(v, dtype=np.float64).reshape(1, -1)
+                    self._v1_state[f"state/{lname}/{k}"] = arr
+                    self.index[f"state/{lname}/{k}"] = (arr.shape, np.asarray([[(0, 1), (0, arr.shape[1])]],
+                                                        dtype=np.int64), np.asarray([-2], dtype=np.int64))
+
+    def _file(self, shard: int):
+        if shard not in self._files:
+            if self.layout == "v1":
+                name = self.path
+            elif shard < 0:
+                name = os.path.join(self.path, "data.h5")
+            else:
+                name = os.path.join(self.path, f"shard-{shard:06d}.h5")
+            self._files[shard] = h5py.File(name, "r")
+        return self._files[shard]
+
+    def read(self, key: str, box: Box, dtype=np.float64) -> np.ndarray:
+        """The values of tensor ``key`` in ``box``, assembled from the blocks that meet it."""
+        if key not in self.index:
+            raise CheckpointError(f"{self.path} has no tensor {key}; was it written for another model?")
+        gshape, boxes, shards = self.index[key]
+        out = np.empty(tuple(e - a for a, e in box), dtype=dtype)
+        filled = 0
+        for i in blocks_meeting(boxes, box):
+            src = tuple(map(tuple, boxes[i].tolist()))
+            inter = tuple((max(a, x), min(e, y)) for (a, e), (x, y) in zip(src, box))
+            if shards[i] == -2:
+                piece = self._v1_state[key][_box_slices(inter)]
+            else:
+                ds = self._file(int(shards[i]))[key]
+                want = tuple(e - a for a, e in src) if self.layout == "shards" else gshape
+                if tuple(ds.shape) != want:
+                    raise CheckpointError(f"{self.path}: {key} in shard {shards[i]} has shape {ds.shape}, "
+                                          f"the index says {want}")
+                piece = ds[_box_slices(inter, [a for a, _ in src])]
+            out[_box_slices(inter, [a for a, _ in box])] = piece
+            filled += piece.size
+        if filled != out.size:
+            raise CheckpointError(f"{self.path}: the blocks of {key} cover {filled} of the {out.size} "
+                                  f"elements of box {box}")
+        return out
+
+    def read_global(self) -> dict:
+        """Every tensor in its global shape (tools and tests; one process reads everything)."""
+        return {k: self.read(k, tuple((0, s) for s in g)) for k, (g, _, _) in self.index.items()}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def load(path: str) -> dict:
+    """Not collective (tools and tests): the checkpoint at ``path`` (a version 2 directory or a version 1
+    file) with every tensor assembled in its global shape."""
+    ck = Checkpoint(path)
+    try:
+        return {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta,
+                "tensors": ck.read_global()}
+    finally:
+        ck.close()
+
+
+def resolve(path: str) -> str | None:
+    """The checkpoint ``path`` names: itself when it is one, else the newest complete one in the directory
+    ``path`` (``None`` when there is none)."""
+    found = candidates(path) if os.path.isdir(path) else []
+    if found:
+        return found[0]
+    return path if os.path.exists(path) else None
+
+
+def restore_weights(path: str, params, layers, xp) -> int:
+    """Not collective (inference, ``model.init``): parameters and layer state from the checkpoint at
+    ``path``, each rank reading only its own boxes; no optimizer state. Returns the checkpoint's step."""
+    ck = Checkpoint(path)
+    try:
+        for p in params:
+            key = f"params/{p.name}"
+            if key not in ck.index:
+                raise CheckpointError(f"{path} has no tensor for parameter {p.name}; was it written for "
+                                      f"another model?")
+            if tuple(ck.index[key][0]) != tuple(p.global_shape):
+                raise CheckpointError(f"parameter {p.name}: checkpoint shape {tuple(ck.index[key][0])} != "
+                                      f"model shape {tuple(p.global_shape)}")
+            p.value[...] = xp.asarray(ck.read(key, p.box), dtype=p.value.dtype)
+        for layer in layers:
+            st = _layer_readers(ck, layer)
+            if st:
+                layer.load_state(st)
+        return ck.step
+    finally:
+        ck.close()
+
+
+def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
+    """Not collective (tools and tests): the newest readable checkpoint in ``directory`` with every
+    tensor assembled in its global shape, skipping broken ones with a note."""
+    errors = []
+    for path in candidates(directory):
+        ck = None
+        try:
+            ck = Checkpoint(path)
+            data = {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta,
+                    "tensors": ck.read_global()}
+            return path, data
+        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+            errors.append(f"{path}: {exc}")
+        finally:
+            if ck is not None:
+                ck.close()
+    if errors:
+        raise CheckpointError("no readable checkpoint in " + directory + ": " + "; ".join(errors))
+    return None, None
+
+
+def resume(comm, directory: str, params, optimizer, layers, xp) -> tuple[str | None, dict | None]:
+    """Collective over ``comm``: restore the newest checkpoint every rank can read into ``params``, the
+    optimizer state and the layers' state; each rank reads only its own hyperslabs. A checkpoint that
+    fails on any rank is reported (rank 0 prints a note) and the previous one is tried. Returns
+    ``(path, {"step", "optimizer_steps", "meta"})``, or ``(None, None)`` when there is none; raises
+    :class:`CheckpointError` when none is readable."""
+    paths = comm.bcast_obj(candidates(directory) if comm.rank == 0 else None)
+    errors = []
+    for path in paths:
+        ck, staged, err = None, None, None
+        try:
+            ck = Checkpoint(path)
+            staged = _stage(ck, params, optimizer, layers)
+            readers = [_layer_readers(ck, layer) for layer in layers]
+            for layer, st in zip(layers, readers):
+                # a dry run on a shallow copy reads (and caches) what the layer needs before anything changes
+                if st:
+                    copy.copy(layer).load_state(st)
+        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+            err = f"rank {comm.rank}: {path}: {exc}"
+        if comm.allreduce_obj(err is not None, op="or"):
+            if ck is not None:
+                ck.close()
+            msg = err or f"{path}: unreadable on another rank"
+            errors.append(msg)
+            if comm.rank == 0 or err:
+                print(f"lbannpy: checkpoint {path} cannot be used ({msg}); trying the previous one",
+                      file=sys.stderr, flush=True)
+            continue
+        try:
+            _apply(staged, params, optimizer, layers, readers, xp)
+        finally:
+            ck.close()
+        optimizer.t = ck.optimizer_steps
+        return path, {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta}
+    if errors:
+        raise CheckpointError(f"no readable checkpoint in {directory}: " + "; ".join(errors))
+    return None, None
+
+
+def _stage(ck: Checkpoint, params, optimizer, layers) -> dict:
+    """Read everything this rank needs into host buffers (its own shard's size) before touching the
+    model, so a checkpoint that fails half-way leaves the model as it was."""
+    out = {"params": {}, "optim": {}}
+    for p in params:
+        key = f"params/{p.name}"
+        if key not in ck.index:
+            raise CheckpointError(f"no tensor for parameter {p.name}; was it written for another model?")
+        gshape = ck.index[key][0]
+        if tuple(gshape) != tuple(p.global_shape):
+            raise CheckpointError(f"parameter {p.name}: checkpoint shape {gshape} != model shape "
+                                  f"{tuple(p.global_shape)}")
+        out["params"][p.name] = ck.read(key, tuple(p.box))
+        prefix = f"optim/{p.name}/"
+        out["optim"][p.name] = {k[len(prefix):]: ck.read(k, tuple(p.box))
+                                for k in ck.index if k.startswith(prefix)}
+    return out
+
+
+def _layer_readers(ck: Checkpoint, layer) -> dict:
+    """What :meth:`Layer.load_state` gets: plain numbers from the metadata, a :class:`StateReader` per
+    tensor."""
+    st = dict((ck.meta.get("layers") or {}).get(layer.name) or {})
+    if ck.layout == "v1":  # version 1 kept tensors as JSON lists (indexed above as one sample group)
+        st = {k: v for k, v in st.items() if not isinstance(v, list)}
+    prefix = f"state/{layer.name}/"
+    for k in ck.index:
+        if k.startswith(prefix):
+            st[k[len(prefix):]] = StateReader(k, ck.index[k][0], ck.read)
+    return st
+
+
+def _apply(staged, params, optimizer, layers, readers, xp) -> None:
+    for p in params:
+        p.value[...] = xp.asarray(staged["params"][p.name], dtype=p.value.dtype)
+        st = optimizer.state[p.name]
+        st.clear()
+        for k, v in staged["optim"][p.name].items():
+            st[k] = xp.asarray(v, dtype=p.value.dtype)
+    for layer, st in zip(layers, readers):  # from the reads the dry run cached
+        if st:
+            layer.load_state(st)

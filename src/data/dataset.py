@@ -1,0 +1,168 @@
+"""Data set files before any reading: validation (before anything is allocated from sizes in the file), the
+sample order of an epoch, the train/validation split and the contiguous read runs of a batch."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..dist import shape_str
+
+
+class DataError(ValueError):
+    """A data file, dataset, shape or reader setting that cannot work (the message names file and dataset)."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# validation (before anything is allocated from sizes in the file)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Shapes and types of a validated input/label pair."""
+
+    path: str
+    inputs: str
+    labels: str
+    num_samples: int
+    sample_shape: tuple[int, ...]       # (C, *spatial) of one input sample
+    input_dtype: np.dtype
+    label_shape: tuple[int, ...]        # () for class labels, spatial for per-pixel labels
+    label_dtype: np.dtype
+
+    @property
+    def channels(self) -> int:
+        return self.sample_shape[0]
+
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        return self.sample_shape[1:]
+
+    @property
+    def per_pixel(self) -> bool:
+        return len(self.label_shape) > 0
+
+
+def _open_dataset(fh, path: str, name: str, role: str):
+    import h5py
+
+    if name not in fh:
+        found = sorted(k for k in fh.keys() if isinstance(fh[k], h5py.Dataset))
+        raise DataError(f"{path}: {role} dataset '{name}' not found; datasets in the file: "
+                        f"{', '.join(found) if found else '(none)'}; set data.*.{role} to one of them")
+    obj = fh[name]
+    if not isinstance(obj, h5py.Dataset):
+        raise DataError(f"{path}: '{name}' ({role}) is a group, not a dataset")
+    return obj
+
+
+def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
+                     expected_channels: int | None = None,
+                     expected_spatial: Sequence[int] | None = None) -> DatasetInfo:
+    """Check that ``path`` holds a usable input/label pair; read only metadata.
+
+    Inputs must be floating point ``(M, C, *spatial)`` with 0 to 3 spatial dimensions; labels integer,
+    either ``(M,)`` (one class per sample) or ``(M, *spatial)`` (one class per pixel, at input resolution).
+    ``expected_channels``/``expected_spatial`` (from the model's input spec) are compared when given.
+    Raises :class:`DataError` naming the file, the dataset and the expected and found shapes.
+    """
+    import h5py
+
+    if not os.path.exists(path):
+        raise DataError(f"data file {path} does not exist")
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path} is not a regular file")
+    if not h5py.is_hdf5(path):
+        raise DataError(f"data file {path} is not an HDF5 file")
+    with h5py.File(path, "r") as fh:
+        dx = _open_dataset(fh, path, inputs, "inputs")
+        dy = _open_dataset(fh, path, labels, "labels")
+        xs, ys = tuple(int(s) for s in dx.shape), tuple(int(s) for s in dy.shape)
+        xdt, ydt = dx.dtype, dy.dtype
+    if not 2 <= len(xs) <= 5:
+        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)} ({len(xs)} dimensions); "
+                        f"expected (samples, channels[, spatial...]) with 2 to 5 dimensions")
+    if xdt.kind != "f":
+        raise DataError(f"{path}: dataset '{inputs}' has dtype {xdt}; expected floating point "
+                        f"(float32 or float64)")
+    if xs[0] < 1:
+        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}: no samples")
+    if any(s < 1 for s in xs[1:]):
+        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}: an empty dimension")
+    if expected_channels is not None and xs[1] != int(expected_channels):
+        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)} with {xs[1]} channels; the "
+                        f"model expects {int(expected_channels)} channels (expected shape "
+                        f"(M, {int(expected_channels)}, ...), found {xs})")
+    if expected_spatial is not None:
+        want = tuple(int(s) for s in expected_spatial)
+        if xs[2:] != want:
+            raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}, spatial {xs[2:]}; the "
+                            f"model expects spatial {want} (expected shape "
+                            f"(M, C, {', '.join(map(str, want))}), found {xs})")
+    if ydt.kind not in "iu":
+        raise DataError(f"{path}: dataset '{labels}' has dtype {ydt}; expected integer class labels")
+    if ys[:1] != xs[:1]:
+        raise DataError(f"{path}: dataset '{labels}' has shape {shape_str(ys)} but '{inputs}' has "
+                        f"{xs[0]} samples; expected labels of shape ({xs[0]},) or ({xs[0]}, "
+                        f"{', '.join(map(str, xs[2:]))})")
+    if len(ys) > 1 and ys[1:] != xs[2:]:
+        raise DataError(f"{path}: dataset '{labels}' has shape {shape_str(ys)}; per-pixel labels must match "
+                        f"the input's spatial shape: expected ({xs[0]}, {', '.join(map(str, xs[2:]))}), "
+                        f"found {ys}")
+    return DatasetInfo(path, inputs, labels, xs[0], xs[1:], np.dtype(xdt), ys[1:], np.dtype(ydt))
+
+
+# --------------------------------------------------------------------------------------------------------
+# order and splits (pure)
+
+
+def epoch_order(indices: np.ndarray, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Sample ids of epoch ``epoch`` in reading order; the same on every rank (seed and epoch only)."""
+    if not shuffle:
+        return indices
+    rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(epoch),)))
+    return indices[rng.permutation(len(indices))]
+
+
+def split_indices(num_samples: int, validation_fraction: float,
+                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train/validation split: ``round(fraction * M)`` samples (at least one when the fraction
+    is positive) chosen by a permutation drawn from ``seed``; both parts sorted."""
+    if not 0.0 <= validation_fraction < 1.0:
+        raise DataError(f"validation fraction must be in [0, 1), got {validation_fraction}")
+    n_val = int(round(validation_fraction * num_samples))
+    if validation_fraction > 0:
+        n_val = max(n_val, 1)
+    if n_val >= num_samples:
+        raise DataError(f"a validation fraction of {validation_fraction} of {num_samples} samples leaves no "
+                        f"training samples; lower it")
+    # a stream of its own (spawn key 2**32 - 1 is never an epoch number in practice)
+    rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(2**32 - 1,)))
+    perm = rng.permutation(num_samples)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def read_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Plan reads of ``ids`` (the batch order): ``(file_start, dest_start, count)`` runs in increasing file
+    order, each a block of ids consecutive both in the file and in the destination."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    pos = np.argsort(ids, kind="stable")
+    sid = ids[pos]
+    runs = []
+    f0, d0, k = int(sid[0]), int(pos[0]), 1
+    for f, d in zip(sid[1:].tolist(), pos[1:].tolist()):
+        if f == f0 + k and d == d0 + k:
+            k += 1
+        else:
+            runs.append((f0, d0, k))
+            f0, d0, k = f, d, 1
+    runs.append((f0, d0, k))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------------------
+# the reader
