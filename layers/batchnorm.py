@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from lbannpy.config.schema import Float, Key, Str
+from lbannpy.config.types import Float, Key, Str
 from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K

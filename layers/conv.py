@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config.schema import REQUIRED, Bool, Key, Padding, PerDim, Int
+from lbannpy.config.types import REQUIRED, Bool, Key, Padding, PerDim, Int
 from lbannpy.dist import Distribution, Stencil
 
 from . import kernels as K

@@ -65,7 +65,7 @@ def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer type. ``params`` are :class:`lbannpy.config.schema.Key` objects (name, type, default, doc,
+    """One layer type. ``params`` are :class:`lbannpy.config.types.Key` objects (name, type, default, doc,
     aliases); ``max_parents`` None means any number. The cost facts:
 
     * ``input_dist(dist, ndim_in)``: the distribution the layer needs its input in, given its output's;
@@ -100,7 +100,7 @@ class LayerSpec:
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``params`` with aliases renamed and every unset key that has a default filled in (the schema's
         defaults, also for specs that did not pass through the schema, e.g. built in a test)."""
-        from lbannpy.config.schema import REQUIRED, UNSET
+        from lbannpy.config.types import REQUIRED, UNSET
 
         out = dict(params)
         for k in self.params:

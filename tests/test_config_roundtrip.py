@@ -17,8 +17,9 @@ from lbannpy import zoo
 from lbannpy.config import (FORMAT, SCHEMA, VERSION, ConfigError, load_config, normalize, parse_yaml, read_h5,
                             save_config, to_yaml, validate, write_h5)
 from lbannpy.config import io as config_io
-from lbannpy.config.schema import (INT_LIMIT, NAME_RE, Bool, Float, Int, LayerList, LAYER_TYPES, ListOf,
-                                   MapOf, Padding, PerDim, Section, Str, COMMON_LAYER_KEYS)
+from lbannpy.config.schema import COMMON_LAYER_KEYS, LAYER_TYPES, LayerList
+from lbannpy.config.types import (INT_LIMIT, NAME_RE, Bool, Float, Int, ListOf, MapOf, Padding, PerDim,
+                                  Section, Str)
 
 
 def strict_equal(a, b) -> bool:

@@ -6,7 +6,8 @@ import re
 import yaml
 
 from .errors import ConfigError, did_you_mean, join_path
-from .schema import Section, _copy, lookup, normalize
+from .schema import lookup, normalize
+from .types import Section, _copy
 
 _SEGMENT = re.compile(r"^([^.\[\]]+)((?:\[\d+\])*)$")
 
