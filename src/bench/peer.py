@@ -1,0 +1,349 @@
+"""``python -m lbannpy.bench peer``: lbannpy against PyTorch on the same networks, measured side by side.
+
+For each model (a zoo spec at a given input size and batch) the benchmark writes one random float32 data set,
+then in every round runs, one after the other:
+
+- ``python -m lbannpy.train`` (one rank, one BLAS thread, SGD with momentum, float32) and reads the median
+  step of its ``summary.json``;
+- the same network in PyTorch (the ``torch.nn`` module that ``lbannpy.export --torch-module`` writes for the
+  spec, its parameter count checked equal to lbannpy's), in NCHW and in channels-last, one thread, the same
+  optimizer and loss, median step; the faster layout is PyTorch's figure.
+
+The ratio printed is lbannpy's step over PyTorch's, per round (rounds interleave the two, so a noisy machine
+slows both); the median over rounds is the result, with its range. Two further tables compare 2 ranks:
+lbannpy data parallel against PyTorch DDP (gloo) at the same global batch, and lbannpy splitting every
+sample's height over 2 ranks against 1-process PyTorch. Torch is an optional dependency of this benchmark
+only (``pip install torch``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .costmodel.builders import OPTIMIZER
+from .costmodel.runs import thread_env
+
+
+class PeerError(RuntimeError):
+    """The peer benchmark cannot compare (missing launcher, a run failed, the networks differ)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One network: zoo spec ``zoo`` at ``size``² input, ``batch`` samples per step (global)."""
+
+    name: str
+    zoo: str
+    size: int
+    batch: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.size}², batch {self.batch}"
+
+
+# the networks of the performance table (1 process), and the 2-rank comparisons
+CASES = (Case("lenet5", "lenet5", 32, 32), Case("mesh_tiny", "mesh_tiny", 64, 8),
+         Case("alexnet", "alexnet", 128, 32), Case("mesh1k", "mesh1k", 256, 2))
+BIG = Case("mesh1k-1024", "mesh1k", 1024, 1)
+QUICK = (Case("lenet5", "lenet5", 32, 8), Case("mesh_tiny", "mesh_tiny", 32, 2))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the two sides
+
+
+def network(case: Case) -> tuple[dict, int, tuple[int, ...]]:
+    """The case's model spec, lbannpy's parameter count and its output shape (N, classes, ...)."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.zoo import get_spec
+
+    spec = get_spec(case.zoo, batch_size=case.batch, input_size=case.size)
+    model = Model(spec["model"], case.batch, LayerContext(SingleCommunicator(), np, "float32", seed=0), {})
+    params = sum(int(np.prod(p.global_shape)) for p in model.params)
+    return spec, params, tuple(model.output.out_shape)
+
+
+def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, seed: int = 0) -> None:
+    """Random inputs (normal, float32) and labels in ``range(classes)``: per sample for a classifier, per
+    pixel at the input resolution for a segmenter (what the trainer reads; the contents do not change the
+    step time)."""
+    import h5py
+
+    inp = spec["model"]["input"]
+    shape = (samples, int(inp["channels"]), *(int(s) for s in inp["spatial"]))
+    classes = int(out_shape[1])
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("inputs", shape=shape, dtype=np.float32, chunks=(1,) + shape[1:])
+        for i in range(samples):
+            x[i] = rng.standard_normal(shape[1:], dtype=np.float32)
+        per_pixel = len(out_shape) > 2
+        lshape = (samples, *shape[2:]) if per_pixel else (samples,)
+        f.create_dataset("labels", data=rng.integers(0, classes, size=lshape).astype(np.int64))
+
+
+def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
+                 tag: str, timeout: float) -> float:
+    """Median step (s) of ``[mpiexec -n ranks] python -m lbannpy.train`` on the case; ``split`` is the
+    default distribution's split dimension (``n``: data parallel, ``h``: every sample's height)."""
+    import yaml
+
+    run_dir = os.path.join(work, f"run-{tag}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = dict(spec, data={"train": {"path": data}},
+               trainer={"batch_size": case.batch, "steps": steps, "seed": 1, "dtype": "float32"},
+               optimizer=dict(OPTIMIZER), runtime={"threads": 1},
+               checkpoint={"dir": os.path.join(run_dir, "ckpt")},
+               output={"dir": run_dir, "log_every": 1})
+    if ranks > 1:
+        cfg["parallel"] = {"default": {split: ranks}}
+    spec_path = os.path.join(work, f"{tag}.yaml")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+    config = os.path.join(work, f"{tag}.h5")
+    _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", config], timeout, "config build")
+    _run(_launcher(ranks) + [sys.executable, "-m", "lbannpy.train", config, "--quiet"], timeout,
+         f"lbannpy {case.label} on {ranks} rank(s)")
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f).get("median_step_s")
+    if not isinstance(t, (int, float)) or not t > 0:
+        raise PeerError(f"{run_dir}/summary.json has no usable median_step_s: {t!r}")
+    return float(t)
+
+
+def torch_step(work: str, case: Case, ranks: int, layout: str, steps: int, params: int,
+               timeout: float) -> float:
+    """Median step (s) of the case in PyTorch: one process, or DDP (gloo) over ``ranks`` processes sharing
+    the global batch. The worker checks the parameter count against lbannpy's ``params``."""
+    tag = os.path.join(work, f"torch-{time.time_ns()}")
+    cmd = _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "peer", "--torch-worker",
+                              json.dumps({"zoo": case.zoo, "size": case.size, "batch": case.batch,
+                                          "layout": layout, "steps": steps, "params": params,
+                                          "rendezvous": tag + ".gloo", "result": tag})]
+    _run(cmd, timeout, f"PyTorch {case.label} ({layout}, {ranks} process(es))")
+    times = []
+    for rank in range(ranks):
+        try:
+            with open(f"{tag}.{rank}.json", encoding="utf-8") as f:
+                times.append(float(json.load(f)["median_step_s"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise PeerError(f"PyTorch worker {rank} left no result ({e})") from None
+    return max(times)  # a DDP step ends when its slowest rank does
+
+
+def torch_worker(args: dict) -> int:
+    """One PyTorch process of :func:`torch_step` (under mpiexec for DDP: rank from the launcher's env)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lbannpy.export import torch_module_source
+    from lbannpy.zoo import get_spec
+
+    torch.set_num_threads(1)
+    rank, size = _launcher_rank()
+    spec = get_spec(args["zoo"], batch_size=args["batch"], input_size=args["size"])
+    space: dict = {}
+    exec(compile(torch_module_source(spec["model"]), "<peer network>", "exec"), space)  # our own source
+    torch.manual_seed(0)
+    net = space["Net"]()
+    got = sum(p.numel() for p in net.parameters())
+    if got != args["params"]:
+        raise PeerError(f"{args['zoo']}: PyTorch network has {got} parameters, lbannpy's {args['params']}; "
+                        f"the two are not the same network")
+    fmt = torch.channels_last if args["layout"] == "channels_last" else torch.contiguous_format
+    net = net.to(memory_format=fmt)
+    if size > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{args['rendezvous']}", rank=rank,
+                                world_size=size)
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    inp = spec["model"]["input"]
+    local = args["batch"] // size
+    x = torch.randn(local, int(inp["channels"]), *(int(s) for s in inp["spatial"])).to(memory_format=fmt)
+    with torch.no_grad():
+        out_shape = net(x).shape
+    labels = torch.randint(0, out_shape[1], (local, *out_shape[2:]))
+    opt = torch.optim.SGD(net.parameters(), lr=OPTIMIZER["lr"], momentum=OPTIMIZER["momentum"])
+    times = []
+    for _ in range(args["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), labels)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    with open(f"{args['result']}.{rank}.json", "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "median_step_s": statistics.median(times)}, f)
+    if size > 1:
+        import torch.distributed as dist
+        dist.barrier()
+        # gloo's threads can abort the process while the interpreter tears down ("terminate called without
+        # an active exception", about 1 run in 5 here): the result is written, so leave without teardown
+        sys.stdout.flush()
+        os._exit(0)
+    return 0
+
+
+def _launcher(ranks: int) -> list[str]:
+    if ranks == 1:
+        return []
+    mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        raise PeerError("the 2-rank comparisons need mpiexec (pip install mpich), or pass --no-two-ranks")
+    return [mpiexec, "-n", str(ranks)]
+
+
+def _launcher_rank() -> tuple[int, int]:
+    for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                 ("SLURM_PROCID", "SLURM_NTASKS")):
+        if r in os.environ:
+            return int(os.environ[r]), int(os.environ[s])
+    return 0, 1
+
+
+def _run(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    try:
+        p = subprocess.run(cmd, env=thread_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"{what}: no result within {timeout:g} s") from None
+    if p.returncode != 0:
+        raise PeerError(f"{what}: `{' '.join(cmd[:6])} ...` exited {p.returncode}\n{p.stdout[-1500:]}\n"
+                        f"{p.stderr[-1500:]}")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------------
+# rounds and the report
+
+
+@dataclass
+class Row:
+    """One comparison: per-round seconds of lbannpy and of its peer."""
+
+    what: str
+    ours: list
+    peer: list
+    peer_note: list
+
+    def ratios(self) -> list[float]:
+        return [a / b for a, b in zip(self.ours, self.peer)]
+
+    def line(self) -> str:
+        r = self.ratios()
+        med = statistics.median(r)
+        note = max(set(self.peer_note), key=self.peer_note.count) if self.peer_note else ""
+        return (f"  {self.what:<34} lbannpy {statistics.median(self.ours) * 1e3:9.1f} ms   peer "
+                f"{statistics.median(self.peer) * 1e3:9.1f} ms {note:<15} ratio {med:5.2f}x "
+                f"(rounds {min(r):.2f}-{max(r):.2f})")
+
+
+def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout: float) -> list[tuple]:
+    """Run the interleaved rounds; returns ``[(table title, [Row])]``."""
+    prepared = []
+    for case in cases:
+        spec, params, out_shape = network(case)
+        data = os.path.join(work, f"{case.name}.h5")
+        write_data(data, spec, out_shape, case.batch * steps)
+        prepared.append((case, spec, params, data))
+    one = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
+    ddp = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
+    split = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
+    for _ in range(rounds):
+        for case, spec, params, data in prepared:
+            ours = lbannpy_step(work, case, spec, data, 1, "n", steps, f"{case.name}-1", timeout)
+            layouts = {lay: torch_step(work, case, 1, lay, steps, params, timeout)
+                       for lay in ("nchw", "channels_last")}
+            best = min(layouts, key=layouts.get)
+            one[case.name].ours.append(ours)
+            one[case.name].peer.append(layouts[best])
+            one[case.name].peer_note.append(f"({best})")
+            if not two_ranks:
+                continue
+            if case.batch % 2 == 0:
+                row = ddp[case.name]
+                row.ours.append(lbannpy_step(work, case, spec, data, 2, "n", steps, f"{case.name}-n2",
+                                             timeout))
+                row.peer.append(torch_step(work, case, 2, best, steps, params, timeout))
+                row.peer_note.append("(DDP gloo)")
+            row = split[case.name]
+            row.ours.append(lbannpy_step(work, case, spec, data, 2, "h", steps, f"{case.name}-h2", timeout))
+            row.peer.append(layouts[best])
+            row.peer_note.append("(1 process)")
+    tables = [("1 process: lbannpy / PyTorch (best of NCHW and channels-last)", list(one.values()))]
+    if two_ranks:
+        tables.append(("2 ranks data parallel: lbannpy / PyTorch DDP (gloo), same global batch",
+                       [r for r in ddp.values() if r.ours]))
+        tables.append(("2 ranks splitting each sample's height: lbannpy / 1-process PyTorch",
+                       list(split.values())))
+    return tables
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m lbannpy.bench peer",
+        description="lbannpy's training step against PyTorch's on the same networks (lenet5, mesh_tiny, "
+                    "alexnet, mesh1k), interleaved rounds, one BLAS thread per process; ratios below 1 mean "
+                    "lbannpy is faster.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=[c.name for c in CASES],
+                    help=f"which networks ({', '.join(c.name for c in CASES + (BIG,))})")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--steps", type=int, default=12, help="training steps per run (the median is taken)")
+    ap.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank comparisons")
+    ap.add_argument("--quick", action="store_true", help="small networks (lenet5 batch 8, mesh_tiny 32²)")
+    ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed for each run")
+    ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.torch_worker is not None:
+        return torch_worker(json.loads(args.torch_worker))
+    try:
+        import torch  # noqa: F401  (the peer)
+    except ImportError:
+        print("lbannpy.bench peer: needs PyTorch (pip install torch)", file=sys.stderr)
+        return 2
+    known = {c.name: c for c in CASES + (BIG,)}
+    if args.quick:
+        cases = QUICK
+    else:
+        unknown = [m for m in args.models if m not in known]
+        if unknown:
+            print(f"lbannpy.bench peer: unknown model(s) {unknown}; choose from {sorted(known)}",
+                  file=sys.stderr)
+            return 2
+        cases = tuple(known[m] for m in args.models)
+    if args.rounds < 1 or args.steps < 2:
+        print("lbannpy.bench peer: --rounds must be >= 1 and --steps >= 2", file=sys.stderr)
+        return 2
+    work = args.dir or tempfile.mkdtemp(prefix="lbannpy-peer-")
+    os.makedirs(work, exist_ok=True)
+    print(f"lbannpy.bench peer: {args.rounds} round(s) of {args.steps} steps, one BLAS thread per process, "
+          f"float32, SGD momentum {OPTIMIZER['momentum']}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    try:
+        tables = compare(cases, args.rounds, args.steps, not args.no_two_ranks, work, args.timeout)
+    except PeerError as e:
+        print(f"lbannpy.bench peer: {e}", file=sys.stderr)
+        return 1
+    for title, rows in tables:
+        print(f"\n{title}")
+        for row in rows:
+            print(row.line())
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}; work files in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

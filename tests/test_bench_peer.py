@@ -1,0 +1,79 @@
+"""`python -m lbannpy.bench peer`: the PyTorch network is lbannpy's (parameter counts, refused when they
+differ), the data it writes fits the model, and the quick run prints its three tables."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lbannpy.bench import peer  # noqa: E402
+
+
+SMALL = [peer.Case("lenet5", "lenet5", 32, 4), peer.Case("mesh_tiny", "mesh_tiny", 32, 2)]
+
+
+@pytest.mark.parametrize("case", SMALL + [peer.Case("alexnet", "alexnet", 128, 2)])
+def test_the_pytorch_network_has_lbannpys_parameter_count(case):
+    from lbannpy.export import torch_module_source
+
+    spec, params, out_shape = peer.network(case)
+    space = {}
+    exec(compile(torch_module_source(spec["model"]), "<net>", "exec"), space)
+    net = space["Net"]()
+    assert sum(p.numel() for p in net.parameters()) == params
+    x = torch.zeros(case.batch, spec["model"]["input"]["channels"], case.size, case.size)
+    assert tuple(net(x).shape) == out_shape
+
+
+def test_the_worker_refuses_a_different_network(tmp_path):
+    case = peer.Case("lenet5", "lenet5", 32, 4)
+    _, params, _ = peer.network(case)
+    args = {"zoo": "lenet5", "size": 32, "batch": 4, "layout": "nchw", "steps": 2, "params": params + 1,
+            "rendezvous": str(tmp_path / "r"), "result": str(tmp_path / "res")}
+    with pytest.raises(peer.PeerError, match="not the same network"):
+        peer.torch_worker(args)
+    args["params"] = params  # the control: the right count runs and leaves its result
+    assert peer.torch_worker(args) == 0
+    with open(tmp_path / "res.0.json") as f:
+        assert json.load(f)["median_step_s"] > 0
+
+
+@pytest.mark.parametrize("case", SMALL)
+def test_the_data_fits_the_model(tmp_path, case):
+    spec, _, out_shape = peer.network(case)
+    path = tmp_path / "d.h5"
+    peer.write_data(str(path), spec, out_shape, 6)
+    with h5py.File(path, "r") as f:
+        x, y = f["inputs"], f["labels"][...]
+        assert x.shape == (6, spec["model"]["input"]["channels"], case.size, case.size)
+        assert x.dtype == np.float32 and np.isfinite(x[...]).all()
+        assert y.shape == ((6, case.size, case.size) if len(out_shape) > 2 else (6,))
+        assert y.min() >= 0 and y.max() < out_shape[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_run_prints_the_three_tables(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "lbannpy.bench", "peer", "--quick", "--rounds", "1", "--steps", "3",
+           "--dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=580)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    for title in ("1 process: lbannpy / PyTorch", "2 ranks data parallel", "2 ranks splitting"):
+        assert title in out, out
+    ratios = re.findall(r"ratio\s+([0-9.]+)x", out)
+    assert len(ratios) == 6, out  # two networks in each of the three tables
+    assert all(float(r) > 0 for r in ratios)
+
+
+def test_bad_arguments_get_one_line():
+    p = subprocess.run([sys.executable, "-m", "lbannpy.bench", "peer", "--models", "resnet9"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown model" in p.stderr and "Traceback" not in p.stderr
