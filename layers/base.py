@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lbannpy.dist import Box, Distribution, DistributionError, Stencil, box_shape, box_size, shape_str
+from lbannpy.dist import Box, Distribution, DistributionError, box_shape, box_size, shape_str
+from lbannpy.stencil import Stencil
 from lbannpy.shuffle import same_layout, shuffle_plan
 from lbannpy.tensor import DistTensor
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 
 from lbannpy.config.types import REQUIRED, Bool, Key, Padding, PerDim, Int
-from lbannpy.dist import Distribution, Stencil
+from lbannpy.dist import Distribution
+from lbannpy.stencil import Stencil
 
 from . import kernels as K
 from .base import Layer, LayerError

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 from lbannpy.config.types import Bool, Int, Key, Padding, PerDim, Str
-from lbannpy.dist import Distribution, Stencil
+from lbannpy.dist import Distribution
+from lbannpy.stencil import Stencil
 
 from . import kernels as K
 from .base import Layer, LayerError

@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from lbannpy.dist import Distribution, DistributionError, Stencil, shape_str
+from lbannpy.dist import Distribution, DistributionError, shape_str
+from lbannpy.stencil import Stencil
 
 #: names a layer's ``parents`` use for the model input; no layer may take one of them as its name
 INPUT_NAMES = ("x", "input")

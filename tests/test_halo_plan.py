@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from lbannpy.comm.base import CommError
 from lbannpy.comm.single import SingleCommunicator
-from lbannpy.dist import (Distribution, DistributionError, Stencil, Window1D, box_contains, box_shape,
-                          box_size, clip_box, intersect)
+from lbannpy.dist import (Distribution, DistributionError, box_contains, box_shape, box_size, clip_box,
+                          intersect)
+from lbannpy.stencil import Stencil, Window1D
 from lbannpy.halo import TAG_LIMIT, HaloPlan, check_halo, halo_plan, window_of
 
 SETTINGS = settings(max_examples=80, deadline=None)

@@ -13,7 +13,8 @@ from lbannpy import dist as D
 from lbannpy import tensor as T
 from lbannpy.comm.loopback import LoopbackCommunicator
 from lbannpy.comm.recording import RecordingCommunicator
-from lbannpy.dist import Distribution, DistributionError, Stencil, empty_block, empty_block_brute
+from lbannpy.dist import Distribution, DistributionError, empty_block, empty_block_brute
+from lbannpy.stencil import Stencil
 from lbannpy.halo import HaloPlan
 
 

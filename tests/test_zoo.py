@@ -86,7 +86,7 @@ TORCH_CASES = [TorchCase("lenet5", 32), TorchCase("alexnet", 96), TorchCase("vgg
 
 def _pads(padding, kernel, nsp):
     """(lo, hi) per spatial dim, as dist.parse_padding reads the spec."""
-    from lbannpy.dist import Stencil
+    from lbannpy.stencil import Stencil
     st = Stencil.conv(nsp + 2, kernel, 1, padding, 1)
     return [(w.pad_lo, w.pad_hi) for w in st.dims[2:]]
 

@@ -104,7 +104,7 @@ def time_kernel(comm, xp, dist, shape: tuple[int, ...], k: int, args, model: Mod
     """One row of the halo table: a k×k 'same' stencil's exchange alone, its local part, the interior work
     alone and overlapped with the exchange (in one piece and in ``args.pokes`` pieces). Collective over
     ``comm``."""
-    from lbannpy.dist import Stencil
+    from lbannpy.stencil import Stencil
     from lbannpy.halo import HaloPlan
 
     me = comm.rank

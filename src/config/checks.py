@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import re
 
-from ..dist import DIM_NAMES, Distribution, DistributionError, Stencil
+from ..dist import DIM_NAMES, Distribution, DistributionError
+from ..stencil import Stencil
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import INPUT_NAMES, LAYER_TYPES, normalize
 

@@ -215,7 +215,7 @@ class PerDim(Type):
 @dataclass(frozen=True)
 class Padding(Type):
     """``int >= 0``, ``'same'``, ``'valid'``, ``[lo, hi]`` or a per-dimension list of those
-    (as in :meth:`lbannpy.dist.Stencil.conv`: a two-int list means ``[lo, hi]`` only for one spatial
+    (as in :meth:`lbannpy.stencil.Stencil.conv`: a two-int list means ``[lo, hi]`` only for one spatial
     dimension, otherwise one entry per dimension)."""
 
     words: tuple[str, ...] = ("same", "valid")

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 
 from lbannpy.layers.registry import INPUT_NAMES, LayerArgs, ShapeError, layer_spec, layer_specs, loss_specs
 
-from ..dist import Stencil, shape_str
+from ..dist import shape_str
+from ..stencil import Stencil
 
 __all__ = ["INPUT_NAMES", "ShapeError", "Node", "ModelGraph", "build_graph"]
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from lbannpy.backend import array_module, to_numpy
-from lbannpy.dist import Distribution, DistributionError, Stencil, clip_box, relative_slices
+from lbannpy.dist import Distribution, DistributionError, clip_box, relative_slices
+from lbannpy.stencil import Stencil
 from lbannpy.halo import HaloPlan, check_halo, window_of
 from lbannpy.tensor import adjoint_gap, pack, unpack
 from mpi_util import assert_all, raises_all
