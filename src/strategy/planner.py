@@ -198,7 +198,8 @@ def layer_candidates(node: Node, ranks: int, machine: MachineModel, *, inherited
     for i, c in enumerate(kept[max_candidates:]):
         if c not in final:
             dropped.append(Dropped(c.dist, f"pruned: standalone cost {c.cost.total_s * 1e3:.3f} ms ranks "
-                                           f"#{max_candidates + i + 1} (keeping the {max_candidates} cheapest)"))
+                                           f"#{max_candidates + i + 1} (keeping the {max_candidates} "
+                                           f"cheapest)"))
     return final, dropped
 
 
@@ -209,8 +210,8 @@ def _cached_cost(node: Node, d: Distribution, machine: MachineModel, reads_input
                  ) -> LayerCost:
     """layer_cost memoised on what it depends on: layers of one shape and kind (Inception, ResNet repeat
     them) share an entry."""
-    key = (node.type, node.in_shapes, node.out_shape, node.n_params, node.flops_fwd, node.stencil, d, machine, id(machine.measured),
-           reads_input, optimizer)
+    key = (node.type, node.in_shapes, node.out_shape, node.n_params, node.flops_fwd, node.stencil, d, machine,
+           id(machine.measured), reads_input, optimizer)
     c = _COST_CACHE.get(key)
     if c is None:
         if len(_COST_CACHE) > 200_000:
@@ -303,42 +304,12 @@ def plan(spec: Mapping[str, Any] | ModelGraph, ranks: int,
     if memory_gib is not None:
         mach = mach.with_memory(memory_gib)
     limit = int(mach.memory_per_device_gib * GIB)
-    optimizer = "sgd"
-    if isinstance(spec, ModelGraph):
-        graph = spec
-    else:
-        model = spec.get("model", spec)
-        if batch_size is None:
-            batch_size = int((spec.get("trainer") or {}).get("batch_size", 1)) if "model" in spec else 1
-        optimizer = str(((spec.get("optimizer") or {}) if "model" in spec else {}).get("type", "sgd"))
-        graph = build_graph(model, batch_size)
-
-    cands: dict[str, list[Candidate]] = {}
-    dropped: dict[str, list[Dropped]] = {}
-    for node in graph:
-        inherited = [c.dist for p in node.parents if p not in INPUT_NAMES for c in cands[p]]
-        kept, drop = layer_candidates(node, ranks, mach, inherited=inherited, reads_input=_reads_input(node),
-                                      memory_limit_bytes=limit, max_candidates=max_candidates,
-                                      imbalance_tol=imbalance_tol, optimizer=optimizer)
-        if not kept:
-            reasons = "; ".join(f"{d.dist}: {d.reason}" for d in drop[:6])
-            raise PlanError(f"layer {node.name!r} ({node.type}, output {node.out_shape}) has no usable "
-                            f"distribution on {ranks} ranks: {reasons}")
-        cands[node.name] = kept
-        dropped[node.name] = drop
-
+    graph, optimizer = _graph_of(spec, batch_size)
+    cands, dropped = _candidates(graph, ranks, mach, limit, max_candidates, imbalance_tol, optimizer)
     order = [n.name for n in graph]
     node_time = {n: np.array([c.cost.total_s for c in cands[n]]) for n in order}
     node_mem = {n: np.array([float(c.cost.mem_persistent_bytes) for c in cands[n]]) for n in order}
-    edges = []
-    for node in graph:
-        for p, shape in zip(node.parents, node.in_shapes):
-            if p in INPUT_NAMES:
-                continue
-            dsts = [required_input(node, c.dist, shape) for c in cands[node.name]]
-            uniq = list(dict.fromkeys(dsts))
-            m = redistribution_matrix(shape, [c.dist for c in cands[p]], uniq, mach)
-            edges.append((p, node.name, m[:, [uniq.index(d) for d in dsts]]))
+    edges = _edges(graph, cands, mach)
     t1 = time.perf_counter()
 
     children = graph.children()
@@ -360,34 +331,8 @@ def plan(spec: Mapping[str, Any] | ModelGraph, ranks: int,
     messages = []
     result, chosen = run(0.0)
     if chosen.memory_bytes > limit:
-        first = chosen
-        lo, hi = 0.0, chosen.step_s / max(chosen.memory_bytes - limit, 1)
-        ok = None
-        for _ in range(40):
-            res, sc = run(hi)
-            if sc.memory_bytes <= limit:
-                ok = (res, sc)
-                break
-            lo, hi = hi, hi * 4
-        if ok is None:
-            leanest = max(min(c.cost.mem_persistent_bytes for c in cands[n]) for n in order)
-            raise PlanError(
-                f"no strategy fits {limit / GIB:.2f} GiB per rank on {ranks} ranks: the fastest needs "
-                f"{first.memory_bytes / GIB:.2f} GiB and even pricing memory in leaves "
-                f"{sc.memory_bytes / GIB:.2f} GiB; use more ranks (more spatial parallelism), a smaller batch "
-                f"or a larger --memory (the largest layer needs at least {leanest / GIB:.2f} GiB)")
-        for _ in range(12):  # bisect towards the smallest price that still fits (faster strategies)
-            mid = (lo + hi) / 2
-            res, sc = run(mid)
-            if sc.memory_bytes <= limit:
-                hi, ok = mid, (res, sc)
-            else:
-                lo = mid
-        result, chosen = ok
-        messages.append(
-            f"memory: the fastest strategy needs {first.memory_bytes / GIB:.2f} GiB per rank > limit "
-            f"{limit / GIB:.2f} GiB; chose the fastest found that fits ({chosen.memory_bytes / GIB:.2f} GiB, "
-            f"{chosen.step_s * 1e3:.2f} ms vs {first.step_s * 1e3:.2f} ms)")
+        result, chosen, note = _fit_memory(run, chosen, limit, ranks, cands)
+        messages.append(note)
     if not result.complete:
         messages.append(result.message)
     t2 = time.perf_counter()
@@ -401,3 +346,83 @@ def plan(spec: Mapping[str, Any] | ModelGraph, ranks: int,
         for name, dists in baseline_strategies(graph, ranks).items():
             out.baselines[name] = evaluate_strategy(graph, dists, mach, optimizer)
     return out
+
+
+def _graph_of(spec, batch_size: int | None) -> tuple[ModelGraph, str]:
+    """The layer graph of a spec (full, its ``model`` tree, or a graph) and the optimizer it trains with."""
+    if isinstance(spec, ModelGraph):
+        return spec, "sgd"
+    model = spec.get("model", spec)
+    if batch_size is None:
+        batch_size = int((spec.get("trainer") or {}).get("batch_size", 1)) if "model" in spec else 1
+    optimizer = str(((spec.get("optimizer") or {}) if "model" in spec else {}).get("type", "sgd"))
+    return build_graph(model, batch_size), optimizer
+
+
+def _candidates(graph: ModelGraph, ranks: int, mach: MachineModel, limit: int, max_candidates: int,
+                imbalance_tol: float, optimizer: str
+                ) -> tuple[dict[str, list[Candidate]], dict[str, list[Dropped]]]:
+    """Each layer's kept candidate distributions (priced) and the dropped ones with their reasons; a layer
+    with none left is a :class:`PlanError` naming the first reasons."""
+    cands: dict[str, list[Candidate]] = {}
+    dropped: dict[str, list[Dropped]] = {}
+    for node in graph:
+        inherited = [c.dist for p in node.parents if p not in INPUT_NAMES for c in cands[p]]
+        kept, drop = layer_candidates(node, ranks, mach, inherited=inherited, reads_input=_reads_input(node),
+                                      memory_limit_bytes=limit, max_candidates=max_candidates,
+                                      imbalance_tol=imbalance_tol, optimizer=optimizer)
+        if not kept:
+            reasons = "; ".join(f"{d.dist}: {d.reason}" for d in drop[:6])
+            raise PlanError(f"layer {node.name!r} ({node.type}, output {node.out_shape}) has no usable "
+                            f"distribution on {ranks} ranks: {reasons}")
+        cands[node.name] = kept
+        dropped[node.name] = drop
+    return cands, dropped
+
+
+def _edges(graph: ModelGraph, cands: Mapping[str, list[Candidate]], mach: MachineModel) -> list:
+    """``(parent, child, matrix)`` per graph edge: the redistribution seconds from each parent candidate to
+    the input each child candidate requires."""
+    edges = []
+    for node in graph:
+        for p, shape in zip(node.parents, node.in_shapes):
+            if p in INPUT_NAMES:
+                continue
+            dsts = [required_input(node, c.dist, shape) for c in cands[node.name]]
+            uniq = list(dict.fromkeys(dsts))
+            m = redistribution_matrix(shape, [c.dist for c in cands[p]], uniq, mach)
+            edges.append((p, node.name, m[:, [uniq.index(d) for d in dsts]]))
+    return edges
+
+
+def _fit_memory(run, first: StrategyCost, limit: int, ranks: int, cands: Mapping[str, list[Candidate]]
+                ) -> tuple[SearchResult, StrategyCost, str]:
+    """The fastest strategy under the memory ``limit``: memory is priced in (``run(price)``) at growing
+    prices until a strategy fits, then the price is bisected down towards faster ones that still fit."""
+    lo, hi = 0.0, first.step_s / max(first.memory_bytes - limit, 1)
+    ok = None
+    for _ in range(40):
+        res, sc = run(hi)
+        if sc.memory_bytes <= limit:
+            ok = (res, sc)
+            break
+        lo, hi = hi, hi * 4
+    if ok is None:
+        leanest = max(min(c.cost.mem_persistent_bytes for c in cs) for cs in cands.values())
+        raise PlanError(
+            f"no strategy fits {limit / GIB:.2f} GiB per rank on {ranks} ranks: the fastest needs "
+            f"{first.memory_bytes / GIB:.2f} GiB and even pricing memory in leaves "
+            f"{sc.memory_bytes / GIB:.2f} GiB; use more ranks (more spatial parallelism), a smaller batch "
+            f"or a larger --memory (the largest layer needs at least {leanest / GIB:.2f} GiB)")
+    for _ in range(12):  # bisect towards the smallest price that still fits (faster strategies)
+        mid = (lo + hi) / 2
+        res, sc = run(mid)
+        if sc.memory_bytes <= limit:
+            hi, ok = mid, (res, sc)
+        else:
+            lo = mid
+    result, chosen = ok
+    note = (f"memory: the fastest strategy needs {first.memory_bytes / GIB:.2f} GiB per rank > limit "
+            f"{limit / GIB:.2f} GiB; chose the fastest found that fits ({chosen.memory_bytes / GIB:.2f} GiB, "
+            f"{chosen.step_s * 1e3:.2f} ms vs {first.step_s * 1e3:.2f} ms)")
+    return result, chosen, note

@@ -145,6 +145,17 @@ def eliminate(problem: Problem, time_budget_s: float | None = None) -> SearchRes
     assignment found so far is returned with ``complete=False`` and a message.
     """
     t0 = time.perf_counter()
+    cost, edges, rest, undo = _reduce(problem)
+    best_a, complete, message = _enumerate(rest, cost, edges, t0, time_budget_s)
+    assign = _unwind(undo, dict(best_a))
+    total = problem.evaluate(assign)
+    return SearchResult(assign, total, "elimination", complete, message, len(rest), time.perf_counter() - t0)
+
+
+def _reduce(problem: Problem) -> tuple[dict, dict, list[str], list[tuple]]:
+    """Node and edge eliminations (eq. 2, 3) and leaf folding until none applies; returns the reduced node
+    costs and edges, the layers left (in problem order) and the undo log that recovers the eliminated
+    layers' choices from their neighbours'."""
     cost = {n: np.asarray(c, dtype=float).copy() for n, c in problem.node_costs.items()}
     edges: dict[tuple[str, str], np.ndarray] = {}
     out_n: dict[str, set[str]] = {n: set() for n in problem.order}
@@ -166,7 +177,6 @@ def eliminate(problem: Problem, time_budget_s: float | None = None) -> SearchRes
     for u, v, m in problem.edges:
         add_edge(u, v, m)
     alive = set(problem.order)
-    const = 0.0
     undo: list[tuple] = []
     work = list(reversed(problem.order))
     while work:
@@ -198,53 +208,56 @@ def eliminate(problem: Problem, time_budget_s: float | None = None) -> SearchRes
                 undo.append(("to", j, k, arg))
                 touched = (k,)
         elif ins + outs == 0 and len(alive) > 1:
-            a = int(cost[j].argmin())
-            const += float(cost[j][a])
-            undo.append(("alone", j, a))
+            undo.append(("alone", j, int(cost[j].argmin())))
             touched = ()
         else:
             continue
         alive.discard(j)
         work.extend(touched)
+    return cost, edges, [n for n in problem.order if n in alive], undo
 
-    rest = [n for n in problem.order if n in alive]
+
+def _enumerate(rest: list[str], cost: dict, edges: dict, t0: float, time_budget_s: float | None
+               ) -> tuple[dict[str, int], bool, str]:
+    """The best assignment of the layers left, by enumeration (each layer's cheapest candidate first), with
+    ``complete=False`` and a message when the time budget ran out."""
     complete, message = True, ""
     best_a: dict[str, int] = {}
     best = math.inf
-    if rest:
-        rest_edges = [(u, v, m) for (u, v), m in edges.items()]
-        n_comb = math.prod(len(cost[n]) for n in rest)
-        start = {n: int(cost[n].argmin()) for n in rest}
-        ranges = [range(len(cost[n])) for n in rest]
-        checked = 0
-        for combo in itertools.chain([tuple(start[n] for n in rest)], itertools.product(*ranges)):
-            a = dict(zip(rest, combo))
-            c = sum(cost[n][a[n]] for n in rest) + sum(m[a[u], a[v]] for u, v, m in rest_edges)
-            if c < best:
-                best, best_a = float(c), a
-            checked += 1
-            if time_budget_s is not None and checked % 512 == 0 and time.perf_counter() - t0 > time_budget_s:
-                complete = False
-                message = (f"time budget of {time_budget_s:g} s hit after {checked - 1:,} of {n_comb:,} "
-                           f"assignments of the {len(rest)} layers left after eliminations; returning the best "
-                           f"found so far (raise the budget for the optimum)")
-                break
-    else:
-        best = 0.0
-    assign = dict(best_a)
+    if not rest:
+        return best_a, complete, message
+    rest_edges = [(u, v, m) for (u, v), m in edges.items()]
+    n_comb = math.prod(len(cost[n]) for n in rest)
+    start = {n: int(cost[n].argmin()) for n in rest}
+    ranges = [range(len(cost[n])) for n in rest]
+    checked = 0
+    for combo in itertools.chain([tuple(start[n] for n in rest)], itertools.product(*ranges)):
+        a = dict(zip(rest, combo))
+        c = sum(cost[n][a[n]] for n in rest) + sum(m[a[u], a[v]] for u, v, m in rest_edges)
+        if c < best:
+            best, best_a = float(c), a
+        checked += 1
+        if time_budget_s is not None and checked % 512 == 0 and time.perf_counter() - t0 > time_budget_s:
+            complete = False
+            message = (f"time budget of {time_budget_s:g} s hit after {checked - 1:,} of {n_comb:,} "
+                       f"assignments of the {len(rest)} layers left after eliminations; returning the best "
+                       f"found so far (raise the budget for the optimum)")
+            break
+    return best_a, complete, message
+
+
+def _unwind(undo: list[tuple], assign: dict[str, int]) -> dict[str, int]:
+    """The eliminated layers' choices, from the last elimination back to the first."""
     for step in reversed(undo):
         kind, j = step[0], step[1]
         if kind == "node":
             _, _, i, k, arg = step
             assign[j] = int(arg[assign[i], assign[k]])
-        elif kind == "from":
-            assign[j] = int(step[3][assign[step[2]]])
-        elif kind == "to":
+        elif kind in ("from", "to"):
             assign[j] = int(step[3][assign[step[2]]])
         else:
             assign[j] = step[2]
-    total = problem.evaluate(assign)
-    return SearchResult(assign, total, "elimination", complete, message, len(rest), time.perf_counter() - t0)
+    return assign
 
 
 def longest_path_heuristic(problem: Problem) -> SearchResult:
