@@ -76,115 +76,141 @@ def _contenders(case: BenchCase, dtype, device: str = "cpu"):
     wall time is the time of the work, not of its launch."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
-
-    from lbannpy.layers import kernels as K
 
     rng = np.random.default_rng(0)
     host = rng.standard_normal((case.batch, case.channels, case.size, case.size)).astype(dtype)
-    if device == "gpu":
-        import cupy
-
-        xp, tdev = cupy, torch.device("cuda")
-
-        def done():
-            cupy.cuda.get_current_stream().synchronize()
-            torch.cuda.synchronize()
-    else:
-        xp, tdev = np, torch.device("cpu")
-
-        def done():
-            pass
+    xp, tdev, done = _device(device)
 
     def tt(a):
         """A torch tensor on the benchmark's device from a host array."""
         return torch.from_numpy(a).to(tdev)
 
+    pair = {"conv": _conv_pair, "maxpool": _maxpool_pair}.get(case.kind, _batchnorm_pair)
+    ours, torch_fn = pair(case, dtype, rng, host, xp, tt, done)
+    return {"ours": ours, "torch NCHW": torch_fn(torch.contiguous_format),
+            "torch NHWC": torch_fn(torch.channels_last)}
+
+
+def _device(device: str):
+    """``(xp, torch device, done)``: the array module, PyTorch's device, and the call that waits for both
+    (a no-op on the CPU)."""
+    import numpy as np
+    import torch
+
+    if device == "gpu":
+        import cupy
+
+        def done():
+            cupy.cuda.get_current_stream().synchronize()
+            torch.cuda.synchronize()
+        return cupy, torch.device("cuda"), done
+    return np, torch.device("cpu"), lambda: None
+
+
+def _conv_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
+    import torch
+    import torch.nn.functional as F
+
+    from lbannpy.layers import kernels as K
+
     x = xp.asarray(host)
-    out = {}
-    if case.kind == "conv":
-        w_h = rng.standard_normal((case.filters, case.channels, case.kernel, case.kernel)) * 0.1
-        w_h = w_h.astype(dtype)
-        b_h = rng.standard_normal(case.filters).astype(dtype)
-        pad, s = case.kernel // 2, case.stride
-        y_shape = K.conv_forward(K.pad_spatial(host[:1], pad), w_h, b_h, s).shape[1:]
-        dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
-        w, b, dy = xp.asarray(w_h), xp.asarray(b_h), xp.asarray(dy_h)
+    w_h = rng.standard_normal((case.filters, case.channels, case.kernel, case.kernel)) * 0.1
+    w_h = w_h.astype(dtype)
+    b_h = rng.standard_normal(case.filters).astype(dtype)
+    pad, s = case.kernel // 2, case.stride
+    y_shape = K.conv_forward(K.pad_spatial(host[:1], pad), w_h, b_h, s).shape[1:]
+    dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+    w, b, dy = xp.asarray(w_h), xp.asarray(b_h), xp.asarray(dy_h)
 
-        # buffers as the Conv layer has them where it reads the model input, as these 18-channel mesh
-        # layers do: its window (kept from step to step there) and the window gradient (a workspace
-        # shared by all layers) are allocated once; the output and the input gradient are fresh arrays
-        window = xp.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
-        dwindow = xp.empty_like(window)
+    # buffers as the Conv layer has them where it reads the model input, as these 18-channel mesh
+    # layers do: its window (kept from step to step there) and the window gradient (a workspace
+    # shared by all layers) are allocated once; the output and the input gradient are fresh arrays
+    window = xp.empty((case.batch, case.channels) + tuple(n + 2 * pad for n in x.shape[2:]), dtype)
+    dwindow = xp.empty_like(window)
 
-        def ours():
-            xw = K.pad_spatial(x, pad, out=window)
-            K.conv_forward(xw, w, b, s)
-            dxw = K.conv_backward_data(dy, w, xw.shape, s, out=dwindow)
-            xp.ascontiguousarray(K.crop_spatial(dxw, pad))
-            K.conv_backward_filter(xw, dy, w.shape, s)
-            K.conv_backward_bias(dy)
+    def ours():
+        xw = K.pad_spatial(x, pad, out=window)
+        K.conv_forward(xw, w, b, s)
+        dxw = K.conv_backward_data(dy, w, xw.shape, s, out=dwindow)
+        xp.ascontiguousarray(K.crop_spatial(dxw, pad))
+        K.conv_backward_filter(xw, dy, w.shape, s)
+        K.conv_backward_bias(dy)
+        done()
+
+    def torch_fn(fmt):
+        xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+        wt = tt(w_h).contiguous(memory_format=fmt).requires_grad_()
+        bt = tt(b_h).requires_grad_()
+        dyt = tt(dy_h).contiguous(memory_format=fmt)
+
+        def run():
+            yt = F.conv2d(xt, wt, bt, s, pad)
+            torch.autograd.grad(yt, (xt, wt, bt), dyt)
             done()
+        return run
+    return ours, torch_fn
 
-        def torch_fn(fmt):
-            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
-            wt = tt(w_h).contiguous(memory_format=fmt).requires_grad_()
-            bt = tt(b_h).requires_grad_()
-            dyt = tt(dy_h).contiguous(memory_format=fmt)
 
-            def run():
-                yt = F.conv2d(xt, wt, bt, s, pad)
-                torch.autograd.grad(yt, (xt, wt, bt), dyt)
-                done()
-            return run
-    elif case.kind == "maxpool":
-        k, s = case.kernel, case.stride
-        y_shape = K.max_pool_forward(host[:1], k, s)[0].shape[1:]
-        dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
-        dy = xp.asarray(dy_h)
+def _maxpool_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
+    import torch
+    import torch.nn.functional as F
 
-        def ours():
-            _, arg = K.max_pool_forward(x, k, s)
-            K.max_pool_backward(dy, arg, x.shape, k, s)
+    from lbannpy.layers import kernels as K
+
+    x = xp.asarray(host)
+    k, s = case.kernel, case.stride
+    y_shape = K.max_pool_forward(host[:1], k, s)[0].shape[1:]
+    dy_h = rng.standard_normal((case.batch,) + y_shape).astype(dtype)
+    dy = xp.asarray(dy_h)
+
+    def ours():
+        _, arg = K.max_pool_forward(x, k, s)
+        K.max_pool_backward(dy, arg, x.shape, k, s)
+        done()
+
+    def torch_fn(fmt):
+        xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+        dyt = tt(dy_h).contiguous(memory_format=fmt)
+
+        def run():
+            torch.autograd.grad(F.max_pool2d(xt, k, s), (xt,), dyt)
             done()
+        return run
+    return ours, torch_fn
 
-        def torch_fn(fmt):
-            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
-            dyt = tt(dy_h).contiguous(memory_format=fmt)
 
-            def run():
-                torch.autograd.grad(F.max_pool2d(xt, k, s), (xt,), dyt)
-                done()
-            return run
-    else:
-        gamma_h = rng.standard_normal(case.channels).astype(dtype)
-        beta_h = rng.standard_normal(case.channels).astype(dtype)
-        dy_h = rng.standard_normal(x.shape).astype(dtype)
-        gamma, beta, dy = xp.asarray(gamma_h), xp.asarray(beta_h), xp.asarray(dy_h)
-        eps = 1e-5
+def _batchnorm_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
+    import torch
+    import torch.nn.functional as F
 
-        def ours():
-            total, total_sq, count = K.bn_local_stats(x)
-            mean, var = K.bn_mean_var(total, total_sq, count)
-            K.bn_forward(x, mean, var, gamma, beta, eps)
-            sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, eps)
-            K.bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count)
+    from lbannpy.layers import kernels as K
+
+    x = xp.asarray(host)
+    gamma_h = rng.standard_normal(case.channels).astype(dtype)
+    beta_h = rng.standard_normal(case.channels).astype(dtype)
+    dy_h = rng.standard_normal(x.shape).astype(dtype)
+    gamma, beta, dy = xp.asarray(gamma_h), xp.asarray(beta_h), xp.asarray(dy_h)
+    eps = 1e-5
+
+    def ours():
+        total, total_sq, count = K.bn_local_stats(x)
+        mean, var = K.bn_mean_var(total, total_sq, count)
+        K.bn_forward(x, mean, var, gamma, beta, eps)
+        sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, eps)
+        K.bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count)
+        done()
+
+    def torch_fn(fmt):
+        xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
+        gt, bt = tt(gamma_h).requires_grad_(), tt(beta_h).requires_grad_()
+        dyt = tt(dy_h).contiguous(memory_format=fmt)
+
+        def run():
+            yt = F.batch_norm(xt, None, None, gt, bt, training=True, eps=eps)
+            torch.autograd.grad(yt, (xt, gt, bt), dyt)
             done()
-
-        def torch_fn(fmt):
-            xt = tt(host).contiguous(memory_format=fmt).requires_grad_()
-            gt, bt = tt(gamma_h).requires_grad_(), tt(beta_h).requires_grad_()
-            dyt = tt(dy_h).contiguous(memory_format=fmt)
-
-            def run():
-                yt = F.batch_norm(xt, None, None, gt, bt, training=True, eps=eps)
-                torch.autograd.grad(yt, (xt, gt, bt), dyt)
-                done()
-            return run
-    out["ours"] = ours
-    out["torch NCHW"] = torch_fn(torch.contiguous_format)
-    out["torch NHWC"] = torch_fn(torch.channels_last)
-    return out
+        return run
+    return ours, torch_fn
 
 
 MIN_TIMED_S = 0.3  # per contender: short calls are repeated more, up to MAX_REPEATS, for a steadier median
