@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from lbannpy.training.errors import EXIT_USER_ERROR, UserError
+from lbannpy.training.errors import EXIT_USER_ERROR, UserError, agree_on_error, user_errors
 
 SUBSETS = ("all", "train", "validation")
 
@@ -203,31 +203,43 @@ def predict(cfg: dict, rt, args) -> dict:
                     row += len(p)
         metrics = {k: v / n_full for k, v in totals.items()} if n_full else {}
         if fout is not None:
-            fout.attrs["checkpoint"] = os.path.abspath(ckpt_path)
-            fout.attrs["step"] = step
-            fout.attrs["data"] = os.path.abspath(args.data)
-            fout.attrs["subset"] = args.subset
-            fout.attrs["model"] = str(cfg["model"].get("name", ""))
-            for k, v in metrics.items():
-                fout.attrs[f"metric_{k}"] = v
-            fout.attrs["metric_batches"] = n_full
+            _provenance(fout, cfg, args, ckpt_path, step, metrics, n_full)
     finally:
         if fout is not None:
             fout.close()
     if world.rank == 0:
-        where = f"{len(ids)} sample(s) of {args.data} ({args.subset})"
-        sys.stdout.write(f"lbannpy.predict: {cfg['model'].get('name', 'model')} at step {step} from "
-                         f"{ckpt_path} on {where}, {world.size} rank(s) -> {args.output}\n")
-        if metrics:
-            sys.stdout.write("lbannpy.predict: " + ", ".join(f"{k} {v:.6f}" for k, v in metrics.items())
-                             + f" (mean over {n_full} full batch{'es' if n_full != 1 else ''} of {bsz}, "
-                               f"as the trainer's validation)\n")
-        if args.png:
-            png = os.path.splitext(args.output)[0] + ".png"
-            draw(args.data, names, args.output, png, args.png, args.channel)
-            sys.stdout.write(f"lbannpy.predict: {min(args.png, len(ids))} sample(s) drawn in {png}\n")
-        sys.stdout.flush()
+        _report(cfg, args, ckpt_path, step, len(ids), world.size, metrics, n_full, bsz)
     return metrics
+
+
+def _provenance(fout, cfg: dict, args, ckpt_path: str, step: int, metrics: dict, n_full: int) -> None:
+    """Rank 0: where the probabilities come from (checkpoint, step, data, subset, model) and the metrics, as
+    attributes of the output file."""
+    fout.attrs["checkpoint"] = os.path.abspath(ckpt_path)
+    fout.attrs["step"] = step
+    fout.attrs["data"] = os.path.abspath(args.data)
+    fout.attrs["subset"] = args.subset
+    fout.attrs["model"] = str(cfg["model"].get("name", ""))
+    for k, v in metrics.items():
+        fout.attrs[f"metric_{k}"] = v
+    fout.attrs["metric_batches"] = n_full
+
+
+def _report(cfg: dict, args, ckpt_path: str, step: int, n_ids: int, ranks: int, metrics: dict, n_full: int,
+            bsz: int) -> None:
+    """Rank 0: what was predicted, the metrics, and the drawing when ``--png`` asks for one."""
+    where = f"{n_ids} sample(s) of {args.data} ({args.subset})"
+    sys.stdout.write(f"lbannpy.predict: {cfg['model'].get('name', 'model')} at step {step} from "
+                     f"{ckpt_path} on {where}, {ranks} rank(s) -> {args.output}\n")
+    if metrics:
+        sys.stdout.write("lbannpy.predict: " + ", ".join(f"{k} {v:.6f}" for k, v in metrics.items())
+                         + f" (mean over {n_full} full batch{'es' if n_full != 1 else ''} of {bsz}, "
+                           f"as the trainer's validation)\n")
+    if args.png:
+        png = os.path.splitext(args.output)[0] + ".png"
+        draw(args.data, cfg["data"]["train"], args.output, png, args.png, args.channel)
+        sys.stdout.write(f"lbannpy.predict: {min(args.png, n_ids)} sample(s) drawn in {png}\n")
+    sys.stdout.flush()
 
 
 def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> None:
@@ -280,12 +292,8 @@ def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> No
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from lbannpy.checkpoint import CheckpointError
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
-    from lbannpy.data.dataset import DataError
-    from lbannpy.dist import DistributionError
-    from lbannpy.layers.base import LayerError
 
     try:
         cfg = apply_overrides(load_config(args.config), args.overrides)
@@ -302,18 +310,10 @@ def main(argv=None) -> int:
             set_threads(world, rt_cfg.get("threads"), "lbannpy.predict")
             try:
                 predict(cfg, rt, args)
-            except (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError,
-                    OSError) as exc:
+            except user_errors() as exc:
                 err = f"{exc}"
         # every rank took the same path up to the first collective a user error can stop; agree on exit
-        errors = world.allgather_obj(err)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            if world.rank == 0:
-                r, e = bad[0]
-                where = "" if all(x == e for _, x in bad) else f" (rank {r})"
-                sys.stderr.write(f"lbannpy.predict: error{where}: {e}\n")
-                sys.stderr.flush()
+        if agree_on_error(world, err, "lbannpy.predict"):
             return EXIT_USER_ERROR
     return 0
 

@@ -58,13 +58,9 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
-    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped
+    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped, agree_on_error, user_errors
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
-    from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, apply_overrides, load_config
-    from lbannpy.data.dataset import DataError
-    from lbannpy.dist import DistributionError
-    from lbannpy.layers.base import LayerError
 
     # the config decides the backend; reading it needs no communicator (every rank reads the same file)
     try:
@@ -94,18 +90,10 @@ def _main(args) -> int:
                               quiet=args.quiet)
             trainer.setup(resume=args.resume)
             err = None
-        except (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError,
-                OSError) as exc:
+        except user_errors() as exc:
             err = f"{exc}"
         # every rank agrees before anyone trains: a problem on any rank stops all of them cleanly
-        errors = world.allgather_obj(err)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            if world.rank == 0:
-                r, e = bad[0]
-                where = "" if all(x == e for _, x in bad) else f" (rank {r})"
-                sys.stderr.write(f"lbannpy.train: error{where}: {e}\n")
-                sys.stderr.flush()
+        if agree_on_error(world, err, "lbannpy.train"):
             return EXIT_USER_ERROR
         trainer.signals = signals
         try:
@@ -117,8 +105,8 @@ def _main(args) -> int:
             return EXIT_STOPPED
         except NonFinite as exc:
             if world.rank == 0:
-                sys.stderr.write(f"lbannpy.train: error: {exc}; metrics so far in {trainer.settings.out_dir}/, "
-                                 f"the newest checkpoint is the last good one\n")
+                sys.stderr.write(f"lbannpy.train: error: {exc}; metrics so far in "
+                                 f"{trainer.settings.out_dir}/, the newest checkpoint is the last good one\n")
                 sys.stderr.flush()
             return EXIT_NONFINITE
     return 0

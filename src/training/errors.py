@@ -1,6 +1,8 @@
 """Errors the trainer reports to the user (agreed on by all ranks, printed once, no traceback)."""
 from __future__ import annotations
 
+import sys
+
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 6  # a non-finite loss stopped the run (one line naming the step and where)
 
@@ -26,3 +28,29 @@ class NonFinite(Exception):
     def __init__(self, step: int, what: str, where: str):
         super().__init__(f"non-finite values at step {step}: {what}; first non-finite: {where}")
         self.step = step
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types a user can fix (config, data, layer, distribution, checkpoint, file system): these
+    are reported as one line, everything else as a failure with its traceback in the run directory."""
+    from lbannpy.checkpoint import CheckpointError
+    from lbannpy.config import ConfigError
+    from lbannpy.data.dataset import DataError
+    from lbannpy.dist import DistributionError
+    from lbannpy.layers.base import LayerError
+
+    return (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError, OSError)
+
+
+def agree_on_error(world, err: str | None, prog: str) -> bool:
+    """Who calls: every rank (collective). Each rank's error (or None) is gathered; when any rank has one,
+    rank 0 prints the first as ``<prog>: error[ (rank r)]: <message>`` (the rank named only when the
+    ranks disagree) and every rank returns True, so all of them stop together."""
+    errors = world.allgather_obj(err)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad and world.rank == 0:
+        r, e = bad[0]
+        where = "" if all(x == e for _, x in bad) else f" (rank {r})"
+        sys.stderr.write(f"{prog}: error{where}: {e}\n")
+        sys.stderr.flush()
+    return bool(bad)
