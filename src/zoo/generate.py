@@ -142,85 +142,103 @@ def resnet50() -> dict:
 def inception_v3() -> dict:
     """Inception-v3 (Szegedy et al. 2016) with torchvision's module layout, without the auxiliary head."""
     n = _Net()
-    eps = 0.001
-    c = n.cbr
-    x = c("conv_1a", "x", 32, 3, stride=2, eps=eps)
-    x = c("conv_2a", x, 32, 3, eps=eps)
-    x = c("conv_2b", x, 64, 3, padding=1, eps=eps)
+    c = _v3_cbr(n)
+    x = c("conv_1a", "x", 32, 3, stride=2)
+    x = c("conv_2a", x, 32, 3)
+    x = c("conv_2b", x, 64, 3, padding=1)
     x = n.add("pool_1", "pool", [x], mode="max", kernel=3, stride=2)
-    x = c("conv_3b", x, 80, 1, eps=eps)
-    x = c("conv_4a", x, 192, 3, eps=eps)
+    x = c("conv_3b", x, 80, 1)
+    x = c("conv_4a", x, 192, 3)
     x = n.add("pool_2", "pool", [x], mode="max", kernel=3, stride=2)
 
-    def block_a(t: str, x: str, pool_features: int) -> str:
-        b1 = c(f"{t}_1x1", x, 64, 1, eps=eps)
-        b5 = c(f"{t}_5x5_1", x, 48, 1, eps=eps)
-        b5 = c(f"{t}_5x5_2", b5, 64, 5, padding=2, eps=eps)
-        b3 = c(f"{t}_3x3dbl_1", x, 64, 1, eps=eps)
-        b3 = c(f"{t}_3x3dbl_2", b3, 96, 3, padding=1, eps=eps)
-        b3 = c(f"{t}_3x3dbl_3", b3, 96, 3, padding=1, eps=eps)
-        bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
-        bp = c(f"{t}_pool_proj", bp, pool_features, 1, eps=eps)
-        return n.add(t, "concat", [b1, b5, b3, bp])
-
-    def block_b(t: str, x: str) -> str:
-        b3 = c(f"{t}_3x3", x, 384, 3, stride=2, eps=eps)
-        bd = c(f"{t}_3x3dbl_1", x, 64, 1, eps=eps)
-        bd = c(f"{t}_3x3dbl_2", bd, 96, 3, padding=1, eps=eps)
-        bd = c(f"{t}_3x3dbl_3", bd, 96, 3, stride=2, eps=eps)
-        bp = n.add(f"{t}_pool", "pool", [x], mode="max", kernel=3, stride=2)
-        return n.add(t, "concat", [b3, bd, bp])
-
-    def block_c(t: str, x: str, c7: int) -> str:
-        b1 = c(f"{t}_1x1", x, 192, 1, eps=eps)
-        b7 = c(f"{t}_7x7_1", x, c7, 1, eps=eps)
-        b7 = c(f"{t}_7x7_2", b7, c7, [1, 7], padding=[[0, 0], [3, 3]], eps=eps)
-        b7 = c(f"{t}_7x7_3", b7, 192, [7, 1], padding=[[3, 3], [0, 0]], eps=eps)
-        bd = c(f"{t}_7x7dbl_1", x, c7, 1, eps=eps)
-        bd = c(f"{t}_7x7dbl_2", bd, c7, [7, 1], padding=[[3, 3], [0, 0]], eps=eps)
-        bd = c(f"{t}_7x7dbl_3", bd, c7, [1, 7], padding=[[0, 0], [3, 3]], eps=eps)
-        bd = c(f"{t}_7x7dbl_4", bd, c7, [7, 1], padding=[[3, 3], [0, 0]], eps=eps)
-        bd = c(f"{t}_7x7dbl_5", bd, 192, [1, 7], padding=[[0, 0], [3, 3]], eps=eps)
-        bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
-        bp = c(f"{t}_pool_proj", bp, 192, 1, eps=eps)
-        return n.add(t, "concat", [b1, b7, bd, bp])
-
-    def block_d(t: str, x: str) -> str:
-        b3 = c(f"{t}_3x3_1", x, 192, 1, eps=eps)
-        b3 = c(f"{t}_3x3_2", b3, 320, 3, stride=2, eps=eps)
-        b7 = c(f"{t}_7x7x3_1", x, 192, 1, eps=eps)
-        b7 = c(f"{t}_7x7x3_2", b7, 192, [1, 7], padding=[[0, 0], [3, 3]], eps=eps)
-        b7 = c(f"{t}_7x7x3_3", b7, 192, [7, 1], padding=[[3, 3], [0, 0]], eps=eps)
-        b7 = c(f"{t}_7x7x3_4", b7, 192, 3, stride=2, eps=eps)
-        bp = n.add(f"{t}_pool", "pool", [x], mode="max", kernel=3, stride=2)
-        return n.add(t, "concat", [b3, b7, bp])
-
-    def block_e(t: str, x: str) -> str:
-        b1 = c(f"{t}_1x1", x, 320, 1, eps=eps)
-        b3 = c(f"{t}_3x3_1", x, 384, 1, eps=eps)
-        b3a = c(f"{t}_3x3_2a", b3, 384, [1, 3], padding=[[0, 0], [1, 1]], eps=eps)
-        b3b = c(f"{t}_3x3_2b", b3, 384, [3, 1], padding=[[1, 1], [0, 0]], eps=eps)
-        bd = c(f"{t}_3x3dbl_1", x, 448, 1, eps=eps)
-        bd = c(f"{t}_3x3dbl_2", bd, 384, 3, padding=1, eps=eps)
-        bda = c(f"{t}_3x3dbl_3a", bd, 384, [1, 3], padding=[[0, 0], [1, 1]], eps=eps)
-        bdb = c(f"{t}_3x3dbl_3b", bd, 384, [3, 1], padding=[[1, 1], [0, 0]], eps=eps)
-        bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
-        bp = c(f"{t}_pool_proj", bp, 192, 1, eps=eps)
-        return n.add(t, "concat", [b1, b3a, b3b, bda, bdb, bp])
-
-    x = block_a("mixed_5b", x, 32)
-    x = block_a("mixed_5c", x, 64)
-    x = block_a("mixed_5d", x, 64)
-    x = block_b("mixed_6a", x)
+    x = _inception_a(n, "mixed_5b", x, 32)
+    x = _inception_a(n, "mixed_5c", x, 64)
+    x = _inception_a(n, "mixed_5d", x, 64)
+    x = _inception_b(n, "mixed_6a", x)
     for t, c7 in (("mixed_6b", 128), ("mixed_6c", 160), ("mixed_6d", 160), ("mixed_6e", 192)):
-        x = block_c(t, x, c7)
-    x = block_d("mixed_7a", x)
-    x = block_e("mixed_7b", x)
-    x = block_e("mixed_7c", x)
+        x = _inception_c(n, t, x, c7)
+    x = _inception_d(n, "mixed_7a", x)
+    x = _inception_e(n, "mixed_7b", x)
+    x = _inception_e(n, "mixed_7c", x)
     n.add("pool_3", "pool", [x], mode="avg", **{"global": True})
     n.add("dropout", "dropout", rate=0.5)
     n.add("fc", "fc", units=1000)
     return _spec("inception_v3", 3, [299, 299], n.layers, "cross_entropy", 32, "imagenet299.h5", lr=0.045)
+
+
+def _v3_cbr(n: _Net):
+    """Inception-v3's conv + batch-norm + ReLU: torchvision's batch-norm epsilon, 0.001."""
+    return lambda *args, **kw: n.cbr(*args, eps=0.001, **kw)
+
+
+def _inception_a(n: _Net, t: str, x: str, pool_features: int) -> str:
+    c = _v3_cbr(n)
+    b1 = c(f"{t}_1x1", x, 64, 1)
+    b5 = c(f"{t}_5x5_1", x, 48, 1)
+    b5 = c(f"{t}_5x5_2", b5, 64, 5, padding=2)
+    b3 = c(f"{t}_3x3dbl_1", x, 64, 1)
+    b3 = c(f"{t}_3x3dbl_2", b3, 96, 3, padding=1)
+    b3 = c(f"{t}_3x3dbl_3", b3, 96, 3, padding=1)
+    bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
+    bp = c(f"{t}_pool_proj", bp, pool_features, 1)
+    return n.add(t, "concat", [b1, b5, b3, bp])
+
+
+
+def _inception_b(n: _Net, t: str, x: str) -> str:
+    c = _v3_cbr(n)
+    b3 = c(f"{t}_3x3", x, 384, 3, stride=2)
+    bd = c(f"{t}_3x3dbl_1", x, 64, 1)
+    bd = c(f"{t}_3x3dbl_2", bd, 96, 3, padding=1)
+    bd = c(f"{t}_3x3dbl_3", bd, 96, 3, stride=2)
+    bp = n.add(f"{t}_pool", "pool", [x], mode="max", kernel=3, stride=2)
+    return n.add(t, "concat", [b3, bd, bp])
+
+
+
+def _inception_c(n: _Net, t: str, x: str, c7: int) -> str:
+    c = _v3_cbr(n)
+    b1 = c(f"{t}_1x1", x, 192, 1)
+    b7 = c(f"{t}_7x7_1", x, c7, 1)
+    b7 = c(f"{t}_7x7_2", b7, c7, [1, 7], padding=[[0, 0], [3, 3]])
+    b7 = c(f"{t}_7x7_3", b7, 192, [7, 1], padding=[[3, 3], [0, 0]])
+    bd = c(f"{t}_7x7dbl_1", x, c7, 1)
+    bd = c(f"{t}_7x7dbl_2", bd, c7, [7, 1], padding=[[3, 3], [0, 0]])
+    bd = c(f"{t}_7x7dbl_3", bd, c7, [1, 7], padding=[[0, 0], [3, 3]])
+    bd = c(f"{t}_7x7dbl_4", bd, c7, [7, 1], padding=[[3, 3], [0, 0]])
+    bd = c(f"{t}_7x7dbl_5", bd, 192, [1, 7], padding=[[0, 0], [3, 3]])
+    bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
+    bp = c(f"{t}_pool_proj", bp, 192, 1)
+    return n.add(t, "concat", [b1, b7, bd, bp])
+
+
+
+def _inception_d(n: _Net, t: str, x: str) -> str:
+    c = _v3_cbr(n)
+    b3 = c(f"{t}_3x3_1", x, 192, 1)
+    b3 = c(f"{t}_3x3_2", b3, 320, 3, stride=2)
+    b7 = c(f"{t}_7x7x3_1", x, 192, 1)
+    b7 = c(f"{t}_7x7x3_2", b7, 192, [1, 7], padding=[[0, 0], [3, 3]])
+    b7 = c(f"{t}_7x7x3_3", b7, 192, [7, 1], padding=[[3, 3], [0, 0]])
+    b7 = c(f"{t}_7x7x3_4", b7, 192, 3, stride=2)
+    bp = n.add(f"{t}_pool", "pool", [x], mode="max", kernel=3, stride=2)
+    return n.add(t, "concat", [b3, b7, bp])
+
+
+
+def _inception_e(n: _Net, t: str, x: str) -> str:
+    c = _v3_cbr(n)
+    b1 = c(f"{t}_1x1", x, 320, 1)
+    b3 = c(f"{t}_3x3_1", x, 384, 1)
+    b3a = c(f"{t}_3x3_2a", b3, 384, [1, 3], padding=[[0, 0], [1, 1]])
+    b3b = c(f"{t}_3x3_2b", b3, 384, [3, 1], padding=[[1, 1], [0, 0]])
+    bd = c(f"{t}_3x3dbl_1", x, 448, 1)
+    bd = c(f"{t}_3x3dbl_2", bd, 384, 3, padding=1)
+    bda = c(f"{t}_3x3dbl_3a", bd, 384, [1, 3], padding=[[0, 0], [1, 1]])
+    bdb = c(f"{t}_3x3dbl_3b", bd, 384, [3, 1], padding=[[1, 1], [0, 0]])
+    bp = n.add(f"{t}_pool", "pool", [x], mode="avg", kernel=3, stride=1, padding=1)
+    bp = c(f"{t}_pool_proj", bp, 192, 1)
+    return n.add(t, "concat", [b1, b3a, b3b, bda, bdb, bp])
 
 
 # Filter counts of the mesh model are not given by Dryden et al. (2019); these double every one to two blocks
@@ -251,7 +269,8 @@ def mesh2k() -> dict:
 
 
 def mesh_tiny() -> dict:
-    """Three blocks of two conv-BN-ReLU on 64x64 (try input_size 128 or 256): the mesh model at laptop size."""
+    """Three blocks of two conv-BN-ReLU on 64x64 (try input_size 128 or 256): the mesh model at laptop
+    size."""
     return _mesh("mesh_tiny", 64, 2, filters=(8, 16, 32), batch=8)
 
 
@@ -269,15 +288,16 @@ BUILDERS: dict[str, Callable[[], dict]] = {
 _HEADER = {
     "lenet5": "LeNet-5 (LeCun et al. 1998) on 32x32 single-channel images, 10 classes.",
     "alexnet": "AlexNet (Krizhevsky et al. 2012), single-tower torchvision variant, ImageNet 224x224.",
-    "vgg16": "VGG-16 (Simonyan & Zisserman 2014), ImageNet 224x224; Jia et al. (2018) Table 5 parallelises it.",
+    "vgg16": "VGG-16 (Simonyan & Zisserman 2014), ImageNet 224x224; Jia et al. (2018) Table 5 "
+             "parallelises it.",
     "resnet50": "ResNet-50 v1.5 (He et al. 2016), ImageNet 224x224, Caffe layer names as in Dryden et al.",
     "inception_v3": "Inception-v3 (Szegedy et al. 2016), ImageNet 299x299, no auxiliary classifier.",
-    "mesh1k": "Mesh-tangling segmentation model (Dryden et al. 2019, section VI), 18 channels, 1024x1024: six "
-              "blocks of three conv-BN-ReLU (3x3, stride 2 first), final prediction conv. Filter counts are not "
-              "given in the paper; see lbannpy/zoo/generate.py.",
-    "mesh2k": "Mesh-tangling segmentation model (Dryden et al. 2019, section VI), 18 channels, 2048x2048: six "
-              "blocks of five conv-BN-ReLU (3x3, stride 2 first), final prediction conv. Too large for a 16 GiB "
-              "GPU even at one sample: needs spatial parallelism.",
+    "mesh1k": "Mesh-tangling segmentation model (Dryden et al. 2019, section VI), 18 channels, 1024x1024: "
+              "six blocks of three conv-BN-ReLU (3x3, stride 2 first), final prediction conv. Filter counts "
+              "are not given in the paper; see lbannpy/zoo/generate.py.",
+    "mesh2k": "Mesh-tangling segmentation model (Dryden et al. 2019, section VI), 18 channels, 2048x2048: "
+              "six blocks of five conv-BN-ReLU (3x3, stride 2 first), final prediction conv. Too large for a "
+              "16 GiB GPU even at one sample: needs spatial parallelism.",
     "mesh_tiny": "A small mesh-tangling model for laptops and CI: 64x64 input (128 and 256 also work).",
 }
 
