@@ -9,8 +9,8 @@ from .activation import (dropout_backward, dropout_forward, dropout_mask, leaky_
                          leaky_relu_forward, relu_backward, relu_forward)
 from .batchnorm import (bn_backward, bn_backward_data, bn_backward_params, bn_forward, bn_local_stats,
                         bn_mean_var)
-from .conv import (ConvGeometry, conv_backward_bias, conv_backward_data, conv_backward_filter, conv_forward,
-                   crop_spatial, pad_spatial)
+from .conv import ConvGeometry, conv_backward_bias, conv_backward_data, conv_backward_filter, conv_forward
+from .padding import crop_spatial, pad_spatial
 from .fc import fc_backward_bias, fc_backward_data, fc_backward_filter, fc_forward
 from .loss import (accuracy_counts, cross_entropy, downsample_labels_any, iou, iou_counts,
                    pixel_cross_entropy, predictions, softmax_cross_entropy)

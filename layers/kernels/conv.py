@@ -48,6 +48,7 @@ from lbannpy.backend import array_module, is_gpu_array
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
 from ._geometry import KernelShapeError, per_dim, tap_view, valid_output_shape
+from .padding import pad_spatial
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
 # OpenBLAS's speed, and the buffer (reused for every block) stays in the L3
@@ -560,51 +561,7 @@ def _check_dy(dy, geo: ConvGeometry):
             f"with kernel {geo.kernel}, stride {geo.stride}, dilation {geo.dilation} gives {geo.out_shape}")
 
 
-# --------------------------------------------------------------------------------------------------------
-# explicit padding, for single-rank use and tests
-
-
-def _pads(pads, nsp: int) -> tuple[tuple[int, int], ...]:
-    if isinstance(pads, int):
-        out = ((pads, pads),) * nsp
-    else:
-        pads = list(pads)
-        if len(pads) != nsp:
-            raise KernelShapeError(f"padding {pads}: need one (lo, hi) pair per spatial dimension ({nsp})")
-        out = tuple((p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in pads)
-    if any(lo < 0 or hi < 0 for lo, hi in out):
-        raise KernelShapeError(f"padding must be >= 0, got {out}")
-    return out
-
-
 def _pad_into(dy, pads):
     """``pad_spatial(dy, pads)`` (zeros) in a reused scratch buffer, for the compiled data gradient."""
     shape = tuple(dy.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(dy.shape[2:], pads))
     return pad_spatial(dy, pads, out=_scratch("padded dy", shape, dy.dtype))
-
-
-def pad_spatial(x, pads, value=0.0, out=None):
-    """``x`` (``(N, C, *spatial)``) padded by ``pads`` — an int, or one int or ``(lo, hi)`` per spatial
-    dimension — filled with ``value`` (0 for convolution, ``-inf`` for max pooling); written into ``out``
-    (of the padded shape) when given."""
-    xp = array_module(x)
-    pp = _pads(pads, x.ndim - 2)
-    shape = tuple(x.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(x.shape[2:], pp))
-    if out is None:
-        out = xp.empty(shape, dtype=x.dtype)
-    elif tuple(out.shape) != shape:
-        raise KernelShapeError(f"pad_spatial: out has shape {tuple(out.shape)}, the padded shape is {shape}")
-    # fill only the borders, so that every element is written once
-    for d, (n, (lo, hi)) in enumerate(zip(x.shape[2:], pp)):
-        before = (slice(None),) * (2 + d)
-        out[before + (slice(0, lo),)] = value
-        out[before + (slice(lo + n, None),)] = value
-    out[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for n, (lo, _) in zip(x.shape[2:], pp))] = x
-    return out
-
-
-def crop_spatial(x_window, pads):
-    """The interior of a padded window (a view): the adjoint of :func:`pad_spatial` for gradients."""
-    pp = _pads(pads, x_window.ndim - 2)
-    return x_window[(slice(None), slice(None))
-                    + tuple(slice(lo, n - hi) for n, (lo, hi) in zip(x_window.shape[2:], pp))]
