@@ -77,7 +77,7 @@ class BatchNorm(Layer):
         from lbannpy.checkpoint import StateTensor, is_writer
 
         dist, rank = self.out_dist, self.ctx.rank
-        groups = dist.degree("n") if self.sync == "group" else 1
+        groups = dist.parts_of("n") if self.sync == "group" else 1
         g = dist.coords(rank)[0] if self.sync == "group" else 0
         shape = (groups, self.in_shapes[0][1])
         box = ((g, g + 1), self.cbox)
@@ -89,7 +89,7 @@ class BatchNorm(Layer):
         """Each sample group gets its own statistics back when the checkpoint has as many groups as this
         run; when the number of groups changed (another ``n`` split or ``sync``) every rank gets the
         average over the written groups (of the means and of the variances), its channel block only."""
-        groups = self.out_dist.degree("n") if self.sync == "group" else 1
+        groups = self.out_dist.parts_of("n") if self.sync == "group" else 1
         g = self.out_dist.coords(self.ctx.rank)[0] if self.sync == "group" else 0
         for k in ("running_mean", "running_var"):
             rd = state[k]

@@ -9,11 +9,11 @@ Conventions
 * Tensor dimensions are named by rank of the tensor: ``(n, c)`` for fully-connected activations,
   ``(n, c, h, w)`` for 2-D images and ``(n, c, d, h, w)`` for 3-D volumes.
 * A :class:`Distribution` gives a split degree per tensor dimension and the number of ranks it is laid on.
-  ``prod(split)`` ranks hold distinct blocks; the remaining factor ``replicas = ranks // prod(split)``
+  ``prod(split)`` ranks hold distinct blocks; the remaining factor ``leftover = ranks // prod(split)``
   holds identical copies (a layer may use fewer ranks than exist, as in Jia et al.).
-* Rank layout: ``rank = replica * nblocks + block``, with ``block`` the C-order linear index of the block
-  coordinates. The spatial (last) dimensions vary fastest, so the ranks that share a sample are
-  neighbours in rank order (usually on one node), and replica groups are contiguous.
+* Rank layout: ``rank = copy_index * nblocks + block``, with ``block`` the C-order linear index of the
+  block coordinates. The spatial (last) dimensions vary fastest, so the ranks that share a sample are
+  neighbours in rank order (usually on one node), and the copies of a block are contiguous groups.
 * Blocks are as even as possible: ``extent = q * parts + r`` gives the first ``r`` blocks ``q + 1``
   elements. A block is a half-open box ``((start, stop), ...)`` in global coordinates.
 """
@@ -156,7 +156,7 @@ class ProcessGrid:
 
 @dataclass(frozen=True)
 class Distribution:
-    """Split degree per tensor dimension, laid on ``ranks`` ranks (the leftover factor replicates).
+    """Split degree per tensor dimension, laid on ``ranks`` ranks (the leftover factor holds copies).
 
     ``split[i]`` is the extent of the process grid along tensor dimension ``i``. A grid axis listed in
     ``replicate`` does not partition its dimension: every rank along that axis holds the whole extent
@@ -165,20 +165,22 @@ class Distribution:
     replicated, laid out exactly like its output ``n=Pc, c=Pr``.
 
     Rank layout: ``rank = outer * prod(split) + C-order index of the grid coordinates``, with
-    ``outer < ranks // prod(split)`` the leftover replicas. A *block* is a distinct piece of the tensor
-    (partitioned coordinates only); a *replica* index enumerates the ranks holding the same block
-    (outer replica, then the coordinates on replicated axes).
+    ``outer < leftover = ranks // prod(split)``. A *block* is a distinct piece of the tensor (partitioned
+    coordinates only); a *copy index* enumerates the ranks holding the same block (``outer``, then the
+    coordinates on replicated axes).
 
     Vocabulary (one word, one meaning, used this way everywhere in lbannpy):
 
     * ``split``: the extent of the process grid along each tensor dimension, replicated axes included;
     * ``parts``: how many pieces each dimension is actually cut into (1 on a replicated axis), so
-      ``parts == split`` without ``replicate``; ``degree(name)`` is ``parts`` of one dimension and
+      ``parts == split`` without ``replicate``; ``parts_of(name)`` is ``parts`` of one dimension and
       ``degrees()`` the ``{name: parts}`` of the cut dimensions (what a spec's ``parallel`` entry holds);
-    * ``replicate``: the grid axes that hold copies instead of pieces; ``outer_replicas``: the leftover
-      factor ``ranks // prod(split)``; ``replicas``: how many ranks hold each block (both kinds of
-      copies together); ``replica(rank)``: that rank's index among them; ``Distribution.replicated``:
-      the distribution in which every rank holds the whole tensor;
+    * ``replicate``: the grid axes that hold copies instead of pieces (the only use of the word here);
+      ``leftover``: the factor ``ranks // prod(split)`` of whole-grid copies; ``copies``: how many ranks
+      hold each block (both kinds of copies together); ``copy_index(rank)``: that rank's index among
+      them; ``Distribution.whole``: the distribution in which every rank holds the whole tensor;
+    * "replicated" elsewhere in lbannpy names Lee et al.'s replicated fully-connected gradients
+      (``comm.replicate_fc``), not a distribution;
     * a *plan* (halo, shuffle, bucket, checkpoint) is what one rank does, computed once from shapes.
 
     >>> d = Distribution.make(4, ranks=4, n=2, h=2); str(d)
@@ -229,7 +231,8 @@ class Distribution:
                    tuple(names.index(n) for n in replicate))
 
     @classmethod
-    def replicated(cls, ndim: int, ranks: int) -> "Distribution":
+    def whole(cls, ndim: int, ranks: int) -> "Distribution":
+        """Every rank holds the whole tensor (nothing is cut)."""
         return cls((1,) * ndim, ranks)
 
     @property
@@ -251,24 +254,25 @@ class Distribution:
         return math.prod(self.parts)
 
     @property
-    def replicas(self) -> int:
+    def copies(self) -> int:
         """Number of ranks holding each block."""
         return self.ranks // self.nblocks
 
     @property
-    def outer_replicas(self) -> int:
+    def leftover(self) -> int:
+        """The ranks left over by the grid: ``ranks // prod(split)`` copies of the whole grid."""
         return self.ranks // math.prod(self.split)
 
     @property
     def grid(self) -> ProcessGrid:
-        """Grid of shape ``(outer_replicas, *split)``."""
-        return ProcessGrid((self.outer_replicas,) + self.split)
+        """Grid of shape ``(leftover, *split)``."""
+        return ProcessGrid((self.leftover,) + self.split)
 
     def degrees(self) -> dict[str, int]:
         return {n: s for i, (n, s) in enumerate(zip(self.dim_names, self.split)) if s > 1
                 and i not in self.replicate}
 
-    def degree(self, name: str) -> int:
+    def parts_of(self, name: str) -> int:
         """Number of pieces along dimension ``name``."""
         return self.parts[self.dim_names.index(name)]
 
@@ -285,10 +289,10 @@ class Distribution:
 
     def __str__(self) -> str:
         s = self._fmt()
-        rep = self.outer_replicas
+        rep = self.leftover
         return s if rep == 1 else (f"r{rep}" if s == "1" else f"{s}×r{rep}")
 
-    # -- rank <-> grid, block and replica
+    # -- rank <-> grid, block and copy
     def grid_coords(self, rank: int) -> tuple[int, ...]:
         """Grid coordinates (one per tensor dimension, replicated axes included) of ``rank``."""
         return self.grid.coords(rank)[1:]
@@ -298,30 +302,31 @@ class Distribution:
         g = self.grid_coords(rank)
         return tuple(0 if i in self.replicate else c for i, c in enumerate(g))
 
-    def replica(self, rank: int) -> int:
-        """Index of ``rank`` among the ranks holding its block (0 .. replicas-1)."""
+    def copy_index(self, rank: int) -> int:
+        """Index of ``rank`` among the ranks holding its block (0 .. copies-1)."""
         full = self.grid.coords(rank)
         r = full[0]
         for i in self.replicate:
             r = r * self.split[i] + full[1 + i]
         return r
 
-    def rank_of(self, coords: Sequence[int], replica: int = 0) -> int:
-        """Rank holding block ``coords`` as replica number ``replica``."""
-        if not 0 <= replica < self.replicas:
-            raise DistributionError(f"replica {replica} outside 0..{self.replicas - 1} of {self}")
+    def rank_of(self, coords: Sequence[int], copy_index: int = 0) -> int:
+        """Rank holding block ``coords`` as its copy number ``copy_index``."""
+        if not 0 <= copy_index < self.copies:
+            raise DistributionError(f"copy {copy_index} outside 0..{self.copies - 1} of {self}")
         g = list(coords)
+        outer = copy_index
         for i in reversed(self.replicate):
-            replica, g[i] = divmod(replica, self.split[i])
-        return self.grid.rank((replica,) + tuple(g))
+            outer, g[i] = divmod(outer, self.split[i])
+        return self.grid.rank((outer,) + tuple(g))
 
     def block_ranks(self, coords: Sequence[int]) -> list[int]:
-        """All ranks that hold the block at ``coords`` (one per replica)."""
-        return [self.rank_of(coords, r) for r in range(self.replicas)]
+        """All ranks that hold the block at ``coords`` (one per copy)."""
+        return [self.rank_of(coords, r) for r in range(self.copies)]
 
     def group(self, rank: int, dims: Iterable[str]) -> list[int]:
-        """Ranks whose grid coordinates differ from ``rank``'s only along ``dims`` (same outer replica),
-        in rank order.
+        """Ranks whose grid coordinates differ from ``rank``'s only along ``dims`` (same ``outer`` copy of
+        the grid), in rank order.
 
         ``group(r, ["h", "w"])`` is the spatial group of a sample block (batch-norm statistics);
         ``group(r, ["n"])`` the ranks that hold the other samples of the same spatial block; on a
@@ -337,17 +342,17 @@ class Distribution:
         return out
 
     def block_group(self, rank: int, dims: Iterable[str] | None = None) -> list[int]:
-        """Ranks of ``rank``'s replica index whose *block* coordinates differ from ``rank``'s only along
+        """Ranks of ``rank``'s copy index whose *block* coordinates differ from ``rank``'s only along
         ``dims`` (default: all dimensions), in block order.
 
         This is the group over which per-block partial sums are reduced exactly once: a weight gradient
         over ``["n", "h", "w"]``, a loss over all dimensions. Copies on replicated axes and leftover
-        replicas fall in different groups, each of which computes the same reduction.
+        copies fall in different groups, each of which computes the same reduction.
         """
         names = self.dim_names if dims is None else tuple(dims)
         idx = {self.dim_names.index(d) for d in names}
         mine = self.coords(rank)
-        rep = self.replica(rank)
+        rep = self.copy_index(rank)
         out = []
         for b in range(self.nblocks):
             c = _unravel(b, self.parts)
@@ -355,14 +360,10 @@ class Distribution:
                 out.append(self.rank_of(c, rep))
         return out
 
-    def replica_group(self, rank: int) -> list[int]:
-        """Ranks holding the same block as ``rank`` (its replicas), in replica order."""
-        return self.block_ranks(self.coords(rank))
-
     # -- groups without listing them: O(ndim) per rank
     def group_spec(self, rank: int, dims: Iterable[str]) -> "GroupSpec":
-        """``rank``'s group of :meth:`group` (grid coordinates vary only along ``dims``, same outer
-        replica), described in O(ndim): colour, size and position, no member list."""
+        """``rank``'s group of :meth:`group` (grid coordinates vary only along ``dims``, same ``outer``
+        copy of the grid), described in O(ndim): colour, size and position, no member list."""
         idx = {self.dim_names.index(d) for d in dims}
         return GroupSpec.of(self.grid.shape, {1 + i for i in idx}, rank)
 

@@ -140,7 +140,7 @@ class HaloPlan:
         self.padding_slices = [relative_slices(b, win0) for b in self.padding_boxes]
 
         # receives: blocks of the same replica that the window meets; sends: my block ∩ their windows
-        replica = dist.replica(rank)
+        replica = dist.copy_index(rank)
         recv_pieces = []
         for coords in dist.blocks_meeting(global_shape, self.window_box):
             peer = dist.rank_of(coords, replica)

@@ -7,7 +7,7 @@ on flat packed buffers whose counts, displacements and pack/unpack slices are pl
 Who sends: every destination rank (each replica of each destination block) receives its whole block.
 A piece of source block ``b`` destined for rank ``q`` comes from ``q`` itself when ``q`` holds ``b`` under
 the source distribution (no copy over the network), otherwise from source replica
-``dst.replica(q) % src.replicas`` of ``b``: deterministic, computable by sender and receiver alike, and
+``dst.copy_index(q) % src.copies`` of ``b``: deterministic, computable by sender and receiver alike, and
 spread over the source replicas. A plan in which every rank only keeps part of its own block
 (``local_only``, the same on every rank) moves no data over the network and calls no collective.
 
@@ -60,7 +60,7 @@ def _sender(src: Distribution, dst: Distribution, q: int, coords: tuple[int, ...
     """The rank that sends destination rank ``q`` its piece of source block ``coords``."""
     if src.coords(q) == tuple(coords):
         return q
-    return src.rank_of(coords, dst.replica(q) % src.replicas)
+    return src.rank_of(coords, dst.copy_index(q) % src.copies)
 
 
 class ShufflePlan:
@@ -92,7 +92,7 @@ class ShufflePlan:
         my_coords = src.coords(rank)
         send_pieces = []
         for coords in dst.blocks_meeting(shape, self.src_box):
-            for d in range(dst.replicas):
+            for d in range(dst.copies):
                 q = dst.rank_of(coords, d)
                 if _sender(src, dst, q, my_coords) == rank:
                     send_pieces.append((q, intersect(self.src_box, dst.box(shape, q))))

@@ -7,7 +7,7 @@ Boxes are packed into flat, contiguous buffers by :class:`Segment` lists planned
 :func:`pack` and :func:`unpack` are the only places that copy between boxes and flat buffers, so every
 communication path in the package packs the same way.
 
-Replicated distributions hold each logical element on ``dist.replicas`` ranks. Whenever a reduction must
+Replicated distributions hold each logical element on ``dist.copies`` ranks. Whenever a reduction must
 count each logical element once (``gather``, :func:`vdot`) the ranks of replica 0 speak for their block.
 """
 from __future__ import annotations
@@ -267,7 +267,7 @@ class DistTensor:
         rank = comm.rank
         check_comm(comm, self.dist, self.rank, "gather")
         dist, shape = self.dist, self.global_shape
-        speakers = [r for r in range(comm.size) if dist.replica(r) == 0]
+        speakers = [r for r in range(comm.size) if dist.copy_index(r) == 0]
         segs = segments([(r, dist.box(shape, r)) for r in speakers], (0,) * len(shape))
         counts = [0] * comm.size
         for s in segs:
@@ -300,7 +300,7 @@ class DistTensor:
 def vdot(comm: Communicator, a, b, counted: bool = True) -> float:
     """Collective over ``comm``: ``sum`` over ranks of ``<a, b>`` (float64) on the ranks with ``counted``.
 
-    For replicated data pass ``counted=dist.replica(rank) == 0`` so each logical element counts once.
+    For replicated data pass ``counted=dist.copy_index(rank) == 0`` so each logical element counts once.
     """
     xp = array_module(a)
     local = float(xp.vdot(a.reshape(-1).astype(numpy.float64), b.reshape(-1).astype(numpy.float64))) \

@@ -37,7 +37,7 @@ def pieces_of(rank: int, conv: Distribution, fc: Distribution, writer=is_writer)
                             ("bn.scale", (64,), (fbox,))]:
         out += [Piece(f"params/{key}", shape, box, w), Piece(f"optim/{key}/momentum", shape, box, w)]
     g = conv.coords(rank)[0]
-    out.append(Piece("state/bn/running_mean", (conv.degree("n"), 64), ((g, g + 1), fbox),
+    out.append(Piece("state/bn/running_mean", (conv.parts_of("n"), 64), ((g, g + 1), fbox),
                      writer(conv, ("h", "w"), rank)))
     cbox = fc.box(FC_OUT, rank)[1]
     wf = writer(fc, ("n",), rank)
@@ -111,7 +111,7 @@ def test_plan_detects_blocks_written_by_every_replica():
 
 
 def make_params(value: float, rank=0, size=1):
-    d = Distribution.replicated(2, size)
+    d = Distribution.whole(2, size)
     w = np.full((4, 6), value)
     p = Param("w", w.shape, ((0, 4), (0, 6)), w, w.copy(), d, ())
     opt = SGD([p], 0.1, momentum=0.9)

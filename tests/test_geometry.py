@@ -139,10 +139,10 @@ def test_each_replica_tiles_the_tensor(ds):
     full = tuple((0, n) for n in shape)
     by_replica: dict[int, list] = {}
     for r in range(dist.ranks):
-        by_replica.setdefault(dist.replica(r), []).append(dist.box(shape, r))
+        by_replica.setdefault(dist.copy_index(r), []).append(dist.box(shape, r))
         assert dist.local_shape(shape, r) == box_shape(dist.box(shape, r))
-        assert dist.rank_of(dist.coords(r), dist.replica(r)) == r
-    assert sorted(by_replica) == list(range(dist.replicas))
+        assert dist.rank_of(dist.coords(r), dist.copy_index(r)) == r
+    assert sorted(by_replica) == list(range(dist.copies))
     first = sorted(by_replica[0])
     for rep, bs in by_replica.items():
         assert len(bs) == dist.nblocks
@@ -203,7 +203,7 @@ def test_pack_unpack_round_trip(ds, data):
     assert np.array_equal(out, g)
     twice = np.zeros(shape)
     unpack(flat, segs, twice, add=True)  # every replica's copy adds once
-    assert np.allclose(twice, dist.replicas * g)
+    assert np.allclose(twice, dist.copies * g)
 
 
 def test_segment_geometry():
@@ -258,7 +258,7 @@ def test_shuffle_plans_match_pairwise_and_tile(case):
 
 
 def test_shuffle_sender_choice_spreads_over_source_replicas():
-    src = Distribution.replicated(4, 4)
+    src = Distribution.whole(4, 4)
     dst = Distribution.make(4, ranks=4, n=2)  # two destination replicas per block
     shape = (4, 2, 3, 3)
     senders = {s.peer for r in range(4) for s in ShufflePlan(src, dst, shape, r).recvs}
@@ -305,7 +305,7 @@ def test_shuffle_refusals_are_identical_on_every_rank(src, dst, shape, needle):
 def test_dist_tensor_on_one_rank():
     comm = SingleCommunicator()
     g = np.arange(2 * 3 * 5, dtype=np.float64).reshape(2, 3, 5)
-    dist = Distribution.replicated(3, 1)
+    dist = Distribution.whole(3, 1)
     t = DistTensor.from_root(g, dist, comm)
     assert np.array_equal(t.gather(comm), g) and np.array_equal(t.gather(comm, root=0), g)
     assert np.array_equal(DistTensor.scatter(g, dist, comm).local, g)
@@ -315,6 +315,6 @@ def test_dist_tensor_on_one_rank():
     with pytest.raises(DistributionError, match="not a block"):
         DistTensor(g[:1], g.shape, dist)
     with pytest.raises(DistributionError, match="laid on 2 ranks"):
-        DistTensor.scatter(g, Distribution.replicated(3, 2), comm)
+        DistTensor.scatter(g, Distribution.whole(3, 2), comm)
     with pytest.raises(DistributionError, match="passed no array"):
         DistTensor.from_root(None, dist, comm)

@@ -84,7 +84,7 @@ def test_receives_come_from_their_owner_in_the_same_replica(case):
     for r, p in enumerate(all_plans(dist, shape, stencil)):
         for s in p.recvs:
             assert s.peer != r
-            assert dist.replica(s.peer) == dist.replica(r)
+            assert dist.copy_index(s.peer) == dist.copy_index(r)
             assert box_contains(dist.box(shape, s.peer), s.box)
             assert intersect(s.box, dist.box(shape, r)) is None
             assert s.shape == box_shape(s.box) and s.size == box_size(s.box)
@@ -262,7 +262,7 @@ def test_single_rank_window_and_adjoint(kernel, stride, padding, dilation):
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 3, 11, 13))
     stencil = Stencil.conv(4, kernel, stride, padding, dilation)
-    plan = HaloPlan(Distribution.replicated(4, 1), x.shape, stencil, 0)
+    plan = HaloPlan(Distribution.whole(4, 1), x.shape, stencil, 0)
     ex = plan.start(comm, x)
     win = ex.wait()
     assert win is ex.window
@@ -281,7 +281,7 @@ def test_single_rank_window_and_adjoint(kernel, stride, padding, dilation):
 
 def test_start_refuses_wrong_arrays():
     comm = SingleCommunicator()
-    plan = HaloPlan(Distribution.replicated(4, 1), (1, 2, 6, 6), Stencil.conv(4, 3, 1, 1), 0)
+    plan = HaloPlan(Distribution.whole(4, 1), (1, 2, 6, 6), Stencil.conv(4, 3, 1, 1), 0)
     with pytest.raises(DistributionError, match=r"shape \(1, 2, 6, 5\)"):
         plan.start(comm, np.zeros((1, 2, 6, 5)))
     with pytest.raises(DistributionError, match="dtype"):

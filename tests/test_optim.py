@@ -44,7 +44,7 @@ def _torch_optimizer(cfg, params):
 def test_optimizer_matches_torch(case):
     rng = np.random.default_rng(0)
     w0 = rng.standard_normal((4, 3))
-    d = Distribution.replicated(2, 1)
+    d = Distribution.whole(2, 1)
     p = Param("w", w0.shape, ((0, 4), (0, 3)), w0.copy(), np.zeros_like(w0), d, ())
     opt = make_optimizer(case.config(), [p], total_steps=10)
     tw = torch.tensor(w0.copy(), requires_grad=True)

@@ -88,7 +88,7 @@ def _halo_sends_brute(d, shape, stencil, rank):
     """HaloPlan's sends as it computed them before: every block of the replica, its window, intersected."""
     out_shape = stencil.output_shape(shape)
     mine = d.box(shape, rank)
-    rep = d.replica(rank)
+    rep = d.copy_index(rank)
     out = []
     for b in range(d.nblocks):
         coords = D._unravel(b, d.parts)

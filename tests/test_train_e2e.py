@@ -208,7 +208,7 @@ def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
         "from lbannpy.layers.base import Param\n"
         "from lbannpy.optim import SGD\n"
         "from lbannpy.dist import Distribution\n"
-        "d = Distribution.replicated(2, 1)\n"
+        "d = Distribution.whole(2, 1)\n"
         "w = np.zeros((1024, 4096))\n"
         "p = Param('w', w.shape, ((0, 1024), (0, 4096)), w, w.copy(), d, ())\n"
         "opt = SGD([p], 0.1, momentum=0.9)\n"

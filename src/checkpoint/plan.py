@@ -50,7 +50,7 @@ def is_writer(dist, reduce_dims: Sequence[str], rank: int) -> bool:
     """Whether ``rank`` writes its block of a tensor laid out by ``dist`` whose block depends only on
     the coordinates outside ``reduce_dims``: replica 0 of the block, coordinate 0 along ``reduce_dims``.
     O(ndim), pure. (A block rule this misjudges is caught when the index is built: blocks must tile.)"""
-    if dist.replica(rank) != 0:
+    if dist.copy_index(rank) != 0:
         return False
     coords = dist.coords(rank)
     names = dist.dim_names

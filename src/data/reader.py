@@ -132,7 +132,7 @@ class HDF5Reader:
             raise DataError(f"batch size must be at least 1, got {self.batch_size}")
         if self.depth < 1:
             raise DataError(f"prefetch depth must be at least 1, got {self.depth}")
-        self.dist = dist if dist is not None else Distribution.replicated(ndim, 1)
+        self.dist = dist if dist is not None else Distribution.whole(ndim, 1)
         if self.dist.ndim != ndim:
             raise DataError(f"{self.path}: dataset '{info.inputs}' holds {ndim}-dimensional batches "
                             f"(B, {', '.join(map(str, info.sample_shape))}) but the distribution {self.dist} "

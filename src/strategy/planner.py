@@ -273,7 +273,7 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
         dp = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
         spec = layer_spec(node.type)
         if "c" not in spec.split_dims:  # concat, flatten
-            mp = Distribution.replicated(nd, ranks)
+            mp = Distribution.whole(nd, ranks)
         else:
             mp = Distribution.make(nd, ranks, c=_fit(node.out_shape[1], ranks))
         seen_fc = seen_fc or spec.dense

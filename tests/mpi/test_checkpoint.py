@@ -45,7 +45,7 @@ class GroupStats:
 
     def __init__(self, dist, rank, ref):
         self.dist, self.rank = dist, rank
-        self.groups = dist.degree("n")
+        self.groups = dist.parts_of("n")
         self.g = dist.coords(rank)[0]
         self.cbox = dist.box(OUT_SHAPE, rank)[1]
         self.value = ref["stat"][self.g, self.cbox[0]:self.cbox[1]].copy() if ref else None
@@ -128,7 +128,7 @@ def test_one_writer_per_block_and_byte_equal_restore_on_every_smaller_count(comm
                         assert mom.tobytes() == ref[mk][tuple(slice(a, e) for a, e in p.box)].tobytes()
                     lay = layers2[0]
                     assert lay.counter == 7
-                    rows = dist.degree("n")
+                    rows = dist.parts_of("n")
                     want = (ref["stat"][lay.g] if rows == lay.groups
                             else ref["stat"][:rows].mean(axis=0))[lay.cbox[0]:lay.cbox[1]]
                     assert np.array_equal(lay.value, want), f"group statistics on {k} ranks"

@@ -116,7 +116,7 @@ def test_exchange_and_accumulate_match_the_global_reference(comm, xp, case):
         gx = to_numpy(plan.accumulate_start(comm, xp.asarray(y)).wait())
         total = np.zeros(case.shape)
         for r in range(dist.ranks):
-            if dist.replica(r) != 0:
+            if dist.copy_index(r) != 0:
                 continue
             p = HaloPlan(dist, case.shape, case.stencil, r)
             inside = clip_box(p.window_box, case.shape)
@@ -125,7 +125,7 @@ def test_exchange_and_accumulate_match_the_global_reference(comm, xp, case):
                     relative_slices(inside, [lo for lo, _ in p.window_box])]
         if not np.allclose(gx, total[tuple(slice(a, b) for a, b in box)], rtol=1e-13, atol=1e-13):
             failures.append(f"{dist}: accumulated gradient differs from the global sum")
-        counted = dist.replica(comm.rank) == 0
+        counted = dist.copy_index(comm.rank) == 0
         gap = adjoint_gap(comm, xp.asarray(win), xp.asarray(y), xp.asarray(x), xp.asarray(gx),
                           counted, counted)
         if not gap <= ADJOINT_RTOL:
@@ -190,7 +190,7 @@ def test_negative_control_dot_product_check_catches_wrong_adjoints(comm, xp, wro
     x = xp.asarray(g[tuple(slice(a, b) for a, b in plan.input_box)])
     win = plan.start(comm, x).wait()
     y = xp.asarray(window_grad(plan, dist, comm.rank))
-    counted = dist.replica(comm.rank) == 0
+    counted = dist.copy_index(comm.rank) == 0
     gaps = {}
     for mode in ("correct", wrong.mode):
         aty = accumulate_variant(plan, comm, y, mode)

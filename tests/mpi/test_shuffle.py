@@ -52,7 +52,7 @@ class PairSet:
         rng = random.Random(self.seed * 1000 + ranks)
         pairs = [(rng.choice(dists), rng.choice(dists)) for _ in range(self.count)]
         # always include the extremes: replicated <-> fully split, and a distribution onto itself
-        rep = Distribution.replicated(len(self.shape), ranks)
+        rep = Distribution.whole(len(self.shape), ranks)
         split = max(dists, key=lambda d: d.nblocks)
         return pairs + [(rep, split), (split, rep), (split, split)]
 
@@ -87,7 +87,7 @@ def test_redistribution_matches_global_reblocking_and_its_adjoint(comm, xp, pair
         aty = plan.reverse().start(comm, y).wait()
         if not np.array_equal(to_numpy(aty), block(gy, src, comm.rank)):
             failures.append(f"{dst} -> {src} (reverse): wrong block")
-        gap = adjoint_gap(comm, fx, y, x, aty, dst.replica(comm.rank) == 0, src.replica(comm.rank) == 0)
+        gap = adjoint_gap(comm, fx, y, x, aty, dst.copy_index(comm.rank) == 0, src.copy_index(comm.rank) == 0)
         if not gap <= ADJOINT_RTOL:
             failures.append(f"{src} -> {dst}: dot-product gap {gap:.2e}")
     assert_all(comm, not failures, "; ".join(failures[:8]))
@@ -97,7 +97,7 @@ def test_redistribution_matches_global_reblocking_and_its_adjoint(comm, xp, pair
 def test_dist_tensor_redistribute_and_local_only_plans(comm, xp):
     shape = (4, 3, 9, 10)
     g = global_array(shape, 8)
-    rep = Distribution.replicated(4, comm.size)
+    rep = Distribution.whole(4, comm.size)
     split = Distribution.make(4, ranks=comm.size, w=comm.size)
     t = DistTensor.scatter(xp.asarray(g), rep, comm)
     s = t.redistribute(split, comm)
@@ -132,8 +132,8 @@ def test_negative_control_dot_product_check_catches_a_wrong_reverse(comm, xp):
     gaps = {}
     for mode in ("correct", "forget_own"):
         aty = reverse_variant(plan, comm, y, mode)
-        gaps[mode] = adjoint_gap(comm, fx, y, x, aty, dst.replica(comm.rank) == 0,
-                                 src.replica(comm.rank) == 0)
+        gaps[mode] = adjoint_gap(comm, fx, y, x, aty, dst.copy_index(comm.rank) == 0,
+                                 src.copy_index(comm.rank) == 0)
     assert_all(comm, gaps["correct"] <= ADJOINT_RTOL and gaps["forget_own"] > 1e-3,
                f"gaps {gaps}: the rebuilt reverse must pass and 'forget_own' must fail")
 

@@ -99,13 +99,13 @@ def test_gather_of_non_contiguous_local_and_dtypes(comm, xp):
 
 def test_refusals(comm, xp):
     g = xp.asarray(global_array((3, 2, 5, 4)))
-    wrong_ranks = Distribution.replicated(4, comm.size + 1)
+    wrong_ranks = Distribution.whole(4, comm.size + 1)
     raises_all(comm, DistributionError, DistTensor.scatter, g, wrong_ranks, comm, match="communicator has")
-    raises_all(comm, DistributionError, DistTensor.from_root, None, Distribution.replicated(4, comm.size),
+    raises_all(comm, DistributionError, DistTensor.from_root, None, Distribution.whole(4, comm.size),
                comm, match="passed no array")
     local = xp.zeros((1, 1, 1, 1))
     raises_all(comm, DistributionError, DistTensor, local, (3, 2, 5, 4),
-               Distribution.replicated(4, comm.size), comm.rank, match="expected (3, 2, 5, 4)")
+               Distribution.whole(4, comm.size), comm.rank, match="expected (3, 2, 5, 4)")
     if comm.size >= 2:
         # more blocks along h than rows: every rank names the same first empty rank
         dist = Distribution.make(4, ranks=comm.size, h=comm.size)
