@@ -91,10 +91,10 @@ class Communicator(abc.ABC):
         A negative color returns ``None`` on that rank (it joins no group)."""
 
     def group(self, members) -> "Communicator":
-        """Collective: the communicator of ``members``, the group of ranks (this one among them) that this rank
-        joins, every rank passing its own group of one partition of the ranks; ranked by rank. ``members``
-        is a list of ranks or a :class:`lbannpy.dist.GroupSpec` (its colour is the group's smallest rank,
-        computed without listing the members)."""
+        """Collective: the communicator of ``members``, the group of ranks (this one among them) that this
+        rank joins, every rank passing its own group of one partition of the ranks; ranked by rank.
+        ``members`` is a list of ranks or a :class:`lbannpy.dist.GroupSpec` (its colour is the group's
+        smallest rank, computed without listing the members)."""
         color = getattr(members, "color", None)
         return self.split(min(members) if color is None else color, self.rank)
 

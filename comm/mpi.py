@@ -254,7 +254,8 @@ class MPICommunicator(Communicator):
                     cupy.cuda.get_current_stream().synchronize()
         else:
             if not isinstance(buf, np.ndarray):
-                raise CommError(f"{self._where()}: {what} needs a NumPy or CuPy array, got {type(buf).__name__}")
+                raise CommError(f"{self._where()}: {what} needs a NumPy or CuPy array, got "
+                                f"{type(buf).__name__}")
             contiguous = buf.flags.c_contiguous
             if not contiguous and not writable:
                 buf = np.ascontiguousarray(buf)
@@ -367,7 +368,8 @@ class MPICommunicator(Communicator):
         recvcounts = self._check_counts(recvcounts, "alltoallv (recv)")
 
         def rule(every):
-            bad = [(i, j, every[i][0][j], every[j][1][i]) for i in range(len(every)) for j in range(len(every))
+            n = len(every)
+            bad = [(i, j, every[i][0][j], every[j][1][i]) for i in range(n) for j in range(n)
                    if every[i][0][j] != every[j][1][i]]
             if bad:
                 i, j, s, r = bad[0]

@@ -309,8 +309,8 @@ class NCCLCommunicator(Communicator):
         out = self._empty(send, (counts[0],) if even else send.shape)
         s = self._begin()
         if even:
-            self._nccl_call("reduce_scatter", self._comm.reduceScatter, send.data.ptr, out.data.ptr, counts[0],
-                            dt, code, s.ptr)
+            self._nccl_call("reduce_scatter", self._comm.reduceScatter, send.data.ptr, out.data.ptr,
+                            counts[0], dt, code, s.ptr)
             return self._handle("reduce_scatter", (send, out), lambda: out)
         full = out
         self._nccl_call("reduce_scatter", self._comm.allReduce, send.data.ptr, full.data.ptr, send.size, dt,
@@ -403,10 +403,12 @@ class NCCLCommunicator(Communicator):
         try:
             for kind, arr, peer, tag, _ in ops:
                 if peer == self._rank:
-                    raise CommError(f"{self._where()}: NCCL cannot {kind} to itself (tag {tag}); copy locally")
+                    raise CommError(f"{self._where()}: NCCL cannot {kind} to itself (tag {tag}); copy "
+                                    f"locally")
                 dt = self._dtype(arr.dtype, kind)
                 fn = self._comm.send if kind == "send" else self._comm.recv
-                self._nccl_call(f"{kind} with {peer} (tag {tag})", fn, arr.data.ptr, arr.size, dt, peer, s.ptr)
+                self._nccl_call(f"{kind} with {peer} (tag {tag})", fn, arr.data.ptr, arr.size, dt, peer,
+                                s.ptr)
         finally:
             nccl.groupEnd()
         ev = s.record(self._event())

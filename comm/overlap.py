@@ -57,7 +57,8 @@ _STOP = object()
 
 @dataclass
 class Bucket:
-    """Parameters reduced together by one allreduce over ``comm``; ``buffer`` is packed in ``params`` order."""
+    """Parameters reduced together by one allreduce over ``comm``; ``buffer`` is packed in ``params``
+    order."""
 
     index: int
     comm: object

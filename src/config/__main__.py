@@ -84,7 +84,8 @@ def run(args) -> int:
     elif args.command == "validate":
         cfg = validate(_load(args.config, args.overrides), ranks=args.ranks, data=not args.no_data)
         ranks = f" on {args.ranks} ranks" if args.ranks is not None else ""
-        print(f"{args.config}: ok{ranks} (model {cfg['model']['name']!r}, {len(cfg['model']['layers'])} layers)")
+        model = cfg["model"]
+        print(f"{args.config}: ok{ranks} (model {model['name']!r}, {len(model['layers'])} layers)")
     elif args.command == "zoo":
         from .. import zoo
 

@@ -29,7 +29,8 @@ def check_references(cfg: dict) -> None:
             raise ConfigError(f"{path}.name", f"{name!r} names the model input and cannot name a layer",
                               "rename the layer")
         if name in index:
-            raise ConfigError(f"{path}.name", f"duplicate layer name {name!r} (also model.layers[{index[name]}])",
+            raise ConfigError(f"{path}.name",
+                              f"duplicate layer name {name!r} (also model.layers[{index[name]}])",
                               "give every layer a unique name")
         index[name] = i
     for i, layer in enumerate(layers):
@@ -234,8 +235,9 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
                           "make the labels match the inputs and the loss")
     if ydtype.kind not in ("f" if soft else "iu"):
         want_t = "probabilities must be floating point" if soft else "class labels must be integers"
-        raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; "
-                                               f"{want_t}", "store labels as int64 (or float32 probabilities)")
+        raise ConfigError("data.train.labels",
+                          f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; {want_t}",
+                          "store labels as int64 (or float32 probabilities)")
     if is_train and n < cfg["trainer"]["batch_size"]:
         raise ConfigError(where, f"{full!r} holds {n} samples, fewer than trainer.batch_size = "
                                  f"{cfg['trainer']['batch_size']}", "lower the batch size or add samples")

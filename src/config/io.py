@@ -251,7 +251,8 @@ def read_h5(path: str):
                                         f"{FORMAT!r})", "build one with python -m lbannpy.config build")
             version = f.attrs.get("version")
             if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
-                raise ConfigError(path, f"version attribute {version!r} is not an integer", "rebuild the file")
+                raise ConfigError(path, f"version attribute {version!r} is not an integer",
+                                  "rebuild the file")
             if version > VERSION:
                 raise ConfigError(path, f"config version {int(version)} is newer than this lbannpy reads "
                                         f"(version {VERSION})", "upgrade lbannpy, or rebuild the config from "
@@ -278,7 +279,8 @@ def _check_size(path: str) -> None:
     if not os.path.isfile(path):
         raise ConfigError(path, "not a regular file", "give a YAML spec or a config.h5")
     if size > MAX_FILE_BYTES:
-        raise ConfigError(path, f"{size} bytes is far too large for a config", "give a YAML spec or config.h5")
+        raise ConfigError(path, f"{size} bytes is far too large for a config",
+                          "give a YAML spec or config.h5")
 
 
 def _is_h5_path(path: str) -> bool:

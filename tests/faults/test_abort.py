@@ -77,8 +77,8 @@ def test_exception_on_one_rank_one_line_traceback_in_run_dir(tmp_path):
     job.assert_no_traceback()
     log = tmp_path / "out" / "failure-rank1.log"
     line = [ln for ln in job.err.splitlines() if "injected fault" in ln]
-    assert line == [f"lbannpy: rank 1 of 2 failed: RuntimeError: injected fault at step 3 (traceback in {log})"], \
-        job.err[-2000:]
+    want = f"lbannpy: rank 1 of 2 failed: RuntimeError: injected fault at step 3 (traceback in {log})"
+    assert line == [want], job.err[-2000:]
     assert "Traceback" in log.read_text() and "train_step" in log.read_text()
     assert job.took < 30
 

@@ -210,7 +210,8 @@ def _methods(out: dict, mutation: str | None) -> None:  # pragma: no cover - run
             check(f"allreduce {op} {dt}", lambda: gpu.allreduce(cp(a), op), lambda: host.allreduce(a, op))
     a = data((5,), "float64", 2)
     out_g, out_h = cupy.zeros(5), np.zeros(5)
-    check("allreduce out", lambda: gpu.allreduce(cp(a), "sum", out_g), lambda: host.allreduce(a, "sum", out_h))
+    check("allreduce out", lambda: gpu.allreduce(cp(a), "sum", out_g),
+          lambda: host.allreduce(a, "sum", out_h))
 
     def inplace_g():
         b = cp(a)
@@ -230,7 +231,8 @@ def _methods(out: dict, mutation: str | None) -> None:  # pragma: no cover - run
     check("allgatherv", lambda: gpu.allgatherv(cp(a), counts), lambda: host.allgatherv(a, counts))
     for cs in ([2] * p, [(r % 2) + 1 for r in range(p)]):
         a = data((sum(cs),), "float64", 5)
-        check(f"reduce_scatter {cs}", lambda: gpu.reduce_scatter(cp(a), cs), lambda: host.reduce_scatter(a, cs))
+        check(f"reduce_scatter {cs}", lambda: gpu.reduce_scatter(cp(a), cs),
+              lambda: host.reduce_scatter(a, cs))
     sendcounts = [(me + j) % 3 + 1 for j in range(p)]
     recvcounts = [(j + me) % 3 + 1 for j in range(p)]
     a = data((sum(sendcounts),), "float64", 6)

@@ -236,7 +236,8 @@ def _worker(case: str, backend: str, overlap: bool) -> None:  # pragma: no cover
         world, rank, size = rt.world, rt.world.rank, rt.world.size
         out = {"rank": rank, "device": cupy.cuda.Device().id, "ok": False}
         layers = [f"l{i}" for i in range(6)]
-        params = [P(f"{lay}.{k}", n) for i, lay in enumerate(layers) for k, n in (("w", 900 + 150 * i), ("b", 5))]
+        params = [P(f"{lay}.{k}", n) for i, lay in enumerate(layers)
+                  for k, n in (("w", 900 + 150 * i), ("b", 5))]
         devices: set = set()
         comms = [Spy(world, devices)] * len(params) if case == "devices" else [world] * len(params)
         calls, callers = [], set()

@@ -213,7 +213,8 @@ class ndarray:
 
     def _method(name):
         def m(self, *args, **kwargs):
-            return _call(lambda a, *x, **k: getattr(a, name)(*x, **k), (self,) + args, kwargs, f"ndarray.{name}")
+            return _call(lambda a, *x, **k: getattr(a, name)(*x, **k), (self,) + args, kwargs,
+                         f"ndarray.{name}")
         m.__name__ = name
         return m
 
@@ -311,8 +312,10 @@ def _like(name):
     def create(a, dtype=None, *args, **kwargs):
         if not isinstance(a, ndarray):
             raise TypeError(f"cupy.{name}: unsupported type {type(a)}")
-        return globals()[name[:-5]](a.shape, *args, dtype=dtype or a.dtype, **kwargs) if name != "full_like" \
-            else globals()["full"](a.shape, args[0] if args else kwargs.pop("fill_value"), dtype=dtype or a.dtype)
+        dt = dtype or a.dtype
+        if name == "full_like":
+            return globals()["full"](a.shape, args[0] if args else kwargs.pop("fill_value"), dtype=dt)
+        return globals()[name[:-5]](a.shape, *args, dtype=dt, **kwargs)
     return create
 
 

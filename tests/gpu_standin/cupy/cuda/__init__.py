@@ -94,7 +94,8 @@ class Stream:
         self._check_device("wait_event")
         if event.device_id != self.device_id:
             raise runtime.CUDARuntimeError(
-                f"wait_event: event of device {event.device_id} waited on {self!r} of device {self.device_id}")
+                f"wait_event: event of device {event.device_id} waited on {self!r} of device "
+                f"{self.device_id}")
         if event._clock is not None:
             _standin.merge(self._clock, event._clock)
 
@@ -205,7 +206,8 @@ class Event:
 def get_elapsed_time(start_event, end_event):
     for e in (start_event, end_event):
         if e.disable_timing:
-            raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event created with disable_timing")
+            raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event created with "
+                                           "disable_timing")
         if e._time is None:
             raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event not recorded")
     _standin.count_sync("get_elapsed_time")

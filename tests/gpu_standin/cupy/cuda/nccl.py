@@ -118,7 +118,8 @@ def _submit(post):
 
 
 class NcclCommunicator:
-    """``NcclCommunicator(ndev, commId, rank)``: collective over the ``ndev`` members (each passes its rank)."""
+    """``NcclCommunicator(ndev, commId, rank)``: collective over the ``ndev`` members (each passes its
+    rank)."""
 
     def __init__(self, ndev, commId, rank, config=None):
         from mpi4py import MPI
@@ -213,8 +214,8 @@ class NcclCommunicator:
 
     def _launch(self, what, stream, reads, writes):
         if _standin.local.device != self._device:
-            raise NcclError(NCCL_ERROR_INVALID_USAGE, f"{what}: device {_standin.local.device} is current, the "
-                            f"communicator is on device {self._device}")
+            raise NcclError(NCCL_ERROR_INVALID_USAGE, f"{what}: device {_standin.local.device} is current, "
+                            f"the communicator is on device {self._device}")
         _standin.launch(self._stream(stream, what), reads=reads, writes=writes, what=f"nccl {what}")
 
     def _reduce_post(self, send, op, what, finish):
