@@ -10,7 +10,10 @@ every rank ``MPI_LOCALRANKID``, so rank r must land on device r):
 - a wrong argument order in a call to NCCL fails: each mutation of the argument lists that
   ``comm/nccl.py`` passes (two arguments swapped) makes the stand-in raise or the results differ;
 - row 7: waiting on a handle makes the caller's stream wait on the device, never the host, and the
-  events are untimed.
+  events are untimed;
+- CUDA-aware MPI (backend ``mpi`` with device arrays): the stand-in hands mpi4py the arrays' memory through
+  ``__cuda_array_interface__`` and checks, as MPI takes it, that the host has seen the buffer's last write
+  complete: a producer on another stream without ``after=`` is a race the checker reports.
 """
 from __future__ import annotations
 
@@ -100,6 +103,17 @@ def test_a_wrong_argument_order_fails(mutation):
         assert any(row["failed"] for row in rows), rows
     else:  # ... or the job died (a stand-in error escaping a collective aborts it)
         assert "Traceback" in r.stderr + r.stdout or "Abort" in r.stderr + r.stdout, r.stderr[-3000:]
+
+
+@needs
+def test_cuda_aware_mpi_reads_only_buffers_whose_writer_finished():
+    """A buffer written on a side stream and handed to the MPI backend from the default stream: without
+    ``after=`` (the side stream's event) the host never waited for the writer, and the stand-in's checker
+    reports the race where mpi4py takes the memory; with it, the allreduce is right on every rank."""
+    rows = results(launch("mpi_race", 2, env={"LBANNPY_CUDA_AWARE_MPI": "1"}))
+    for row in rows:
+        assert row["with_event"] == 2 * 63.0 + 1.0, row  # sum over 2 ranks of (rank + 63)
+        assert "RaceError" in row["without_event"] and "never synchronised" in row["without_event"], row
 
 
 @needs
@@ -317,6 +331,30 @@ def _waits(out: dict) -> None:  # pragma: no cover - runs under mpiexec
     c.free()
 
 
+def _mpi_race(out: dict) -> None:
+    import cupy
+    from mpi4py import MPI
+
+    from lbannpy.comm.mpi import MPICommunicator
+
+    c = MPICommunicator(MPI.COMM_WORLD.Dup(), owned=True)
+    me = c.rank
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        x = cupy.arange(64, dtype=cupy.float64) + me
+        ev = side.record(cupy.cuda.Event(disable_timing=True))
+    out["with_event"] = float(cupy.asnumpy(c.allreduce(x, after=ev))[-1])
+    with side:
+        y = cupy.arange(64, dtype=cupy.float64) + me  # a new write, on the side stream, not waited for
+    try:
+        c.allreduce(y)  # syncs this thread's current (null) stream only: the side stream's write races
+        out["without_event"] = "no error"
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        out["without_event"] = f"{type(exc).__name__}: {exc}"
+    c.free()
+    out["ok"] = True
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent))
     from mpi4py import MPI
@@ -329,4 +367,6 @@ if __name__ == "__main__":
         _methods(result, sys.argv[2] if len(sys.argv) > 2 else None)
     elif case == "waits":
         _waits(result)
+    elif case == "mpi_race":
+        _mpi_race(result)
     report(result)

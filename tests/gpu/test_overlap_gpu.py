@@ -68,24 +68,10 @@ def _mpiexec():
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
 
 
-# Known gaps, kept visible (strict: a case that starts passing fails the run until its mark is removed):
-# - CUDA-aware MPI on the stand-in: its device arrays expose no buffer mpi4py can read, so every
-#   multi-rank exchange of the MPI backend fails with "a bytes-like object is required" (issue #13 open);
-# - backward on a side stream with NCCL: the stand-in reports a race between the bucket's set-up writes on
-#   the null stream and the first backward on the side stream, not yet diagnosed (a real missing event or
-#   the checker's whole-allocation granularity).
-MPI_STANDIN = pytest.mark.xfail(strict=True, reason="CUDA-aware MPI cannot read the stand-in's device "
-                                "arrays (no buffer interface for mpi4py); issue #13 open")
-SIDE_STREAM_RACE = pytest.mark.xfail(strict=True, reason="stand-in race report on a side-stream backward "
-                                     "with NCCL, not yet diagnosed; issue #13 open")
-
-
 @needs
 @pytest.mark.parametrize("backend", ["nccl", "mpi"])
 @pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_overlapped_equals_blocking(ranks, backend, request):
-    if backend == "mpi" and ranks > 1:
-        request.applymarker(MPI_STANDIN)
+def test_overlapped_equals_blocking(ranks, backend):
     got = {}
     for overlap in (True, False):
         rows = results(launch("sums", ranks, backend, overlap=overlap))
@@ -98,7 +84,7 @@ def test_overlapped_equals_blocking(ranks, backend, request):
 
 
 @needs
-@pytest.mark.parametrize("backend", ["nccl", pytest.param("mpi", marks=MPI_STANDIN)])
+@pytest.mark.parametrize("backend", ["nccl", "mpi"])
 def test_the_engine_works_on_the_ranks_device(backend):
     """Row 3: every CUDA call of the engine happens on the rank's GPU; the MPI thread selects it first."""
     for row in results(launch("devices", 2, backend)):
@@ -111,12 +97,8 @@ def test_the_engine_works_on_the_ranks_device(backend):
 @needs
 @pytest.mark.parametrize("backend", ["nccl", "mpi"])
 @pytest.mark.parametrize("how", ["side_stream", "per_thread_default"])
-def test_gradients_are_reduced_after_backward_wrote_them(backend, how, request):
+def test_gradients_are_reduced_after_backward_wrote_them(backend, how):
     """Rows 4 and 5: backward on a stream other than the legacy default stream."""
-    if backend == "mpi":
-        request.applymarker(MPI_STANDIN)
-    elif how == "side_stream":
-        request.applymarker(SIDE_STREAM_RACE)
     env = {"CUPY_CUDA_PER_THREAD_DEFAULT_STREAM": "1"} if how == "per_thread_default" else {}
     case = "side_stream" if how == "side_stream" else "sums"
     for row in results(launch(case, 2, backend, env=env)):
@@ -236,8 +218,12 @@ def _worker(case: str, backend: str, overlap: bool) -> None:  # pragma: no cover
         world, rank, size = rt.world, rt.world.rank, rt.world.size
         out = {"rank": rank, "device": cupy.cuda.Device().id, "ok": False}
         layers = [f"l{i}" for i in range(6)]
-        params = [P(f"{lay}.{k}", n) for i, lay in enumerate(layers)
-                  for k, n in (("w", 900 + 150 * i), ("b", 5))]
+        # the compute stream is current from the start, as in a trainer: parameters and the engine's buffers
+        # are made (and zeroed) on it, so backward on that stream is ordered after them
+        side = cupy.cuda.Stream(non_blocking=True) if case == "side_stream" else None
+        with side if side is not None else _Null():
+            params = [P(f"{lay}.{k}", n) for i, lay in enumerate(layers)
+                      for k, n in (("w", 900 + 150 * i), ("b", 5))]
         devices: set = set()
         comms = [Spy(world, devices)] * len(params) if case == "devices" else [world] * len(params)
         calls, callers = [], set()
@@ -253,9 +239,9 @@ def _worker(case: str, backend: str, overlap: bool) -> None:  # pragma: no cover
                     return _orig(self, *a, **k)
 
                 setattr(nccl_comm_cls, name, wrapped)
-        eng = OverlapEngine(params, comms, bucket_bytes=16_000, first_bucket_bytes=4_000, overlap=overlap,
-                            thread_multiple=rt.thread_multiple, xp=rt.xp)
-        side = cupy.cuda.Stream(non_blocking=True) if case == "side_stream" else None
+        with side if side is not None else _Null():
+            eng = OverlapEngine(params, comms, bucket_bytes=16_000, first_bucket_bytes=4_000, overlap=overlap,
+                                thread_multiple=rt.thread_multiple, xp=rt.xp)
         rng = np.random.default_rng(rank)
         ok = True
         digest = hashlib.sha256()

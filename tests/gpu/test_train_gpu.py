@@ -7,7 +7,7 @@ conftest.py). Each GPU run ends with the weights of the single-rank NumPy run of
 
 * classification: sample, spatial + model-parallel FC, hybrid + 1.5D FC, replicated FC;
 * segmentation: spatial and hybrid;
-* overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1`` (on a real GPU only, see below);
+* overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1`` (CUDA-aware MPI);
 * checkpoint on the GPU and resume on the GPU;
 * a budget: host synchronisations per training step stay at most ``HOST_SYNC_BUDGET`` (printed).
 """
@@ -164,10 +164,10 @@ def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
     assert summary(work, ref)["clock"]["layers"] == "host"
 
 
-# backend mpi with LBANNPY_CUDA_AWARE_MPI=1 is not here: mpi4py cannot take the stand-in's device arrays as
-# buffers (the halo exchange's Irecv raises "a bytes-like object is required"); it runs on a real GPU
-@pytest.mark.parametrize("backend,overlap", [("nccl", False)] + ([("mpi", True)] if REAL else []),
-                         ids=["nccl-overlap-off"] + (["cuda-aware-mpi"] if REAL else []))
+# backend mpi with LBANNPY_CUDA_AWARE_MPI=1: mpi4py takes the stand-in's device arrays through
+# __cuda_array_interface__, and the stand-in checks that each buffer's writer finished before MPI reads it
+@pytest.mark.parametrize("backend,overlap", [("nccl", False), ("mpi", True)],
+                         ids=["nccl-overlap-off", "cuda-aware-mpi"])
 def test_gpu_training_on_two_ranks_other_modes(work, train, backend, overlap):
     """The acceptance command (``--set runtime.device=gpu --set runtime.backend=...``, rank 1 on device 1)
     with overlap off, and with CUDA-aware MPI instead of NCCL: the losses and weights of the CPU run."""

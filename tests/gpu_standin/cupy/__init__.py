@@ -136,6 +136,20 @@ class ndarray:
     def __repr__(self):
         return f"standin_device_array(shape={self.shape}, dtype={self.dtype}, device={self._alloc.device})"
 
+    @property
+    def __cuda_array_interface__(self):
+        """CUDA Array Interface v3, for a CUDA-aware MPI (mpi4py reads it). Where real CuPy gives the device
+        pointer, the stand-in gives the host address of the NumPy memory behind the array, so an MPI that
+        is not CUDA-aware really moves the bytes; taking it is a host access of the allocation, checked
+        like one (the producer's stream must have been synchronised)."""
+        _standin.host_access([self._alloc], "__cuda_array_interface__ (MPI reading or writing the buffer)")
+        a = self._a
+        ptr = a.__array_interface__["data"][0] if a.size else 0
+        stream = cuda.get_current_stream()
+        return {"shape": a.shape, "typestr": a.dtype.str, "data": (ptr, False), "version": 3,
+                "strides": None if a.flags.c_contiguous else a.strides,
+                "stream": stream.ptr if stream.ptr else 1}
+
     # --- refused implicit host conversions (CuPy raises TypeError)
     def __array__(self, *a, **k):
         raise TypeError("Implicit conversion to a NumPy array is not allowed. "

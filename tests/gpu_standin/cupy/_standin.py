@@ -134,6 +134,22 @@ def launch(stream, reads=(), writes=(), what="kernel"):
                 a.last_write = (stream._uid, seq, repr(stream))
 
 
+def host_access(allocs, what="host access"):
+    """Model the host (a CUDA-aware MPI, a copy by pointer) reading or writing the allocations outside any
+    stream: every last write must already be complete as the host has observed it (a stream or event
+    synchronisation on the writer's stream), or the host would read memory still being written."""
+    with _lock:
+        for a in allocs:
+            lw = a.last_write
+            if lw is None:
+                continue
+            if _host_clock.get(lw[0], 0) < lw[1]:
+                raise RaceError(
+                    f"{what} touches buffer {a.ptr:#x} ({a.nbytes} bytes, device {a.device}) on the host, but "
+                    f"its last write on {lw[2]} (seq {lw[1]}) was never synchronised with the host; "
+                    f"synchronize that stream (or an event recorded on it after the write) first")
+
+
 def host_observes(clock):
     with _lock:
         merge(_host_clock, clock)
