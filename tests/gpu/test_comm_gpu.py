@@ -86,18 +86,30 @@ def test_every_method_equals_the_mpi_backend(ranks):
         assert row["checked"] >= 12, row
 
 
-MUTATIONS = ["allReduce:0:1", "allReduce:3:4", "allReduce:2:3", "allGather:0:1", "allGather:2:3",
-             "broadcast:3:4", "bcast:1:2", "reduceScatter:2:3", "reduceScatter:0:1",
-             "recv:1:3"]
-# left out: broadcast:0:1 and send:1:3 pass unnoticed on the stand-in, and send:2:3 (count and datatype
-# swapped) makes its point-to-point exchange wait forever instead of failing (issue #13 open)
+def _mutations() -> list[str]:
+    """Every swap of two arguments of every NCCL call that comm/nccl.py makes (``name:i:j``): the calls are
+    read from its source, their argument counts from the stand-in's CuPy-compatible signatures (checked
+    against the real CuPy in tests/test_gpu_standin_signatures.py)."""
+    import ast
+    import itertools
+    import re
+
+    called = sorted(set(re.findall(r"self\._comm\.(\w+)", (ROOT / "comm" / "nccl.py").read_text())))
+    tree = ast.parse((STANDIN / "cupy" / "cuda" / "nccl.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NcclCommunicator")
+    arity = {f.name: len(f.args.args) - 1 for f in cls.body if isinstance(f, ast.FunctionDef)}
+    return [f"{name}:{i}:{j}" for name in called if name in arity
+            for i, j in itertools.combinations(range(arity[name]), 2)]
+
+
+MUTATIONS = _mutations()
 
 
 @needs
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_a_wrong_argument_order_fails(mutation):
     """Negative control: swap two arguments of one NCCL call made by comm/nccl.py (``name:i:j``)."""
-    r = launch("methods", 2, mutation)
+    r = launch("methods", 2, mutation, env={"LBANNPY_STANDIN_NCCL_TIMEOUT": "3"})
     if r.returncode == 0:  # caught if the stand-in refused the call or a result differs
         rows = results(r)
         assert any(row["failed"] for row in rows), rows
@@ -202,84 +214,94 @@ def _methods(out: dict, mutation: str | None) -> None:  # pragma: no cover - run
         rng = np.random.default_rng(100 * me + salt)
         return rng.integers(1, 6, size=shape).astype(dtype)  # integers: every sum order is exact
 
+    class Stop(Exception):
+        """A call failed on some rank: the ranks stop together (the NCCL communicator may be mid-call)."""
+
     def check(what, fn_gpu, fn_host):
         nonlocal checked
         checked += 1
         try:
             g = fn_gpu()
             g = [cupy.asnumpy(a) for a in g] if isinstance(g, tuple) else [cupy.asnumpy(g)]
+            err = None
         except Exception as exc:
-            failed.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
-            return
+            err = f"{what}: {type(exc).__name__}: {str(exc)[:200]}"
+        errs = host.allgather_obj(err)  # every rank learns of a failure anywhere, so none hangs on the next
+        if any(errs):
+            failed.extend(f"rank {r}: {e}" for r, e in enumerate(errs) if e)
+            raise Stop
         h = fn_host()
         h = list(h) if isinstance(h, tuple) else [h]
         if len(g) != len(h) or any(a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b)
                                    for a, b in zip(g, h)):
             failed.append(f"{what}: differs from the MPI backend")
 
-    cp = cupy.asarray
-    for op in ("sum", "max", "min", "prod"):
-        for dt in ("float64", "float32", "int32"):
-            a = data((3, 4), dt, 1)
-            check(f"allreduce {op} {dt}", lambda: gpu.allreduce(cp(a), op), lambda: host.allreduce(a, op))
-    a = data((5,), "float64", 2)
-    out_g, out_h = cupy.zeros(5), np.zeros(5)
-    check("allreduce out", lambda: gpu.allreduce(cp(a), "sum", out_g),
-          lambda: host.allreduce(a, "sum", out_h))
+    try:
+        cp = cupy.asarray
+        for op in ("sum", "max", "min", "prod"):
+            for dt in ("float64", "float32", "int32"):
+                a = data((3, 4), dt, 1)
+                check(f"allreduce {op} {dt}", lambda: gpu.allreduce(cp(a), op), lambda: host.allreduce(a, op))
+        a = data((5,), "float64", 2)
+        out_g, out_h = cupy.zeros(5), np.zeros(5)
+        check("allreduce out", lambda: gpu.allreduce(cp(a), "sum", out_g),
+              lambda: host.allreduce(a, "sum", out_h))
 
-    def inplace_g():
-        b = cp(a)
-        gpu.allreduce(b, "sum", b)
-        return b
-
-    def inplace_h():
-        b = a.copy()
-        host.allreduce(b, "sum", b)
-        return b
-
-    check("allreduce in place", inplace_g, inplace_h)
-    a = data((2, 3), "float32", 3)
-    check("allgather", lambda: gpu.allgather(cp(a)), lambda: host.allgather(a))
-    counts = [(r % 3) + 1 for r in range(p)]
-    a = data((counts[me],), "float64", 4)
-    check("allgatherv", lambda: gpu.allgatherv(cp(a), counts), lambda: host.allgatherv(a, counts))
-    for cs in ([2] * p, [(r % 2) + 1 for r in range(p)]):
-        a = data((sum(cs),), "float64", 5)
-        check(f"reduce_scatter {cs}", lambda: gpu.reduce_scatter(cp(a), cs),
-              lambda: host.reduce_scatter(a, cs))
-    sendcounts = [(me + j) % 3 + 1 for j in range(p)]
-    recvcounts = [(j + me) % 3 + 1 for j in range(p)]
-    a = data((sum(sendcounts),), "float64", 6)
-    check("alltoallv", lambda: gpu.alltoallv(cp(a), sendcounts, recvcounts),
-          lambda: host.alltoallv(a, sendcounts, recvcounts))
-    for root in range(p):
-        a = data((4,), "float64", 7 + root)
-
-        def bg(root=root, a=a):
+        def inplace_g():
             b = cp(a)
-            gpu.bcast(b, root)
+            gpu.allreduce(b, "sum", b)
             return b
 
-        def bh(root=root, a=a):
+        def inplace_h():
             b = a.copy()
-            host.bcast(b, root)
+            host.allreduce(b, "sum", b)
             return b
 
-        check(f"bcast root {root}", bg, bh)
-    a = data((6,), "float64", 20)
-    b = data((3,), "int32", 21)
+        check("allreduce in place", inplace_g, inplace_h)
+        a = data((2, 3), "float32", 3)
+        check("allgather", lambda: gpu.allgather(cp(a)), lambda: host.allgather(a))
+        counts = [(r % 3) + 1 for r in range(p)]
+        a = data((counts[me],), "float64", 4)
+        check("allgatherv", lambda: gpu.allgatherv(cp(a), counts), lambda: host.allgatherv(a, counts))
+        for cs in ([2] * p, [(r % 2) + 1 for r in range(p)]):
+            a = data((sum(cs),), "float64", 5)
+            check(f"reduce_scatter {cs}", lambda: gpu.reduce_scatter(cp(a), cs),
+                  lambda: host.reduce_scatter(a, cs))
+        sendcounts = [(me + j) % 3 + 1 for j in range(p)]
+        recvcounts = [(j + me) % 3 + 1 for j in range(p)]
+        a = data((sum(sendcounts),), "float64", 6)
+        check("alltoallv", lambda: gpu.alltoallv(cp(a), sendcounts, recvcounts),
+              lambda: host.alltoallv(a, sendcounts, recvcounts))
+        for root in range(p):
+            a = data((4,), "float64", 7 + root)
 
-    def ring(comm, xp):
-        right, left = (me + 1) % p, (me - 1) % p
-        r1, r2 = xp.zeros(6), xp.zeros(3, dtype=np.int32)
-        hs = [comm.irecv(r1, left, tag=1), comm.irecv(r2, right, tag=2),
-              comm.isend(xp.asarray(a), right, tag=1), comm.isend(xp.asarray(b), left, tag=2)]
-        comm.flush()
-        for h in hs:
-            h.wait()
-        return r1, r2
+            def bg(root=root, a=a):
+                b = cp(a)
+                gpu.bcast(b, root)
+                return b
 
-    check("isend/irecv ring", lambda: ring(gpu, cupy), lambda: ring(host, np))
+            def bh(root=root, a=a):
+                b = a.copy()
+                host.bcast(b, root)
+                return b
+
+            check(f"bcast root {root}", bg, bh)
+        a = data((6,), "float64", 20)
+        b = data((3,), "int32", 21)
+
+        def ring(comm, xp):
+            right, left = (me + 1) % p, (me - 1) % p
+            r1, r2 = xp.zeros(6), xp.zeros(3, dtype=np.int32)
+            hs = [comm.irecv(r1, left, tag=1), comm.irecv(r2, right, tag=2),
+                  comm.isend(xp.asarray(a), right, tag=1), comm.isend(xp.asarray(b), left, tag=2)]
+            comm.flush()
+            for h in hs:
+                h.wait()
+            return r1, r2
+
+        check("isend/irecv ring", lambda: ring(gpu, cupy), lambda: ring(host, np))
+    except Stop:
+        pass
     gpu.free()
     host.free()
     out.update(failed=failed, checked=checked)

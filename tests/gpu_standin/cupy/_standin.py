@@ -145,8 +145,8 @@ def host_access(allocs, what="host access"):
                 continue
             if _host_clock.get(lw[0], 0) < lw[1]:
                 raise RaceError(
-                    f"{what} touches buffer {a.ptr:#x} ({a.nbytes} bytes, device {a.device}) on the host, but "
-                    f"its last write on {lw[2]} (seq {lw[1]}) was never synchronised with the host; "
+                    f"{what} touches buffer {a.ptr:#x} ({a.nbytes} bytes, device {a.device}) on the host, "
+                    f"but its last write on {lw[2]} (seq {lw[1]}) was never synchronised with the host; "
                     f"synchronize that stream (or an event recorded on it after the write) first")
 
 

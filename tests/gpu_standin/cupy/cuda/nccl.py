@@ -104,7 +104,16 @@ def _execute(ops):
         req, after = post()
         reqs.append(req)
         posts.append(after)
-    MPI.Request.Waitall(reqs)
+    # bounded: ranks that issued different calls (order, count, datatype, root or peer) would wait forever,
+    # as real NCCL does; the stand-in fails instead, naming what it waited for
+    deadline = time.monotonic() + _TIMEOUT
+    while not MPI.Request.Testall(reqs):
+        if time.monotonic() > deadline:  # the communicator is unusable from here, as after an NCCL error
+            raise NcclError(NCCL_ERROR_INVALID_USAGE,
+                            f"{len(reqs)} operation(s) did not complete in {_TIMEOUT:g} s "
+                            f"(LBANNPY_STANDIN_NCCL_TIMEOUT): the ranks issued different calls (order, "
+                            f"count, datatype, root or peer)")
+        time.sleep(0.001)
     for after in posts:
         if after is not None:
             after()
