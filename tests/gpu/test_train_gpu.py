@@ -66,11 +66,11 @@ def run(cmd, timeout=240):
 
 @pytest.fixture
 def train(gpu_run):
-    """``train(ranks, config, *extra, env=None)``: ``mpiexec -n ranks python -m lbannpy.train config
-    --quiet extra`` with the GPU tier's environment."""
-    def go(ranks, config, *extra, env=None, timeout=240):
+    """``train(ranks, config, *extra, env=None, check=True)``: ``mpiexec -n ranks python -m lbannpy.train
+    config --quiet extra`` with the GPU tier's environment."""
+    def go(ranks, config, *extra, env=None, timeout=240, check=True):
         return gpu_run(["mpiexec", "-n", ranks, PY, "-m", "lbannpy.train", config, "--quiet", *extra],
-                       env=env, timeout=timeout)
+                       env=env, timeout=timeout, check=check)
     return go
 
 
