@@ -11,8 +11,8 @@ Not part of the test run (it takes minutes). Run from the repository root:
 
     OMP_NUM_THREADS=1 python tests/gpu/revert_rows.py [ROW ...]
 
-Row 4 (CUDA-aware MPI synchronising the buffer's device) has no stand-in test yet: the stand-in's device
-arrays cannot be read by mpi4py, so every multi-rank MPI exchange on it is a strict xfail (issue #13).
+Row 4 (CUDA-aware MPI) is checked where MPI is about to read the buffer: the stand-in's device arrays cannot
+be read by mpi4py, so its multi-rank MPI exchanges are strict xfails (issue #13).
 """
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ ROWS: dict[str, tuple[str, list, list]] = {
            ("comm/overlap.py", "            self._xp.cuda.Device(self._device_id).use()",
             "            pass")],
           [G + "test_overlap_gpu.py::test_the_engine_works_on_the_ranks_device[nccl]"]),
+    "4": ("CUDA-aware MPI synchronises the calling thread's current device, not the buffer's",
+          [("comm/mpi.py", "            with buf.device:\n                if after is not None:\n"
+            "                    after.synchronize()",
+            "            if True:\n                if after is not None:\n"
+            "                    cupy.cuda.get_current_stream().synchronize()")],
+          [G + "test_rows.py::test_cuda_aware_mpi_waits_for_the_buffers_device"]),
     "5": ("NCCL ordered after the calling thread's current stream, not the producer's event",
           [("comm/nccl.py", "            if after is None:\n                after = self._cupy",
             "            if True:\n                after = self._cupy")],

@@ -4,14 +4,20 @@ undoes each row's fix and checks that its test fails):
 - row 9 (gradient buckets): on a GPU with NCCL the bucket times, ``comm_time_s`` and
   ``hidden_comm_fraction`` come from CUDA events on the communicator's stream, and ``summary.json``'s
   ``clock`` says so; the CPU run keeps host times;
+- row 4: CUDA-aware MPI waits for a buffer's writer on the buffer's device, from any thread;
 - a ``CommError`` while the Runtime starts is one line per rank on stderr, no traceback, exit non-zero.
 """
 from __future__ import annotations
 
 import csv
+import json
+import sys
+from pathlib import Path
 
 # the end-to-end tier's helpers and fixtures (``work``: its data sets; ``train``: an mpiexec run)
-from test_train_gpu import GPU, spec, summary, train, work  # noqa: F401
+from test_train_gpu import GPU, PY, spec, summary, train, work  # noqa: F401
+
+HERE = Path(__file__).resolve()
 
 
 def _logged_rows(d, tag) -> list[dict]:
@@ -50,3 +56,56 @@ def test_a_comm_error_at_runtime_start_is_one_line_per_rank(work, train):  # noq
     assert 1 <= len(lines) <= 2, lines  # one line per rank at most
     for ln in lines:
         assert "CommError" in ln and "needs device='gpu'" in ln and "failure-rank" in ln, ln
+
+
+def test_cuda_aware_mpi_waits_for_the_buffers_device(gpu_run):
+    """Row 4: before CUDA-aware MPI reads a device buffer, the host waits for the writer on the *buffer's*
+    device (or for the producer's event), not on the calling thread's current device: the gradient thread
+    starts on device 0 while rank 1's gradients live on device 1. The stand-in's stream-order clocks say
+    whether the host observed the buffer's last write."""
+    p = gpu_run([PY, HERE, "row4"], env={"LBANNPY_CUDA_AWARE_MPI": "1"}, timeout=120)
+    got = [json.loads(ln[len("ROW4 "):]) for ln in p.stdout.splitlines() if ln.startswith("ROW4 ")]
+    assert got == [{"after_event": True, "current_stream": True}], p.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _row4() -> dict:
+    import threading
+
+    import cupy
+    from cupy import _standin as S
+    from mpi4py import MPI
+
+    from lbannpy.comm.mpi import MPICommunicator
+
+    comm = MPICommunicator(MPI.COMM_SELF.Dup(), owned=True)
+
+    def observed(buf) -> bool:
+        a = S.resolve(buf.data.ptr, buf.nbytes)
+        uid, seq, _ = a.last_write
+        return S._host_clock.get(uid, 0) >= seq
+
+    out = {}
+    with cupy.cuda.Device(1):
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:  # a producer on a side stream of device 1, with its event
+            by_event = cupy.arange(64, dtype=cupy.float64) * 2.0
+            ev = side.record(cupy.cuda.Event(disable_timing=True))
+        on_null = cupy.arange(64, dtype=cupy.float64) * 3.0  # device 1's current stream
+
+    def thread():  # like the gradient thread: a new thread starts on device 0
+        comm._prepare(by_event, "allreduce", after=ev)
+        out["after_event"] = observed(by_event)
+        comm._prepare(on_null, "allreduce")
+        out["current_stream"] = observed(on_null)
+
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    comm.free()
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "row4":
+        print("ROW4 " + json.dumps(_row4()), flush=True)
