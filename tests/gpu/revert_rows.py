@@ -86,7 +86,7 @@ ROWS: dict[str, tuple[str, list, list]] = {
     "9": ("step, layer and halo times on the host clock on a GPU",
           [("src/training/clock.py", "return EventClock(xp) if device == \"gpu\" else Clock()",
             "return Clock()")],
-          [G + "test_train_gpu.py::test_gpu_training_equals_the_numpy_run[cls-runs0]"]),
+          [G + "test_train_gpu.py::test_gpu_training_equals_the_numpy_run[classification]"]),
     "9b": ("gradient bucket times and hidden_comm_fraction on the host clock on a GPU",
            [("comm/overlap.py", "self._events = self._device_id is not None and bool(device_timing)",
              "self._events = False")],
@@ -136,13 +136,21 @@ def edit(tree: Path, edits: list) -> str | None:
     return None
 
 
-def run_tests(tree: Path, tests: list) -> tuple[bool, str]:
+def run_tests(tree: Path, tests: list) -> tuple[str, str]:
+    """``(outcome, summary)``: outcome ``passed`` (every test ran and passed), ``failed`` (a test ran and
+    failed an assertion or raised in its body: the bug is seen) or ``broken`` (errors in set-up or
+    collection, nothing ran: no evidence either way). The summary ends with the first error line."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tree / ".rows_path"), str(tree)]))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
-    return p.returncode == 0, (lines[-1] if lines else p.stderr.strip()[-200:])
+    last = lines[-1] if lines else p.stderr.strip()[-200:]
+    if p.returncode == 0:
+        return "passed", last
+    why = next((ln[1:].strip() for ln in lines if ln.startswith("E ")), "")
+    outcome = "failed" if p.returncode == 1 and " failed" in last and " error" not in last else "broken"
+    return outcome, f"{last.strip('= ')}; {why[:110]}" if why else last.strip("= ")
 
 
 def main(argv: list[str]) -> int:
@@ -159,11 +167,12 @@ def main(argv: list[str]) -> int:
             if stale:
                 before = f"stale ({stale})"
             else:
-                passed, last = run_tests(before_tree, tests)
-                before = f"{'PASSES (no proof)' if passed else 'fails'}: {last}"
-            passed_after, last_after = run_tests(after_tree, tests)
-            after = f"{'passes' if passed_after else 'FAILS'}: {last_after}"
-            good = before.startswith("fails") and passed_after
+                outcome, last = run_tests(before_tree, tests)
+                before = {"failed": "fails", "passed": "PASSES (no proof)",
+                          "broken": "BROKEN (no proof)"}[outcome] + f": {last}"
+            outcome_after, last_after = run_tests(after_tree, tests)
+            after = f"{'passes' if outcome_after == 'passed' else 'FAILS'}: {last_after}"
+            good = before.startswith("fails") and outcome_after == "passed"
             ok &= good
             table.append((row, what, " ".join(t.split("::")[-1] for t in tests), before, after))
             shutil.rmtree(before_tree)
