@@ -245,11 +245,13 @@ class OverlapEngine:
         """Turn the CUDA events of the records so far into seconds with ``seconds(event)`` (the step
         clock's, so bucket and backward times share a time base). Call only when every recorded event is
         complete: after the step clock settled on a mark recorded after :meth:`finish` (the compute stream
-        waited there on each bucket's end event). No-op on host records."""
+        waited there on each bucket's end event). A host-clock engine's records stay as they are."""
         for i in range(self._resolved, len(self.records)):
             b, nbytes, post, s, e = self.records[i]
             if not isinstance(s, float):
                 self.records[i] = (b, nbytes, post, float(seconds(s)), float(seconds(e)))
+            elif self.clock != "host":  # a one-rank bucket beside timed ones: no reduction, and host
+                self.records[i] = (b, nbytes, post, 0.0, 0.0)  # seconds would not share their time base
         self._resolved = len(self.records)
 
     # -- the main thread ------------------------------------------------------------------------------------
