@@ -9,20 +9,15 @@ undoes each row's fix and checks that its test fails):
 """
 from __future__ import annotations
 
-import csv
 import json
 import sys
 from pathlib import Path
 
 # the end-to-end tier's helpers and fixtures (``work``: its data sets; ``train``: an mpiexec run)
 from test_train_gpu import GPU, PY, spec, summary, train, work  # noqa: F401
+from train_util import metrics
 
 HERE = Path(__file__).resolve()
-
-
-def _logged_rows(d, tag) -> list[dict]:
-    with open(d / tag / "out" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def test_bucket_times_are_cuda_events_on_a_gpu(work, train):  # noqa: F811  (fixtures)
@@ -38,7 +33,7 @@ def test_bucket_times_are_cuda_events_on_a_gpu(work, train):  # noqa: F811  (fix
         assert s["clock"]["buckets"] == "cuda-events", (overlap, s["clock"])
         assert len(s["buckets"]) > 1 and all(b["median_s"] is not None and b["median_s"] > 0
                                              for b in s["buckets"]), s["buckets"]
-        rows = _logged_rows(work, tag)
+        rows = metrics(work / tag / "out")
         assert [int(r["step"]) for r in rows] == [2, 4], rows
         for r in rows:  # logged steps: the events of the step read once its marks are settled
             assert float(r["comm_time_s"]) > 0, r
