@@ -48,9 +48,13 @@ def test_a_comm_error_at_runtime_start_is_one_line_per_rank(work, train):  # noq
     assert p.returncode != 0, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
-    assert 1 <= len(lines) <= 2, lines  # one line per rank at most
+    assert len(lines) == 2, lines  # one line per rank
     for ln in lines:
         assert "CommError" in ln and "needs device='gpu'" in ln and "failure-rank" in ln, ln
+    # before MPI starts each rank still knows itself from the launcher: its own line and traceback file
+    for r in range(2):
+        assert any(f"rank {r} of 2 failed" in ln and f"failure-rank{r}.log" in ln for ln in lines), lines
+        assert (work / "rows-error" / "out" / f"failure-rank{r}.log").is_file()
 
 
 def test_cuda_aware_mpi_waits_for_the_buffers_device(gpu_run):
