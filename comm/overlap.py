@@ -39,8 +39,10 @@ main thread while the communication thread reduces the last one competes with it
 memory bus, and delayed that last, exposed reduction by several milliseconds. A ``grad`` that someone
 rebinds to another array later is still handled, by copying it in and out.
 
-Intervals of every reduction are recorded (``records``) for the overlap report: host times, which on
-NCCL are the launch of the allreduce (its device time needs CUDA events).
+Intervals of every reduction are recorded (``records``) for the overlap report: host times, except on
+a GPU with NCCL and ``device_timing``, where the host only launches the allreduce: there they are CUDA
+events on the communicator's stream, turned into seconds by :meth:`OverlapEngine.resolve` when a report
+is built (never on the step path).
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ class Bucket:
     handle: object = None  # stream mode: the allreduce in flight on the communicator's stream
     error: BaseException | None = None
     t_post: float = 0.0
-    t_start: float = 0.0
-    t_end: float = 0.0
+    t_start: object = 0.0  # host seconds, or (``timed``) a CUDA event on the communicator's stream
+    t_end: object = 0.0
+    timed: bool = False  # GPU + NCCL with device timing: start and end are CUDA events
 
 
 def plan_buckets(params: Sequence, comms: Sequence, bucket_bytes: int, first_bucket_bytes: int,
@@ -123,7 +126,8 @@ class OverlapEngine:
 
     def __init__(self, params: Sequence, comms: Sequence, *, bucket_bytes: int = 25 << 20,
                  first_bucket_bytes: int = 1 << 20, overlap: bool = True, chunk_layers: int | None = None,
-                 layer_of: Callable | None = None, thread_multiple: bool = True, xp=None):
+                 layer_of: Callable | None = None, thread_multiple: bool = True, xp=None,
+                 device_timing: bool = False):
         self.params = list(params)
         self.overlap = bool(overlap)
         mod = xp if xp is not None else __import__("numpy")
@@ -172,7 +176,17 @@ class OverlapEngine:
         self._layer_params: dict[str, list] = {}
         for p in self.params:
             self._layer_params.setdefault(layer_of(p), []).append(p)
-        self.records: list[tuple[int, int, float, float, float]] = []  # bucket, bytes, post, start, end
+        self.records: list[tuple] = []  # bucket, bytes, post, start, end (see :meth:`resolve`)
+        # ``device_timing`` on a GPU: an NCCL bucket's start and end are timing events recorded on the
+        # communicator's stream around its allreduce (host time there measures the launch). Nothing reads
+        # them on the step path; :meth:`resolve` turns them into seconds when a report is built. MPI
+        # reductions block the host until done, so their host times are the reduction's.
+        self._events = self._device_id is not None and bool(device_timing)
+        for bucket in self.buckets:
+            bucket.timed = (self._events and bucket.comm.size > 1
+                            and getattr(bucket.comm, "backend", "") == "nccl")
+        self.clock = "cuda-events" if any(b.timed for b in self.buckets) else "host"
+        self._resolved = 0  # records before this index hold seconds
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
         self._completed: queue.Queue = queue.Queue()
@@ -196,6 +210,11 @@ class OverlapEngine:
         compute stream by ``bucket.ready`` (MPI waits for it on the host, NCCL on its stream)."""
         bucket.t_start = time.perf_counter()
         try:
+            if bucket.timed:  # NCCL without overlap: enqueued, then the compute stream waits on it
+                self._nccl_allreduce(bucket).wait()
+                with self._xp.cuda.Device(self._device_id):
+                    self._xp.cuda.get_current_stream().wait_event(bucket.t_end)
+                return
             if bucket.comm.size > 1:
                 if bucket.ready is not None:
                     bucket.comm.allreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
@@ -204,6 +223,36 @@ class OverlapEngine:
         except BaseException as exc:  # handed to the main thread, which raises it
             bucket.error = exc
         bucket.t_end = time.perf_counter()
+
+    def _nccl_allreduce(self, bucket: Bucket):
+        """Enqueue the bucket's allreduce on its NCCL communicator's stream, ordered after ``bucket.ready``;
+        with ``bucket.timed`` between two timing events recorded on that stream, the start one after the
+        stream waits for the gradients (so it marks when the reduction can begin, not the launch)."""
+        if not bucket.timed:
+            return bucket.comm.iallreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+        cuda = self._xp.cuda
+        with cuda.Device(self._device_id):
+            stream = bucket.comm.stream
+            start, end = cuda.Event(), cuda.Event()
+            stream.wait_event(bucket.ready)
+            stream.record(start)
+            handle = bucket.comm.iallreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+            stream.record(end)
+        bucket.t_start, bucket.t_end = start, end
+        return handle
+
+    def resolve(self, seconds: Callable) -> None:
+        """Turn the CUDA events of the records so far into seconds with ``seconds(event)`` (the step
+        clock's, so bucket and backward times share a time base). Call only when every recorded event is
+        complete: after the step clock settled on a mark recorded after :meth:`finish` (the compute stream
+        waited there on each bucket's end event). A host-clock engine's records stay as they are."""
+        for i in range(self._resolved, len(self.records)):
+            b, nbytes, post, s, e = self.records[i]
+            if not isinstance(s, float):
+                self.records[i] = (b, nbytes, post, float(seconds(s)), float(seconds(e)))
+            elif self.clock != "host":  # a one-rank bucket beside timed ones: no reduction, and host
+                self.records[i] = (b, nbytes, post, 0.0, 0.0)  # seconds would not share their time base
+        self._resolved = len(self.records)
 
     # -- the main thread ------------------------------------------------------------------------------------
     def start_step(self) -> None:
@@ -241,10 +290,11 @@ class OverlapEngine:
         if bucket.mode == "stream":  # enqueued on the communicator's stream; the host does not wait
             bucket.t_start = bucket.t_post
             try:
-                bucket.handle = bucket.comm.iallreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+                bucket.handle = self._nccl_allreduce(bucket)
             except BaseException as exc:
                 bucket.error = exc
-            bucket.t_end = time.perf_counter()
+            if not bucket.timed:
+                bucket.t_end = time.perf_counter()
         else:
             self._reduce(bucket)
         self._completed.put(bucket)
@@ -261,6 +311,9 @@ class OverlapEngine:
                 handle, bucket.handle = bucket.handle, None
                 try:
                     handle.wait()  # NCCL: the compute stream waits on the bucket's event (device side)
+                    if bucket.timed:  # ... and on its end event, so a later mark there implies it done
+                        with self._xp.cuda.Device(self._device_id):
+                            self._xp.cuda.get_current_stream().wait_event(bucket.t_end)
                 except BaseException as exc:
                     bucket.error = exc
             if bucket.error is not None:

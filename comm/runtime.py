@@ -50,6 +50,17 @@ _WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX
                     "SLURM_STEP_NUM_TASKS")
 
 
+def launched_rank_size() -> tuple[int, int]:
+    """``(rank, size)`` from the launcher's variables, for a failure before MPI starts (each rank then
+    names itself and writes its own ``failure-rankR.log``); ``(0, 1)`` outside a known launcher."""
+    size = launched_size()
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "").strip()
+        if size and value.isdigit():
+            return int(value), size
+    return 0, 1
+
+
 def launched_size() -> int | None:
     """Number of ranks the launcher (mpiexec, srun) started, read from its environment without starting
     MPI; ``None`` when this process was not started by a known launcher."""
@@ -103,7 +114,7 @@ def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     """
     MPI = sys.modules.get("mpi4py.MPI")
     up = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
-    rank, size = (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()) if up else (0, 1)
+    rank, size = (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()) if up else launched_rank_size()
     line = failure_message(rank, size, exc).splitlines()[0]  # one line even for a multi-line message
     tb_text = "".join(traceback.format_exception(exc_type, exc, tb))
     if _failure_log_dir is None:

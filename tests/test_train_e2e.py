@@ -9,13 +9,10 @@
 """
 from __future__ import annotations
 
-import csv
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +20,11 @@ import numpy as np
 import pytest
 import yaml
 
+from train_util import (ENV, PY, assert_same_weights, build_config, final_params, make_data, metrics,
+                        model_spec, sh)
+
 MPIEXEC = shutil.which("mpiexec")
 REPO = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-PY = sys.executable
 
 CLS_LAYERS = [
     {"name": "c1", "type": "conv", "filters": 6, "kernel": 3, "padding": 1, "bias": False},
@@ -50,33 +48,16 @@ SEG_LAYERS = [
 ]
 
 
-def sh(cmd, timeout=240, cwd=None, check=True):
-    p = subprocess.run(cmd, env=ENV, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stdout[-3000:]}\n"
-                             f"{p.stderr[-3000:]}")
-    return p
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("e2e")
-    sh([PY, "-m", "lbannpy.data", "blobs", "--size", "12", "--samples", "64", "--classes", "4",
-        "-o", str(d / "blobs.h5")])
-    sh([PY, "-m", "lbannpy.data", "mesh", "--size", "32", "--samples", "24", "-o", str(d / "mesh.h5"), "-q"])
-    return d
+    return make_data(tmp_path_factory.mktemp("e2e"), blobs_size=12, blobs_samples=64, mesh_size=32,
+                     mesh_samples=24)
 
 
 def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run", lr=0.05, opt="sgd",
          comm=None):
-    if kind == "cls":
-        model = {"name": "cls", "input": {"channels": 3, "spatial": [12, 12]}, "layers": CLS_LAYERS,
-                 "loss": "cross_entropy"}
-        data = {"train": {"path": str(work / "blobs.h5")}}
-    else:
-        model = {"name": "seg", "input": {"channels": 18, "spatial": [32, 32]}, "layers": SEG_LAYERS,
-                 "loss": "pixel_cross_entropy"}
-        data = {"train": {"path": str(work / "mesh.h5")}}
+    model, data = (model_spec(work, "cls", CLS_LAYERS, 12) if kind == "cls" else
+                   model_spec(work, "seg", SEG_LAYERS, 32))
     cfg = {"model": model, "data": data,
            "trainer": {"batch_size": 8, "steps": steps, "seed": 3, "dtype": dtype},
            "optimizer": ({"type": "sgd", "lr": lr, "momentum": 0.9, "weight_decay": 1e-4} if opt == "sgd"
@@ -85,35 +66,12 @@ def spec(work, kind: str, steps: int, parallel: dict, dtype="float64", tag="run"
            "checkpoint": {"dir": str(work / tag / "ckpt"), "every_steps": 0},
            "comm": comm or {},
            "output": {"dir": str(work / tag / "out")}}
-    path = work / f"{tag}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    h5 = work / f"{tag}.h5"
-    sh([PY, "-m", "lbannpy.config", "build", str(path), "-o", str(h5)])
-    return h5
+    return build_config(work, tag, cfg)
 
 
 def train(ranks: int, config, *extra, timeout=240, check=True):
     return sh([MPIEXEC, "-n", str(ranks), PY, "-m", "lbannpy.train", str(config), "--quiet", *extra],
               timeout=timeout, check=check)
-
-
-def final_params(ckpt_dir) -> dict:
-    from lbannpy import checkpoint
-
-    _, data = checkpoint.load_newest(str(ckpt_dir))
-    return {k[len("params/"):]: v for k, v in data["tensors"].items() if k.startswith("params/")}
-
-
-def assert_same_weights(a: dict, b: dict, rtol: float, what: str):
-    assert a.keys() == b.keys(), what
-    for k in a:
-        err = np.abs(a[k] - b[k]).max() / max(np.abs(a[k]).max(), 1e-30)
-        assert err <= rtol, f"{what}: {k} differs by {err:.3g} relative"
-
-
-def metrics(out_dir) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.csv")) as f:
-        return list(csv.DictReader(f))
 
 
 CLS_RUNS = [

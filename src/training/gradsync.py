@@ -43,7 +43,8 @@ class GradSync:
             synced, self.grad_comms, bucket_bytes=int(float(cfg_comm["bucket_mb"]) * 2**20),
             first_bucket_bytes=int(float(cfg_comm["first_bucket_mb"]) * 2**20),
             overlap=bool(cfg_comm["overlap"]), chunk_layers=k or None,
-            thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp)
+            thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp,
+            device_timing=clock.name != "host")
 
     # -- one step, in call order -------------------------------------------------------------------------
     def before_forward(self, layer) -> None:
@@ -91,6 +92,9 @@ class GradSync:
         import numpy as np
 
         engine, out = self.engine, []
+        if engine.clock != "host":  # the end of the run: every bucket's events into seconds
+            self.clock.settle()
+            engine.resolve(self.clock.seconds)
         for b in engine.buckets:
             times = [e - s for i, _, _, s, e in engine.records if i == b.index]
             out.append({"index": b.index, "bytes": int(b.nbytes), "params": [p.name for p in b.params],

@@ -137,8 +137,10 @@ class Trainer:
         wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr
         recs = sync.finish(mark)
-        # bucket intervals are host times (on NCCL, of the launches): measured against the host's backward
-        comm_iv = [(s, e) for _, _, _, s, e in recs]
+        # bucket intervals: host times measured against the host's backward, or (GPU + NCCL) CUDA events
+        # that are read below on logged steps only, against the backward's marks on the same clock
+        device_buckets = sync.engine.clock != "host"
+        comm_iv = [] if device_buckets else [(s, e) for _, _, _, s, e in recs]
         t_comm = sum(e - s for s, e in comm_iv)
         hidden = hidden_fraction(comm_iv, [(h_bp, h_bp_end)])
         # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
@@ -157,6 +159,11 @@ class Trainer:
             self.timer.settle()
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
+            if device_buckets:  # the marks are settled, so every bucket event of the step is complete
+                sync.engine.resolve(clock.seconds)
+                comm_iv = [(s, e) for _, _, _, s, e in sync.engine.records[mark:]]
+                t_comm = sum(e - s for s, e in comm_iv)
+                hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
             loss, metrics = self.loss.metrics(stats)
             if not host_stats:
                 health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
@@ -283,5 +290,6 @@ class Trainer:
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
+        self.report.bucket_clock = self.sync.engine.clock
         self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                           {lay.name: str(lay.out_dist) for lay in self.model.layers})

@@ -44,6 +44,8 @@ class Report:
     def __init__(self, world, out_dir: str, timer, trace: bool, clock: str = "host"):
         self.world = world
         self.clock = clock  # the clock of the per-layer and step times: "host" or "cuda-events"
+        # the clock of the bucket times and the hidden fraction (the overlap engine's; the trainer sets it)
+        self.bucket_clock = "host"
         self.out_dir = out_dir
         self.timer = timer
         self.trace = trace
@@ -159,8 +161,10 @@ class Report:
                                      else (0.0 if comm else None)),
             "buckets": buckets,
             # which clock timed what: on a GPU, CUDA events for the layers, halos and steps (host time
-            # there measures launches); bucket intervals and the hidden fraction are host times
-            "clock": {"layers": self.clock, "step": self.clock, "buckets": "host", "io_wait": "host"},
+            # there measures launches); "buckets" covers the bucket times, comm_time_s and the hidden
+            # fraction (CUDA events on NCCL; MPI reductions block the host, so host times are theirs)
+            "clock": {"layers": self.clock, "step": self.clock, "buckets": self.bucket_clock,
+                      "io_wait": "host"},
             "wall_s": run["wall_s"],
             "layers": merged,
             "distributions": distributions,

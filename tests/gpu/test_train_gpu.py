@@ -13,19 +13,19 @@ conftest.py). Each GPU run ends with the weights of the single-rank NumPy run of
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
 
 HERE = Path(__file__).resolve()
-PY = sys.executable
+# the worker (this file run by mpiexec) finds the shared helpers beside the tests, as pytest does
+sys.path.insert(0, str(HERE.parents[1]))
+from train_util import (PY, assert_same_weights, build_config, final_params, make_data,  # noqa: E402
+                        metrics, model_spec)
+
 REAL = os.environ.get("LBANNPY_GPU", "") == "real"
 GPU = ("--set", "runtime.device=gpu", "--set", "runtime.backend=nccl")
 # per training step: the metrics of a logged step (one read of the reduced loss statistics) plus a little
@@ -56,71 +56,40 @@ SEG_LAYERS = [
 STEPS = 3
 
 
-def run(cmd, timeout=240):
-    """A serial helper command (data, configs: no GPU involved)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env)
-    assert p.returncode == 0, f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stderr[-3000:]}"
-    return p
-
-
 @pytest.fixture
 def train(gpu_run):
-    """``train(ranks, config, *extra, env=None)``: ``mpiexec -n ranks python -m lbannpy.train config
-    --quiet extra`` with the GPU tier's environment."""
-    def go(ranks, config, *extra, env=None, timeout=240):
+    """``train(ranks, config, *extra, env=None, check=True)``: ``mpiexec -n ranks python -m lbannpy.train
+    config --quiet extra`` with the GPU tier's environment."""
+    def go(ranks, config, *extra, env=None, timeout=240, check=True):
         return gpu_run(["mpiexec", "-n", ranks, PY, "-m", "lbannpy.train", config, "--quiet", *extra],
-                       env=env, timeout=timeout)
+                       env=env, timeout=timeout, check=check)
     return go
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu-e2e")
-    run([PY, "-m", "lbannpy.data", "blobs", "--size", "8", "--samples", "32", "--classes", "4",
-         "-o", d / "blobs.h5"])
-    run([PY, "-m", "lbannpy.data", "mesh", "--size", "16", "--samples", "16", "-o", d / "mesh.h5", "-q"])
-    return d
+    return make_data(tmp_path_factory.mktemp("gpu-e2e"), blobs_size=8, blobs_samples=32, mesh_size=16,
+                     mesh_samples=16)
 
 
 def spec(work, kind, tag, parallel=None, comm=None, dtype="float64", steps=STEPS, ckpt_every=0):
-    if kind == "cls":
-        model = {"name": "cls", "input": {"channels": 3, "spatial": [8, 8]}, "layers": CLS_LAYERS,
-                 "loss": "cross_entropy"}
-        data = {"train": {"path": str(work / "blobs.h5")}}
-    else:
-        model = {"name": "seg", "input": {"channels": 18, "spatial": [16, 16]}, "layers": SEG_LAYERS,
-                 "loss": "pixel_cross_entropy"}
-        data = {"train": {"path": str(work / "mesh.h5")}}
+    model, data = (model_spec(work, "cls", CLS_LAYERS, 8) if kind == "cls" else
+                   model_spec(work, "seg", SEG_LAYERS, 16))
     cfg = {"model": model, "data": data,
            "trainer": {"batch_size": 4, "steps": steps, "seed": 3, "dtype": dtype},
            "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
            "parallel": parallel or {}, "comm": comm or {},
            "checkpoint": {"dir": str(work / tag / "ckpt"), "every_steps": ckpt_every},
            "output": {"dir": str(work / tag / "out")}}
-    (work / f"{tag}.yaml").write_text(yaml.safe_dump(cfg))
-    run([PY, "-m", "lbannpy.config", "build", work / f"{tag}.yaml", "-o", work / f"{tag}.h5"])
-    return work / f"{tag}.h5"
-
-
-def final_params(work, tag) -> dict:
-    from lbannpy import checkpoint
-
-    _, data = checkpoint.load_newest(str(work / tag / "ckpt"))
-    return {k[len("params/"):]: v for k, v in data["tensors"].items() if k.startswith("params/")}
+    return build_config(work, tag, cfg)
 
 
 def losses(work, tag) -> list[float]:
-    with open(work / tag / "out" / "metrics.csv") as f:
-        return [float(r["loss"]) for r in csv.DictReader(f)]
+    return [float(r["loss"]) for r in metrics(work / tag / "out")]
 
 
 def assert_same_run(work, tag, ref, rtol, what):
-    got, want = final_params(work, tag), final_params(work, ref)
-    assert got.keys() == want.keys(), what
-    for k in want:
-        err = np.abs(got[k] - want[k]).max() / max(np.abs(want[k]).max(), 1e-30)
-        assert err <= rtol, f"{what}: {k} differs by {err:.3g} relative"
+    assert_same_weights(final_params(work / ref / "ckpt"), final_params(work / tag / "ckpt"), rtol, what)
     a, b = losses(work, tag), losses(work, ref)
     assert len(a) == len(b) == STEPS, (what, a, b)
     for x, y in zip(a, b):
