@@ -11,8 +11,8 @@ Not part of the test run (it takes minutes). Run from the repository root:
 
     OMP_NUM_THREADS=1 python tests/gpu/revert_rows.py [ROW ...]
 
-Row 4 (CUDA-aware MPI) is checked where MPI is about to read the buffer: the stand-in's device arrays cannot
-be read by mpi4py, so its multi-rank MPI exchanges are strict xfails (issue #13).
+Row 4 (CUDA-aware MPI) is checked where MPI is about to read the buffer (the stand-in also checks, as
+mpi4py takes a device array's memory through ``__cuda_array_interface__``, that its writer finished).
 """
 from __future__ import annotations
 
