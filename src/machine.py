@@ -51,6 +51,8 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
+from lbannpy import yamlsafe
+
 DEFAULT_MACHINE = "lassen"
 MAX_FILE_BYTES = 1 << 20  # a machine file is a few kilobytes; refuse anything absurd before reading it
 GRADIENT_SYNC = ("allreduce", "parameter_server")  # schemes of the t_S term, see cost.gradient_sync_time
@@ -425,6 +427,8 @@ def load_machine(source: str | os.PathLike | Mapping[str, Any] | Machine = DEFAU
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yamlsafe.load(text)
+    except yamlsafe.YamlLimitError as exc:
+        raise MachineError(f"machine file {where}:{exc}") from None
     except yaml.YAMLError as exc:
         raise MachineError(f"machine file {where} is not valid YAML: {exc}") from None

@@ -20,6 +20,8 @@ import tempfile
 import numpy as np
 import yaml
 
+from lbannpy import yamlsafe
+
 from .errors import ConfigError
 from .schema import normalize
 
@@ -37,15 +39,13 @@ MAX_MEMBERS = 1 << 16
 
 
 def parse_yaml(text: str, source: str = "<spec>"):
-    """``yaml.safe_load`` with the error turned into a ConfigError naming line and column. Aliases
-    (``*name``) are refused: they let a few bytes expand into a huge tree."""
+    """:func:`lbannpy.yamlsafe.load` with the error turned into a ConfigError naming line and column.
+    Aliases (``*name``: a few bytes could expand into a huge tree), nesting deeper than
+    ``yamlsafe.MAX_DEPTH`` and duplicate keys are refused."""
     try:
-        for tok in yaml.scan(text, Loader=yaml.SafeLoader):
-            if isinstance(tok, yaml.AliasToken):
-                m = tok.start_mark
-                raise ConfigError(f"{source}:{m.line + 1}:{m.column + 1}", "YAML aliases (*name) are not "
-                                  "supported in specs", "write the repeated values out")
-        tree = yaml.safe_load(text)
+        tree = yamlsafe.load(text)
+    except yamlsafe.YamlLimitError as e:
+        raise ConfigError(f"{source}:{e.where}", e.problem, "see the line and column named") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source

@@ -5,6 +5,8 @@ import re
 
 import yaml
 
+from lbannpy import yamlsafe
+
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import lookup, normalize
 from .types import Section, _copy
@@ -31,7 +33,10 @@ def parse_key(key: str) -> list:
 
 def parse_value(text: str, key: str):
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return yamlsafe.load(text) if text.strip() else ""
+    except yamlsafe.YamlLimitError as e:
+        raise ConfigError(key, f"cannot use value {text[:60]!r}: {e}",
+                          "write the value out plainly") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(key, f"cannot parse value {text!r}: {problem}",

@@ -13,6 +13,8 @@ import sys
 
 import yaml
 
+from lbannpy import yamlsafe
+
 from .graph import ShapeError
 from ..machine import DEFAULT_MACHINE, MachineError, preset_names
 from .planner import PlanError, plan
@@ -69,7 +71,9 @@ def read_config(path: str) -> dict:
     if os.path.splitext(path)[1].lower() not in (".yaml", ".yml"):
         raise PlanError(f"{path}: CONFIG must be a YAML spec (.yaml, .yml) or a config (.h5)")
     try:
-        tree = yaml.safe_load(open(path, encoding="utf-8").read())
+        tree = yamlsafe.load(open(path, encoding="utf-8").read())
+    except yamlsafe.YamlLimitError as exc:
+        raise PlanError(f"{path}:{exc}") from None
     except yaml.YAMLError as exc:
         raise PlanError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(tree, dict) or "model" not in tree:
