@@ -71,17 +71,21 @@ def test_single_under_a_multi_rank_launcher_is_refused(monkeypatch, var):
 def test_single_under_mpiexec_refuses_on_every_rank(tmp_path):
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
     script = tmp_path / "single.py"
+    # each rank writes its outcome to its own file: two ranks' lines on one forwarded stdout can interleave
     script.write_text(textwrap.dedent('''
+        import os, sys
         from lbannpy.comm import CommError, Runtime
+        out = os.path.join(sys.argv[1], "rank-" + os.environ.get("PMI_RANK", "?"))
         try:
             with Runtime(backend="single"):
-                print("STARTED", flush=True)
+                open(out, "w").write("STARTED")
         except CommError as exc:
-            print("REFUSED", exc, flush=True)
+            open(out, "w").write(f"REFUSED {exc}")
     '''))
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=120, env=env)
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path)], capture_output=True,
+                       text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("REFUSED backend 'single' runs one process") == 2 and "STARTED" not in r.stdout, \
-        r.stdout
+    outcomes = {f.name: f.read_text() for f in tmp_path.glob("rank-*")}
+    assert sorted(outcomes) == ["rank-0", "rank-1"], outcomes
+    assert all(o.startswith("REFUSED backend 'single' runs one process") for o in outcomes.values()), outcomes
