@@ -30,7 +30,11 @@ def parse_args(argv):
     ap.add_argument("config", help="config.h5 (from `python -m lbannpy.config build`) or a YAML spec")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set trainer.steps=3 (repeatable)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint (refused "
+                    "when the model, optimizer or dtype differ from the run that wrote it)")
+    ap.add_argument("--force", action="store_true", help="with --resume: continue even when the model, "
+                    "optimizer or dtype changed (the weights must still fit: same parameter names and "
+                    "shapes)")
     ap.add_argument("--init", metavar="FILE", help="initial weights (sets model.init): an lbannpy checkpoint "
                     "or a safetensors file from python -m lbannpy.export")
     ap.add_argument("--trace", action="store_true", help="write one Chrome-trace JSON per rank")
@@ -88,7 +92,10 @@ def _main(args) -> int:
         try:
             trainer = Trainer(cfg, rt, trace=args.trace or bool(cfg["output"].get("trace", False)),
                               quiet=args.quiet)
-            trainer.setup(resume=args.resume)
+            if args.force and not args.resume:
+                raise UserError("--force only goes with --resume (it accepts a checkpoint of a changed model "
+                                "or optimizer)")
+            trainer.setup(resume=args.resume, force=args.force)
             err = None
         except user_errors() as exc:
             err = f"{exc}"

@@ -30,10 +30,11 @@ Version 1 checkpoints (one file ``ckpt-<step>.h5`` of global tensors) are still 
 """
 from .plan import (FORMAT, VERSION, CheckpointError, Piece, SavePlan, StateReader, StateTensor, assemble,
                    blocks_meeting, is_writer, param_pieces, rank_pieces, restore_plan, save_plan)
-from .read import Checkpoint, candidates, load, load_newest, resolve, restore_weights, resume
-from .write import parallel_hdf5, save
+from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, resolve, restore_weights,
+                   resume)
+from .write import parallel_hdf5, prune, save
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "Checkpoint", "Piece", "SavePlan", "StateReader",
-           "StateTensor", "assemble", "blocks_meeting", "candidates", "is_writer", "load", "load_newest",
-           "param_pieces", "parallel_hdf5", "rank_pieces", "resolve", "restore_plan", "restore_weights",
-           "resume", "save", "save_plan"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointRefused", "Checkpoint", "Piece", "SavePlan",
+           "StateReader", "StateTensor", "assemble", "blocks_meeting", "candidates", "is_writer", "load",
+           "load_newest", "param_pieces", "parallel_hdf5", "prune", "rank_pieces", "resolve", "restore_plan",
+           "restore_weights", "resume", "save", "save_plan"]

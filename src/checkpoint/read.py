@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -21,6 +22,13 @@ _V2_NAME = re.compile(r"ckpt-(\d{8})$")
 _MAX_NDIM = 8
 _MAX_ELEMENTS = 1 << 40  # refuses absurd shapes read from a damaged index before allocating anything
 _MAX_BLOCKS = 1 << 24  # blocks of one tensor in an index (one per writing rank at most)
+# what a damaged checkpoint raises (h5py: OSError for unreadable blocks, RuntimeError "Object visitation
+# failed" for a damaged group); CheckpointError is a RuntimeError
+_DAMAGE = (OSError, KeyError, ValueError, RuntimeError)
+
+
+class CheckpointRefused(CheckpointError):
+    """A readable checkpoint that does not belong to this run (``check`` of :func:`resume` refused it)."""
 
 
 def candidates(directory: str) -> list[str]:
@@ -221,7 +229,7 @@ def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
             data = {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta,
                     "tensors": ck.read_global()}
             return path, data
-        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+        except _DAMAGE as exc:
             errors.append(f"{path}: {exc}")
         finally:
             if ck is not None:
@@ -231,26 +239,36 @@ def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
     return None, None
 
 
-def resume(comm, directory: str, params, optimizer, layers, xp) -> tuple[str | None, dict | None]:
+def resume(comm, directory: str, params, optimizer, layers, xp,
+           check: Callable[[dict], str | None] | None = None) -> tuple[str | None, dict | None]:
     """Collective over ``comm``: restore the newest checkpoint every rank can read into ``params``, the
     optimizer state and the layers' state; each rank reads only its own hyperslabs. A checkpoint that
-    fails on any rank is reported (rank 0 prints a note) and the previous one is tried. Returns
-    ``(path, {"step", "optimizer_steps", "meta"})``, or ``(None, None)`` when there is none; raises
+    fails on any rank is reported (rank 0 prints a note) and the previous one is tried. ``check(meta)``
+    (same on every rank) may raise :class:`CheckpointError` (the checkpoint is unusable: the previous one
+    is tried) or return a reason to refuse it (:class:`CheckpointRefused` on every rank, nothing restored).
+    Returns ``(path, {"step", "optimizer_steps", "meta"})``, or ``(None, None)`` when there is none; raises
     :class:`CheckpointError` when none is readable."""
     paths = comm.bcast_obj(candidates(directory) if comm.rank == 0 else None)
     errors = []
     for path in paths:
-        ck, staged, err = None, None, None
+        ck, staged, err, refusal = None, None, None, None
         try:
             ck = Checkpoint(path)
-            staged = _stage(ck, params, optimizer, layers)
-            readers = [_layer_readers(ck, layer) for layer in layers]
-            for layer, st in zip(layers, readers):
-                # a dry run on a shallow copy reads (and caches) what the layer needs before anything changes
-                if st:
-                    copy.copy(layer).load_state(st)
-        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+            refusal = check(ck.meta) if check is not None else None
+            if refusal is None:
+                staged = _stage(ck, params, optimizer, layers)
+                readers = [_layer_readers(ck, layer) for layer in layers]
+                for layer, st in zip(layers, readers):
+                    # a dry run on a shallow copy reads (and caches) what the layer needs before anything
+                    # changes
+                    if st:
+                        copy.copy(layer).load_state(st)
+        except _DAMAGE as exc:
             err = f"rank {comm.rank}: {path}: {exc}"
+        if comm.allreduce_obj(refusal is not None, op="or"):
+            if ck is not None:
+                ck.close()
+            raise CheckpointRefused(f"{path}: {refusal}" if refusal else f"{path}: refused on another rank")
         if comm.allreduce_obj(err is not None, op="or"):
             if ck is not None:
                 ck.close()

@@ -74,6 +74,8 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
         err = f"rank {comm.rank}: writing its checkpoint shard into {tmp} failed: {exc}"
     bad = comm.allreduce_obj(err is not None, op="or")  # every shard is on disk (fsynced) past this point
     if bad:
+        if comm.rank == 0:  # nothing half-written stays behind (a full disk: the space is given back)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(err or f"another rank failed to write its checkpoint shard into {tmp}")
     err = None
     if comm.rank == 0:
@@ -88,10 +90,29 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
             _fsync_dir(directory)
         except (OSError, ValueError, CheckpointError) as exc:
             err = f"writing the checkpoint index {tmp}/index.h5 failed: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
     err = comm.bcast_obj(err)
     if err:
         raise CheckpointError(err)
     return final
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    """Not collective (rank 0, after a complete write): delete all but the newest ``keep`` complete
+    checkpoints in ``directory`` (``keep`` 0: none), oldest first; returns the deleted paths. Directories of
+    interrupted writes (``.tmp``) are left to the writer, which replaces them."""
+    from .read import candidates
+
+    if keep <= 0:
+        return []
+    gone = []
+    for path in reversed(candidates(directory)[keep:]):
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+        gone.append(path)
+    return gone
 
 
 def _param_values(params, optimizer, rank):

@@ -196,7 +196,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         )),
     )),
     Section("checkpoint", "checkpoints (written atomically)", (
-        Key("dir", Str(), "ckpt", "directory of checkpoints"),
+        Key("dir", Str(), UNSET, "directory of checkpoints; default: ckpt/ in output.dir, so two runs with "
+                                 "their own output directories never share one"),
+        Key("keep", Int(0), 3, "keep the newest N complete checkpoints, delete older ones after each "
+                               "write; 0: keep every one"),
         Key("every_steps", Int(0), 0, "write one every N steps; 0: only at the end"),
         Key("at_start", Bool(), False, "also write the step-0 checkpoint (the initial weights)"),
     )),

@@ -5,6 +5,7 @@ re-use them; :func:`build` adds the training-only parts.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class Settings:
     out_dir: str
     log_every: int
     ckpt_dir: str
+    ckpt_keep: int
     ckpt_every: int
     ckpt_at_end: bool
     total_steps: int
@@ -46,10 +48,12 @@ def settings(cfg: dict, train_samples: int) -> Settings:
     batch_size = int(tr["batch_size"])
     steps_per_epoch = train_samples // batch_size
     total = int(tr["steps"]) if tr.get("steps") else int(tr.get("epochs", 1)) * steps_per_epoch
+    out_dir = out.get("dir", "run")
     return Settings(batch_size=batch_size, seed=int(tr.get("seed", 0)), dtype=tr.get("dtype", "float32"),
-                    out_dir=out.get("dir", "run"), log_every=int(out.get("log_every", 1)),
-                    ckpt_dir=ck.get("dir", "ckpt"), ckpt_every=int(ck.get("every_steps", 0) or 0),
-                    ckpt_at_end=bool(int(ck.get("every_steps", 0) or 0) or ck.get("dir")),
+                    out_dir=out_dir, log_every=int(out.get("log_every", 1)),
+                    ckpt_dir=ck.get("dir") or os.path.join(out_dir, "ckpt"),
+                    ckpt_keep=int(ck.get("keep", 3) if ck.get("keep") is not None else 3),
+                    ckpt_every=int(ck.get("every_steps", 0) or 0), ckpt_at_end=True,
                     total_steps=total, steps_per_epoch=steps_per_epoch,
                     eval_every=int(tr.get("eval_every", 0) or 0) or steps_per_epoch)
 

@@ -1,23 +1,112 @@
 """The trainer's only calls into :mod:`lbannpy.checkpoint`: one small function each for save and resume,
-so a new checkpoint storage changes these lines and nothing else."""
+so a new checkpoint storage changes these lines and nothing else.
+
+Resume identity: every checkpoint records what changes the computation (:func:`computation`: the model's
+layers, loss and input, the optimizer and its settings, the floating-point type) and its digest. ``--resume``
+refuses a checkpoint whose record differs from the run's, with one line saying what changed; ``--resume
+--force`` continues anyway (a note names the changes). What may change on resume without notice: the rank
+count and splits (``parallel``), data paths, the number of steps or epochs, output and checkpoint settings.
+"""
 from __future__ import annotations
+
+import hashlib
+import json
+import sys
 
 from .errors import UserError
 
+_CHANGES_SHOWN = 4  # changes named in the refusal line; the rest are counted
 
-def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, evals: list) -> None:
+
+def computation(cfg: dict) -> dict:
+    """The part of a validated config that changes what a step computes (not where or how often)."""
+    model = {k: v for k, v in cfg["model"].items() if k not in ("name", "init")}
+    return {"model": model, "optimizer": cfg["optimizer"],
+            "trainer": {"dtype": cfg["trainer"].get("dtype", "float32")}}
+
+
+def digest(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _flat(value, path: str, out: dict) -> dict:
+    """``{dotted path: scalar}``; layers are keyed by name, so an inserted layer is one change."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(v, f"{path}.{k}" if path else str(k), out)
+    elif path == "model.layers" and isinstance(value, list):
+        out["model.layers (order)"] = " ".join(str(layer.get("name")) for layer in value)
+        for layer in value:
+            name = layer.get("name")
+            out[f"model.layers.{name}"] = f"a {layer.get('type')} layer"
+            _flat({k: v for k, v in layer.items() if k != "name"}, f"model.layers.{name}", out)
+    else:
+        out[path] = json.dumps(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def changes(old: dict, new: dict) -> list[str]:
+    """``path: old -> new`` for every difference between two :func:`computation` records."""
+    a, b = _flat(old, "", {}), _flat(new, "", {})
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "(none)") == b.get(k, "(none)"):
+            continue
+        if k == "model.layers (order)" and set(a[k].split()) != set(b[k].split()):
+            continue  # added or removed layers are named on their own
+        base = k.rsplit(".", 1)[0]
+        if base.startswith("model.layers.") and (base not in a or base not in b):
+            continue  # a key of a layer that is wholly added or removed
+        out.append(f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}")
+    return out
+
+
+def changed(meta: dict, record: dict) -> str | None:
+    """What changed between the run that wrote a checkpoint with ``meta`` and a run whose record is
+    ``record``, in one line (None: nothing, or a checkpoint from before records were kept); raises
+    :class:`~lbannpy.checkpoint.CheckpointError` for a checkpoint that cannot be resumed at all."""
+    from lbannpy.checkpoint import CheckpointError
+
+    if not isinstance(meta.get("reader"), dict):
+        raise CheckpointError("it has no reader position (meta 'reader'); it was not written by "
+                              "lbannpy.train")
+    old = meta.get("computation")
+    if not isinstance(old, dict) or meta.get("computation_digest") == digest(record):
+        return None
+    diff = changes(old, record) or ["(the records differ in form)"]
+    more = f" and {len(diff) - _CHANGES_SHOWN} more" if len(diff) > _CHANGES_SHOWN else ""
+    return "; ".join(diff[:_CHANGES_SHOWN]) + more
+
+
+def _note(msg: str) -> None:
+    sys.stderr.write(f"lbannpy.train: {msg}\n")
+    sys.stderr.flush()
+
+
+def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, evals: list,
+         record: dict, keep: int) -> None:
     """Who calls: every rank (collective): each unique block of the parameters, optimizer state and layer
-    state is written once, by the rank that holds replica 0 of it."""
+    state is written once, by the rank that holds replica 0 of it; then rank 0 deletes all but the newest
+    ``keep`` checkpoints."""
     from lbannpy import checkpoint
 
-    meta = {"reader": reader.state(), "rows": rows, "evals": evals}
+    meta = {"reader": reader.state(), "rows": rows, "evals": evals, "computation": record,
+            "computation_digest": digest(record)}
     checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers)
+    if world.rank == 0:
+        try:
+            checkpoint.prune(ckpt_dir, keep)
+        except OSError as exc:  # the new checkpoint is complete; an old one that stays is no failure
+            _note(f"warning: could not delete an old checkpoint in {ckpt_dir}/ (checkpoint.keep {keep}): "
+                  f"{exc}")
 
 
-def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int, dict]:
+def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
+           force: bool = False) -> tuple[str, int, dict]:
     """Who calls: every rank (collective). Parameters, optimizer state and layer state of the newest
     usable checkpoint, each rank reading only its own hyperslabs, then the reader position; returns
-    ``(path, step, meta)``, or a :class:`UserError` when there is no checkpoint."""
+    ``(path, step, meta)``, or a :class:`UserError` when there is none or it belongs to another
+    computation (unless ``force``)."""
     import glob
     import os
     import stat
@@ -31,11 +120,28 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp) -> tuple[str, int
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
                             f"{ckpt_dir}/ (checkpoint.dir)")
-    path, data = checkpoint.resume(world, ckpt_dir, model.params, optimizer, model.layers, xp)
+    forced = {}
+
+    def check(meta):
+        what = changed(meta, record)
+        if what and force:
+            forced[meta.get("computation_digest")] = what
+            return None
+        return what and (f"it was written by a run that computed something else: {what}; resume with the "
+                         f"checkpoint's settings, or add --force to continue with the new ones")
+
+    try:
+        path, data = checkpoint.resume(world, ckpt_dir, model.params, optimizer, model.layers, xp, check)
+    except checkpoint.CheckpointRefused as exc:
+        raise UserError(f"--resume: {exc}") from None
     if path is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
                         f"--resume to start from scratch")
     meta = data["meta"]
+    what = forced.get(meta.get("computation_digest"))
+    if what and world.rank == 0:
+        _note(f"--resume --force: {path} was written by a run that computed something else ({what}); "
+              f"continuing with this run's settings")
     reader.load_state(meta["reader"])
     return path, data["step"], meta
 

@@ -37,8 +37,9 @@ class Trainer:
         self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
 
     # -- set-up ------------------------------------------------------------------------------------------
-    def setup(self, resume: bool = False) -> None:
-        """Who calls: every rank (builds group communicators: collective)."""
+    def setup(self, resume: bool = False, force: bool = False) -> None:
+        """Who calls: every rank (builds group communicators: collective). ``force``: resume from a
+        checkpoint of another computation (``--resume --force``)."""
         from lbannpy.config import validate
         from lbannpy.layers.base import LayerContext, Timer
 
@@ -70,9 +71,10 @@ class Trainer:
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress)
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
+        self.record = ckpt.computation(cfg)
         if resume:
             self.watchdog.progress("set-up: reading the checkpoint (--resume)")
-            self._resume()
+            self._resume(force)
         elif cfg["model"].get("init"):
             from lbannpy.export import init_from
 
@@ -86,9 +88,9 @@ class Trainer:
             outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
             self.report.start_metrics()
 
-    def _resume(self) -> None:
+    def _resume(self, force: bool) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
-                                            self.reader, self.rt.xp)
+                                            self.reader, self.rt.xp, self.record, force)
         self.report.restore(meta)
         self.resumed_from = path
 
@@ -196,8 +198,9 @@ class Trainer:
         self.sync.flush()
         self.watchdog.progress("checkpoint")
         health.check_params(self.world, self.step, self.model, self.rt.xp)
-        ckpt.save(self.world, self.settings.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
-                  self.report.rows, self.report.evals)
+        s = self.settings
+        ckpt.save(self.world, s.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
+                  self.report.rows, self.report.evals, self.record, s.ckpt_keep)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _after_step(self, row: dict, bar) -> None:
