@@ -37,6 +37,11 @@ class GradSync:
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
+        from lbannpy.checkpoint import is_writer
+
+        # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
+        self._norm_params = [p for p in synced if is_writer(p.dist, p.reduce_dims, rt.world.rank)]
+        self._xp, self._world = rt.xp, rt.world
         self.grad_comms = [ctx.block_comm(p.dist, p.reduce_dims) for p in synced]
         k = int((cfg_comm.get("chunks") or {}).get("k", 0) or 0)
         self.engine = OverlapEngine(
@@ -77,6 +82,17 @@ class GradSync:
             self._pending_t[layer.name] = self.optimizer.t
         self.optimizer.finish_step()
         return self.engine.records[mark:]
+
+    def grad_norm_sq(self):
+        """Who calls: every rank (collective over the world, after :meth:`finish`). The squared norm of the
+        step's reduced gradients (the bucketed ones; the replicated fully-connected layers' are still being
+        gathered), summed in float64, as a one-element array on the device: no host synchronisation."""
+        xp = self._xp
+        acc = xp.zeros(1, dtype=xp.float64)
+        for p in self._norm_params:
+            g = p.grad.reshape(-1).astype(xp.float64, copy=False)
+            acc += xp.dot(g, g)
+        return self._world.allreduce(acc)
 
     def flush(self) -> None:
         """Apply every pending replicated update now (before evaluation, checkpoints and the end of the

@@ -1,5 +1,5 @@
-"""Numerical health: a non-finite loss stops the run at the step it appears, naming the first place that went
-non-finite on that step; a checkpoint is never written with non-finite parameters.
+"""Numerical health: a non-finite loss or gradient norm stops the run at the step it appears, naming the first
+place that went non-finite on that step; a checkpoint is never written with non-finite parameters.
 
 The loss is reduced over all samples before the trainer sees it, so every rank sees the same value and
 decides alike without communicating; only the diagnosis (on the failing step, once) gathers one small
@@ -44,6 +44,26 @@ def check_loss(world, step: int, loss: float, model, x_local, xp) -> None:
     """Raise :class:`NonFinite` for a non-finite ``loss`` of ``step`` (every rank alike)."""
     if not loss_is_finite(loss):
         raise NonFinite(step, f"loss {loss}", first_nonfinite(world, model, x_local, xp))
+
+
+def first_nonfinite_gradient(world, model, xp) -> str:
+    """Who calls: every rank, on the step whose gradient norm is non-finite (collective: one allgather). The
+    first parameter gradient that is non-finite in the order backprop made them (from the last layer)."""
+    places = [(f"the gradient of layer '{layer.name}' ({p.name})", p.grad) for layer in reversed(model.layers)
+              for p in layer.params]
+    mine = next((i for i, (_, g) in enumerate(places) if not _finite(xp, g)), len(places))
+    found = world.allgather_obj(mine)
+    first = min(found)
+    if first == len(places):
+        return "every gradient is finite (their squared sum overflowed)"
+    return f"{places[first][0]} (rank {found.index(first)})"
+
+
+def check_grad_norm(world, step: int, norm: float, model, xp) -> None:
+    """Raise :class:`NonFinite` for a non-finite gradient ``norm`` of ``step`` (every rank alike: the norm
+    is reduced over all ranks)."""
+    if not math.isfinite(norm):
+        raise NonFinite(step, f"gradient norm {norm}", first_nonfinite_gradient(world, model, xp))
 
 
 def check_params(world, step: int, model, xp) -> None:

@@ -152,10 +152,12 @@ class Trainer:
             for b, nbytes, _, s, e in recs:
                 self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
         self.step += 1
+        logged = self.step % st.log_every == 0 or self.step == st.total_steps
+        grad_sq = sync.grad_norm_sq() if logged else None  # stays on the device until the host reads stats
         t_end = clock.now()
         wd.progress(f"step {self.step} done")
         metrics, timing = {}, {}
-        if self.step % st.log_every == 0 or self.step == st.total_steps:
+        if logged:
             # a logged step: the device's marks and the reduced loss statistics come to the host here, and
             # only here (an unlogged step makes no host synchronisation)
             self.timer.settle()
@@ -166,9 +168,11 @@ class Trainer:
                 comm_iv = [(s, e) for _, _, _, s, e in sync.engine.records[mark:]]
                 t_comm = sum(e - s for s, e in comm_iv)
                 hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
-            loss, metrics = self.loss.metrics(stats)
+            loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
             if not host_stats:
                 health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
+            health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
+            metrics["grad_norm"] = grad_norm
             timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
         row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
                "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
@@ -177,6 +181,15 @@ class Trainer:
             row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
         self.report.end_step()
         return row
+
+    def _read_stats(self, stats, grad_sq) -> tuple[float, dict, float]:
+        """The loss statistics and the squared gradient norm to the host in one transfer (the one host
+        synchronisation of a logged step): ``(loss, metrics, gradient norm)``."""
+        from lbannpy.backend import to_numpy
+
+        host = to_numpy(self.rt.xp.concatenate([stats.reshape(-1), grad_sq]))
+        loss, metrics = self.loss.metrics(host[:-1])
+        return loss, metrics, float(np.sqrt(host[-1]))
 
     def evaluate(self) -> dict:
         if self.val_reader is None:

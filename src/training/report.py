@@ -213,8 +213,8 @@ class Report:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-METRICS_ORDER = ("step", "epoch", "loss", "accuracy", "iou", "miou", "lr", "step_time_s", "io_wait_s",
-                 "comm_time_s", "hidden_comm_fraction", "hidden_comm_s", "samples_per_s")
+METRICS_ORDER = ("step", "epoch", "loss", "accuracy", "iou", "miou", "lr", "grad_norm", "step_time_s",
+                 "io_wait_s", "comm_time_s", "hidden_comm_fraction", "hidden_comm_s", "samples_per_s")
 
 
 class PlainProgress:

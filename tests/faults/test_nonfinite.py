@@ -50,3 +50,24 @@ def test_nonfinite_loss_stops_the_run(tmp_path, case):
     if path is not None:  # the newest checkpoint is a good one
         assert data["step"] < step
         assert all(np.isfinite(v).all() for v in data["tensors"].values())
+
+
+def test_nonfinite_gradient_stops_the_run_naming_the_layer(tmp_path):
+    """A NaN in one rank's gradient of the first layer at step 3 (the loss of step 3 is finite): the gradient
+    norm of step 3 names it; the metrics and the newest checkpoint are those of step 2."""
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 40}, checkpoint={"every_steps": 2})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=90, env={"FAULT_GRAD_NAN": "1:3:c1"})
+    assert job.rank_codes() == [6, 6] and job.proc.returncode == 6, (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1 and "non-finite values at step 3: gradient norm nan" in lines[0] \
+        and "first non-finite: the gradient of layer 'c1'" in lines[0], job.err
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    assert all(np.isfinite(float(r["grad_norm"])) and float(r["grad_norm"]) > 0 for r in rows)
+    summary = _strict_json((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] in (2, 3)  # step 3's update ran (buckets are applied as they are reduced)
+    path, data = util.newest_checkpoint(tmp_path / "ck")
+    assert data["step"] == 2 and all(np.isfinite(v).all() for v in data["tensors"].values())

@@ -46,6 +46,22 @@ if os.environ.get("FAULT_SETUP_SLEEP"):  # "RANK:SECONDS": that rank is slow in 
             time.sleep(float(secs))
         return build(*a, **k)
     loop.build = slow_build
+if os.environ.get("FAULT_GRAD_NAN"):  # "RANK:STEP:LAYER": that rank's gradient of that layer turns NaN
+    from lbannpy.training.gradsync import GradSync
+    at_rank, at_step, at_layer = os.environ["FAULT_GRAD_NAN"].split(":")
+    calls = []
+    hook = GradSync.on_layer.fget
+    def on_layer(self):
+        done = hook(self)
+        def poisoned(name):
+            if name == at_layer:
+                calls.append(name)
+                if rank == at_rank and len(calls) == int(at_step):
+                    for p in self.engine._layer_params[name]:
+                        p.grad.reshape(-1)[0] = float("nan")
+            return done(name)
+        return poisoned
+    GradSync.on_layer = property(on_layer)
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:
