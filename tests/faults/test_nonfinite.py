@@ -71,3 +71,26 @@ def test_nonfinite_gradient_stops_the_run_naming_the_layer(tmp_path):
     assert summary["steps"] in (2, 3)  # step 3's update ran (buckets are applied as they are reduced)
     path, data = util.newest_checkpoint(tmp_path / "ck")
     assert data["step"] == 2 and all(np.isfinite(v).all() for v in data["tensors"].values())
+
+
+@pytest.mark.parametrize("ranks,parallel", [(1, {}), (2, {"default": {"n": 2}}), (2, {"default": {"c": 2}})])
+def test_gradient_norm_column_is_the_norm_of_the_update(tmp_path, ranks, parallel):
+    """Plain SGD moves the weights by lr times the gradient: the logged norm of step 1 equals the norm of the
+    change between the step-0 and step-1 checkpoints over lr, whatever the split (each block counted once)."""
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 1}, optimizer={"lr": 0.5},
+                    checkpoint={"every_steps": 1, "at_start": True, "keep": 0})
+    if parallel:
+        cfg["parallel"] = parallel
+    job = util.run(tmp_path, cfg, ranks=ranks, timeout=90)
+    assert job.rank_codes() == [0] * ranks, job.err[-3000:]
+    from lbannpy import checkpoint
+
+    w0 = checkpoint.load(str(tmp_path / "ck" / "ckpt-00000000"))["tensors"]
+    w1 = checkpoint.load(str(tmp_path / "ck" / "ckpt-00000001"))["tensors"]
+    keys = [k for k in w0 if k.startswith("params/")]
+    assert len(keys) == 4
+    want = np.sqrt(sum(float(np.sum((w1[k] - w0[k]) ** 2)) for k in keys)) / 0.5
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert float(row["grad_norm"]) == pytest.approx(want, rel=1e-5)
