@@ -1,7 +1,8 @@
 """Machines: the one definition of what the cost model, the planner, calibration and the benches know about
 the hardware: α-β links, an allreduce choice, a roofline compute rate, memory per device.
 
-A machine file is YAML (read with ``yaml.safe_load``, never evaluated; at most ``MAX_FILE_BYTES``)::
+A machine file is YAML (read with :func:`lbannpy.yamlsafe.load`: never evaluated, no aliases; at most
+``MAX_FILE_BYTES``)::
 
     name: lassen
     source: where the numbers come from                    # optional (old files: comment)

@@ -303,6 +303,17 @@ def test_adapt_spec_refuses_a_non_spec(tmp_path):
         helpers.adapt_spec(src, tmp_path / "out.yaml", size=8)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("a: &x [1, 2]\nb: *x\nmodel: {}\n", "alias"),
+    ("model: {}\nmodel: {}\n", "duplicate key 'model'"),
+])
+def test_adapt_spec_reads_specs_with_the_bounded_loader(tmp_path, text, message):
+    src = tmp_path / "zoo.yaml"
+    src.write_text(text)
+    with pytest.raises(helpers.JobHelperError, match=message):
+        helpers.adapt_spec(src, tmp_path / "out.yaml", size=8)
+
+
 def test_synth_images_shapes(tmp_path):
     h5py = pytest.importorskip("h5py")
     spec_path = tmp_path / "spec.yaml"

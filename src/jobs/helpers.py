@@ -40,10 +40,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _load_spec(path: Path) -> dict:
+    from lbannpy.yamlsafe import YamlLimitError, load
+
     try:
-        spec = yaml.safe_load(Path(path).read_text())
+        spec = load(Path(path).read_text())
     except FileNotFoundError:
         raise JobHelperError(f"spec {path} not found") from None
+    except YamlLimitError as exc:
+        raise JobHelperError(f"spec {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise JobHelperError(f"spec {path} is not valid YAML: {exc}") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
@@ -130,6 +134,8 @@ def synth_images(like: Path, out: Path, samples: int, seed: int = 0) -> tuple[tu
 
 def config_value(config: Path, key: str, python: str = sys.executable):
     """The value at dotted ``key`` of ``config`` (config.h5), read from ``python -m lbannpy.config show``."""
+    from lbannpy.yamlsafe import load as load_bounded
+
     if not Path(config).is_file():
         raise JobHelperError(f"config {config} not found")
     if Path(config).suffix in (".yaml", ".yml"):
@@ -145,8 +151,8 @@ def config_value(config: Path, key: str, python: str = sys.executable):
         raise JobHelperError(f"`python -m lbannpy.config show {config}` failed ({proc.returncode}): "
                              f"{proc.stderr.strip()[-2000:]}")
     try:
-        node = yaml.safe_load(proc.stdout)
-    except yaml.YAMLError as exc:
+        node = load_bounded(proc.stdout)
+    except (yaml.YAMLError, ValueError) as exc:
         raise JobHelperError(f"`python -m lbannpy.config show {config}` printed no YAML: {exc}") from None
     return _lookup(node, key, config)
 
