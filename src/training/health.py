@@ -32,11 +32,18 @@ def first_nonfinite(world, model, x_local, xp) -> str:
         out = acts.get(layer.name)
         if out is not None:
             places.append((f"the output of layer '{layer.name}'", getattr(out, "local", out)))
+    return _first(world, xp, places, "every input, parameter and layer output is finite (the loss itself "
+                                     "overflowed)")
+
+
+def _first(world, xp, places: list, none: str) -> str:
+    """Collective (one allgather): the first of ``places`` (name, array) that is non-finite on any rank,
+    with the lowest rank holding it; ``none`` when every one is finite everywhere."""
     mine = next((i for i, (_, a) in enumerate(places) if not _finite(xp, a)), len(places))
     found = world.allgather_obj(mine)
     first = min(found)
     if first == len(places):
-        return "every input, parameter and layer output is finite (the loss itself overflowed)"
+        return none
     return f"{places[first][0]} (rank {found.index(first)})"
 
 
@@ -51,12 +58,7 @@ def first_nonfinite_gradient(world, model, xp) -> str:
     first parameter gradient that is non-finite in the order backprop made them (from the last layer)."""
     places = [(f"the gradient of layer '{layer.name}' ({p.name})", p.grad) for layer in reversed(model.layers)
               for p in layer.params]
-    mine = next((i for i, (_, g) in enumerate(places) if not _finite(xp, g)), len(places))
-    found = world.allgather_obj(mine)
-    first = min(found)
-    if first == len(places):
-        return "every gradient is finite (their squared sum overflowed)"
-    return f"{places[first][0]} (rank {found.index(first)})"
+    return _first(world, xp, places, "every gradient is finite (their squared sum overflowed)")
 
 
 def check_grad_norm(world, step: int, norm: float, model, xp) -> None:

@@ -2,9 +2,6 @@
 within seconds, with one line on stderr and no Python traceback there (it goes to the run directory)."""
 from __future__ import annotations
 
-import os
-import signal
-import time
 
 import pytest
 
@@ -31,15 +28,8 @@ def long_run(tmp_path):
 def test_signal_to_one_rank_ends_every_rank(long_run, sig, target, ranks):
     tmp, cfg = long_run
     job = util.start(tmp, cfg, ranks=ranks)
-    try:
-        pids = job.pids()
-        util.wait_for(lambda: checkpoint.candidates(str(tmp / "ck")), 90, "the first checkpoint")
-        t0 = time.monotonic()
-        os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
-        job.wait(30)
-        took = time.monotonic() - t0
-    finally:
-        util.kill(job)
+    took = util.signal_when(job, lambda: checkpoint.candidates(str(tmp / "ck")), "the first checkpoint",
+                            target, sig)
     assert took < 10, f"{took:.1f} s from {sig} to the end of the job"
     job.assert_every_rank_failed()
     job.assert_no_traceback()
@@ -55,15 +45,7 @@ def test_signal_during_setup_ends_every_rank(tmp_path):
     util.make_data(tmp_path / "data.h5")
     cfg = util.spec(tmp_path)
     job = util.start(tmp_path, cfg, ranks=2, env={"FAULT_SETUP_SLEEP": "1:60"})
-    try:
-        pids = job.pids()
-        util.wait_for(lambda: (tmp_path / "setup.1").exists(), 60, "rank 1 in set-up")
-        t0 = time.monotonic()
-        os.kill(pids[0], signal.SIGINT)
-        job.wait(30)
-        took = time.monotonic() - t0
-    finally:
-        util.kill(job)
+    took = util.signal_when(job, lambda: (tmp_path / "setup.1").exists(), "rank 1 in set-up", 0, "SIGINT")
     assert took < 10, f"{took:.1f} s"
     job.assert_every_rank_failed()
     job.assert_no_traceback()

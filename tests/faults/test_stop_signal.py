@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import signal
-import time
 
 import pytest
 
@@ -21,16 +18,9 @@ def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig
     util.make_data(tmp_path / "data.h5")
     cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120}, checkpoint={"every_steps": 1000})
     job = util.start(tmp_path, cfg, ranks=2)
-    try:
-        pids = job.pids()
-        util.wait_for(lambda: (tmp_path / "out").exists(), 60, "set-up")
-        time.sleep(1.0)  # some steps
-        t0 = time.monotonic()
-        os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
-        job.wait(30)
-        took = time.monotonic() - t0
-    finally:
-        util.kill(job)
+    metrics = tmp_path / "out" / "metrics.csv"
+    took = util.signal_when(job, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 3,
+                            "some steps", target, sig)
     assert took < 10, f"{took:.1f} s"
     assert job.rank_codes() == [4, 4] and job.proc.returncode == 4, (job.rank_codes(), job.err[-2000:])
     job.assert_no_traceback()

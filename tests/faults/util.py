@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -176,6 +177,20 @@ def wait_for(pred, timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def signal_when(job: Job, ready, what: str, target, sig: str, grace: float = 30) -> float:
+    """Once ``ready()`` holds, send ``sig`` to rank ``target`` (or ``"launcher"``) and wait for the job;
+    returns the seconds from the signal to the end of the job. Leaves nothing running."""
+    try:
+        pids = job.pids()
+        wait_for(ready, 90, what)
+        t0 = time.monotonic()
+        os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
+        job.wait(grace)
+        return time.monotonic() - t0
+    finally:
+        kill(job)
 
 
 def newest_checkpoint(ck: Path):
