@@ -44,9 +44,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     """Exit status: 0 done; 2 a user error (one line); 4 stopped by SIGTERM/SIGUSR1 after writing a checkpoint
-    and the metrics (resubmit with ``--resume``); 5 aborted by a signal; 6 a non-finite loss; 3 the watchdog;
-    1 any other failure
-    (one line naming ``run-dir/failure-rankR.log``, which holds the traceback)."""
+    and the metrics (resubmit with ``--resume``); 5 aborted by a signal; 6 a non-finite loss; 7 a checkpoint
+    or output file could not be written (a full disk); 3 the watchdog; 1 any other failure (one line naming
+    ``run-dir/failure-rankR.log``, which holds the traceback)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return _main(args)
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
-    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped, agree_on_error, user_errors
+    from lbannpy.training.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, NonFinite, Stopped, WriteFailed,
+                                         agree_on_error, user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.config import ConfigError, apply_overrides, load_config
 
@@ -116,6 +117,11 @@ def _main(args) -> int:
                                  f"{trainer.settings.out_dir}/, the newest checkpoint is the last good one\n")
                 sys.stderr.flush()
             return EXIT_NONFINITE
+        except WriteFailed as exc:
+            if world.rank == 0:
+                sys.stderr.write(f"lbannpy.train: error: {exc}\n")
+                sys.stderr.flush()
+            return EXIT_WRITE_FAILED
     return 0
 
 

@@ -59,7 +59,7 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
         except OSError as exc:
-            err = f"cannot create {tmp}: {exc}"
+            err = f"cannot create {tmp}: {_reason(exc)}"
     err = comm.bcast_obj(err)
     if err:
         raise CheckpointError(err)
@@ -71,7 +71,7 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
         else:
             _write_shard(comm.rank, tmp, pieces)
     except (OSError, ValueError) as exc:
-        err = f"rank {comm.rank}: writing its checkpoint shard into {tmp} failed: {exc}"
+        err = f"rank {comm.rank}: writing its checkpoint shard into {tmp} failed: {_reason(exc)}"
     bad = comm.allreduce_obj(err is not None, op="or")  # every shard is on disk (fsynced) past this point
     if bad:
         if comm.rank == 0:  # nothing half-written stays behind (a full disk: the space is given back)
@@ -89,12 +89,21 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
             os.replace(tmp, final)
             _fsync_dir(directory)
         except (OSError, ValueError, CheckpointError) as exc:
-            err = f"writing the checkpoint index {tmp}/index.h5 failed: {exc}"
+            err = f"writing the checkpoint index {tmp}/index.h5 failed: {_reason(exc)}"
             shutil.rmtree(tmp, ignore_errors=True)
     err = comm.bcast_obj(err)
     if err:
         raise CheckpointError(err)
     return final
+
+
+def _reason(exc: Exception) -> str:
+    """One short line: the system's words for an errno (h5py's own message of a failed write runs to a
+    dozen fields), else the message, cut."""
+    if isinstance(exc, OSError) and exc.errno:
+        return f"{os.strerror(exc.errno)} (errno {exc.errno})"
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 240 else text[:240] + " ..."
 
 
 def prune(directory: str, keep: int) -> list[str]:

@@ -5,6 +5,7 @@ import sys
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 6  # a non-finite loss stopped the run (one line naming the step and where)
+EXIT_WRITE_FAILED = 7  # a checkpoint or an output file could not be written (a full or read-only disk)
 
 
 class UserError(Exception):
@@ -28,6 +29,11 @@ class NonFinite(Exception):
     def __init__(self, step: int, what: str, where: str):
         super().__init__(f"non-finite values at step {step}: {what}; first non-finite: {where}")
         self.step = step
+
+
+class WriteFailed(Exception):
+    """A checkpoint or an output file could not be written (every rank raises it alike); the run stopped
+    after writing what it still could. The newest complete checkpoint is named in the message."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

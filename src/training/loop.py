@@ -18,7 +18,7 @@ from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
 from . import health, outdirs
-from .errors import NonFinite, Stopped
+from .errors import NonFinite, Stopped, WriteFailed
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
@@ -211,9 +211,16 @@ class Trainer:
         self.sync.flush()
         self.watchdog.progress("checkpoint")
         health.check_params(self.world, self.step, self.model, self.rt.xp)
+        from lbannpy.checkpoint import CheckpointError, candidates
+
         s = self.settings
-        ckpt.save(self.world, s.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
-                  self.report.rows, self.report.evals, self.record, s.ckpt_keep)
+        try:
+            ckpt.save(self.world, s.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
+                      self.report.rows, self.report.evals, self.record, s.ckpt_keep)
+        except CheckpointError as exc:  # raised on every rank alike
+            newest = candidates(s.ckpt_dir)[:1]
+            raise WriteFailed(f"the checkpoint of step {self.step} could not be written ({exc}); the newest "
+                              f"complete checkpoint is {newest[0] if newest else 'none'}") from None
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _after_step(self, row: dict, bar) -> None:
@@ -254,7 +261,7 @@ class Trainer:
         sig = self.signals
         vote = StopVote(self.world)
         stop = 0
-        bad = None  # a NonFinite: the run stops at that step after writing the metrics
+        bad = None  # a NonFinite or WriteFailed: the run stops at that step after writing the metrics
         final_eval: dict = {}
         try:
             if sig is not None:
@@ -268,7 +275,7 @@ class Trainer:
                     row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
                         else self.train_step()
                     self._after_step(row, bar)
-                except NonFinite as exc:
+                except (NonFinite, WriteFailed) as exc:
                     bad = exc
                     break
                 stop = vote.post(sig.requested if sig is not None else 0)
@@ -283,7 +290,7 @@ class Trainer:
             if bad is None and (s.ckpt_at_end or stop):
                 try:
                     self.save_checkpoint()
-                except NonFinite as exc:
+                except (NonFinite, WriteFailed) as exc:
                     bad = exc
         finally:
             if bar is not None:
@@ -293,7 +300,11 @@ class Trainer:
             self.reader.close()
             if self.val_reader is not None:
                 self.val_reader.close()
-        self.write_outputs(time.perf_counter() - t_start, self.step - first, final_eval)
+        failed = self.write_outputs(time.perf_counter() - t_start, self.step - first, final_eval)
+        if failed:
+            failed = f"{self.settings.out_dir}/ outputs could not be written ({failed})"
+            bad = WriteFailed(f"{bad}; {failed}" if isinstance(bad, WriteFailed) else failed) \
+                if not isinstance(bad, NonFinite) else bad
         if sig is not None:
             sig.finished()
         if bad is not None:
@@ -301,11 +312,11 @@ class Trainer:
         if stop:
             raise Stopped(signal_name(stop), self.step, self.settings.ckpt_dir, self.settings.out_dir)
 
-    def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> None:
-        """Who calls: every rank (collective)."""
+    def write_outputs(self, wall: float, steps_run: int, final_eval: dict) -> str | None:
+        """Who calls: every rank (collective). Returns why an output could not be written, or None."""
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         self.report.bucket_clock = self.sync.engine.clock
-        self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
-                          {lay.name: str(lay.out_dist) for lay in self.model.layers})
+        return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
+                                 {lay.name: str(lay.out_dist) for lay in self.model.layers})

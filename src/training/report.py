@@ -28,7 +28,11 @@ class _atomic:
         return self.f
 
     def __exit__(self, exc_type, exc, tb):
-        self.f.close()
+        try:
+            self.f.close()  # a full disk fails here, at the last flush
+        except OSError:
+            os.unlink(self.tmp)
+            raise
         if exc_type is None:
             os.replace(self.tmp, self.path)
         else:
@@ -53,6 +57,9 @@ class Report:
         self.evals: list[dict] = []
         self.untimed_totals: dict = {}  # per-layer timer totals of untimed work (warm-up, evaluation)
         self.warmup_steps = 0
+        # rank 0: why appending to metrics.csv failed (a full disk), from the first row it failed on; the
+        # rows stay in memory (and in checkpoints) and the end of the run writes them again
+        self.append_failed: str | None = None
 
     def restore(self, meta: dict) -> None:
         self.rows = meta.get("rows", [])
@@ -67,16 +74,19 @@ class Report:
         """Rank 0 appends the row to ``metrics.csv`` and flushes it: a run that dies keeps its rows. The
         columns are fixed by the first row (every row has the same keys)."""
         self.rows.append(row)
-        if self.world.rank != 0:
+        if self.world.rank != 0 or self.append_failed:
             return
         path = os.path.join(self.out_dir, "metrics.csv")
         keys = self._columns()
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            if f.tell() == 0:
-                w.writeheader()
-            w.writerow(row)
-            f.flush()
+        try:
+            with open(path, "a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+                if f.tell() == 0:
+                    w.writeheader()
+                w.writerow(row)
+                f.flush()
+        except OSError as exc:  # training goes on; the end of the run says so (and tries again)
+            self.append_failed = f"from step {row.get('step')}: {exc.strerror or exc}"
 
     def add_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
@@ -111,9 +121,22 @@ class Report:
                 out.setdefault(name, {})[phase] = t / timed_steps
         return out
 
-    def write(self, run: dict, steps_run: int, final_eval: dict, buckets: list, distributions: dict) -> None:
-        """Who calls: every rank (an allgather of the per-layer times). ``run``: steps, ranks, batch_size,
-        dtype, wall_s."""
+    def write(self, run: dict, steps_run: int, final_eval: dict, buckets: list, distributions: dict
+              ) -> str | None:
+        """Who calls: every rank (an allgather of the per-layer times, a broadcast of the outcome).
+        ``run``: steps, ranks, batch_size, dtype, wall_s. Returns, on every rank, why an output file could
+        not be written (a full or vanished output directory), or None."""
+        err = None
+        try:
+            self._write(run, steps_run, final_eval, buckets, distributions)
+        except OSError as exc:  # mostly rank 0's files: every rank learns it from the allgather
+            err = f"{getattr(exc, 'filename', None) or self.out_dir}: {exc.strerror or exc}"
+        if self.world.rank == 0 and err is None and self.append_failed:
+            sys.stderr.write(f"lbannpy.train: note: appending to metrics.csv failed {self.append_failed}; "
+                             f"written in full at the end\n")
+        return next((e for e in self.world.allgather_obj(err) if e), None)
+
+    def _write(self, run: dict, steps_run: int, final_eval: dict, buckets: list, distributions: dict) -> None:
         # per-layer and communication times: the slowest rank's (what bounds the step)
         self.timer.settle()
         gathered = self.world.allgather_obj(self.per_layer(steps_run))

@@ -1,0 +1,77 @@
+"""A disk that fills during a run (a small tmpfs as the output directory, filled by the test): the run stops at
+the checkpoint it cannot write, on every rank, with one line naming the step, the reason and the newest
+complete checkpoint; nothing half-written is left behind; the metric rows logged so far stay on disk, and
+the checkpoint that was complete before still resumes. Needs root (mount), as CI runs."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+
+import pytest
+
+from . import util
+
+pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "out"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(directory) -> None:
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\0" * 512)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def test_a_full_disk_stops_the_run_at_the_checkpoint_it_cannot_write(tmp_path, small_disk):
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 60}, checkpoint={"every_steps": 50})
+    del cfg["checkpoint"]["dir"]  # the default: ckpt/ in the output directory, on the small disk
+    job = util.start(tmp_path, cfg, ranks=2)
+    metrics = small_disk / "metrics.csv"
+    try:
+        util.wait_for(lambda: (small_disk / "ckpt" / "ckpt-00000050").is_dir() and metrics.exists()
+                      and len(metrics.read_text().splitlines()) > 55, 90, "the step-50 checkpoint")
+        _fill(small_disk)
+        job.wait(60)
+    finally:
+        util.kill(job)
+    assert job.rank_codes() == [7, 7] and job.proc.returncode == 7, (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1, job.err
+    line = lines[0]
+    assert "the checkpoint of step 100 could not be written" in line and "No space left on device" in line \
+        and "ckpt-00000050" in line and "outputs could not be written" in line and len(line) < 700, line
+    assert sorted(p.name for p in (small_disk / "ckpt").glob("ckpt-*")) == ["ckpt-00000050"]  # no .tmp
+    with open(metrics) as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert len(steps) >= 55 and steps == list(range(1, len(steps) + 1))
+    # room again: the run resumes from the complete checkpoint
+    os.unlink(small_disk / "filler")
+    cfg["trainer"]["steps"] = 52
+    job = util.run(tmp_path, cfg, ranks=2, args=("--resume",), timeout=90)
+    assert job.rank_codes() == [0, 0], job.err[-3000:]
+    path, data = util.newest_checkpoint(small_disk / "ckpt")
+    assert data["step"] == 52
