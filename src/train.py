@@ -58,7 +58,8 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
-    from lbannpy.training.errors import EXIT_NONFINITE, NonFinite, Stopped, agree_on_error, user_errors
+    from lbannpy.training.errors import (EXIT_NONFINITE, DataStop, NonFinite, Stopped, agree_on_error,
+                                         user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.config import ConfigError, apply_overrides, load_config
 
@@ -109,6 +110,11 @@ def _main(args) -> int:
                                  f"{trainer.settings.out_dir}/, the newest checkpoint is the last good one\n")
                 sys.stderr.flush()
             return EXIT_NONFINITE
+        except DataStop as exc:  # agreed on by every rank (Trainer.next_batch): one line, no traceback
+            if world.rank == 0:
+                sys.stderr.write(f"lbannpy.train: error: {exc}\n")
+                sys.stderr.flush()
+            return EXIT_USER_ERROR
     return 0
 
 
