@@ -62,8 +62,8 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
-    from lbannpy.training.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, NonFinite, Stopped, WriteFailed,
-                                         agree_on_error, user_errors)
+    from lbannpy.training.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, DataStop, NonFinite, Stopped,
+                                         WriteFailed, agree_on_error, user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.config import ConfigError, apply_overrides, load_config
 
@@ -117,11 +117,11 @@ def _main(args) -> int:
                                  f"{trainer.settings.out_dir}/, the newest checkpoint is the last good one\n")
                 sys.stderr.flush()
             return EXIT_NONFINITE
-        except WriteFailed as exc:
+        except (WriteFailed, DataStop) as exc:  # agreed on by every rank: one line, no traceback
             if world.rank == 0:
                 sys.stderr.write(f"lbannpy.train: error: {exc}\n")
                 sys.stderr.flush()
-            return EXIT_WRITE_FAILED
+            return EXIT_WRITE_FAILED if isinstance(exc, WriteFailed) else EXIT_USER_ERROR
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``python -m lbannpy.data {mesh,blobs} ... -o FILE.h5``: synthetic data sets."""
+"""``python -m lbannpy.data {mesh,blobs} ... -o FILE.h5``: synthetic data sets;
+``python -m lbannpy.data check FILE [--spec SPEC]``: scan a data file for values a run would stop on."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="python -m lbannpy.data", formatter_class=fmt,
                                  description="Write a synthetic data set (inputs and labels) into an HDF5 "
-                                             "file that lbannpy.train reads. See each kind's --help.")
-    sub = ap.add_subparsers(dest="kind", required=True, metavar="{mesh,blobs}")
+                                             "file that lbannpy.train reads, or check one. See each "
+                                             "command's --help.")
+    sub = ap.add_subparsers(dest="kind", required=True, metavar="{mesh,blobs,check}")
     m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, cell labels)",
                        description="Synthetic mesh-tangling segmentation data: per-cell mesh quantities as "
                                    "input channels, cells about to tangle as labels.", formatter_class=fmt)
@@ -35,11 +37,66 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--noise", type=float, default=0.3, help="Gaussian noise std (signal amplitude ~1)")
     b.add_argument("--seed", type=int, default=0, help="random seed")
     b.add_argument("-o", "--output", required=True, help="HDF5 file to write")
+    _check_parser(sub)
     return ap
+
+
+def _check_parser(sub) -> None:
+    from .check import CHUNK_BYTES
+
+    c = sub.add_parser("check", help="scan a data file: non-finite inputs, labels out of range, shapes",
+                       description="Read the whole file in chunks of bounded size and report non-finite "
+                                   "inputs, labels outside [0, classes) and shapes or types that do not fit "
+                                   "the model of a spec. Exit 0 with one 'ok:' line when clean, 1 with one "
+                                   "line per kind of problem, 2 on a bad spec or usage.")
+    c.add_argument("file", help="HDF5 data file to check")
+    c.add_argument("--spec", metavar="SPEC",
+                   help="a YAML spec or config.h5: the model's input shape, classes and loss, and "
+                        "data.train's dataset names, are checked")
+    c.add_argument("--inputs", help="input dataset name (default: the spec's data.train.inputs, else "
+                                    "'inputs')")
+    c.add_argument("--labels", help="label dataset name (default: the spec's data.train.labels, else "
+                                    "'labels')")
+    c.add_argument("--classes", type=int, help="number of classes; labels must lie in 0..K-1 (default: the "
+                                               "output channels of the spec's model; without either, only "
+                                               "negative labels are reported)")
+    c.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES,
+                   help="bytes of inputs and labels read at a time (at least one sample; default 64 MiB)")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def _check(args) -> int:
+    from .check import Expect, check_file, spec_expectations
+
+    if args.classes is not None and args.classes < 1:
+        print(f"python -m lbannpy.data check: error: --classes must be at least 1, got {args.classes}",
+              file=sys.stderr)
+        return 2
+    if args.chunk_bytes < 1:
+        print(f"python -m lbannpy.data check: error: --chunk-bytes must be positive, got {args.chunk_bytes}",
+              file=sys.stderr)
+        return 2
+    if args.spec:
+        from lbannpy.config import ConfigError
+
+        try:
+            want = spec_expectations(args.spec)
+        except (ConfigError, OSError) as exc:
+            print(f"python -m lbannpy.data check: error: {args.spec}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        want = Expect()
+    want.inputs = args.inputs or want.inputs
+    want.labels = args.labels or want.labels
+    if args.classes is not None:
+        want.classes = args.classes
+    return check_file(args.file, want, args.chunk_bytes, args.quiet)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.kind == "check":
+        return _check(args)
     t0 = time.perf_counter()
     try:
         if args.kind == "mesh":

@@ -49,6 +49,7 @@ import numpy as np
 
 from ..dist import Distribution, DistributionError, shape_str
 from .dataset import DataError, epoch_order, read_runs, validate_dataset
+from .integrity import FileIdentity, check_identity, check_labels
 from .prefetch import _STOP, _Failure, _Prefetcher
 
 PIECE_BYTES = 4 << 20   # bytes per H5Dread call (the GIL is held for one call)
@@ -87,6 +88,13 @@ class HDF5Reader:
         same message.
     expected_channels, expected_spatial : compared with the file (see :func:`validate_dataset`).
     piece_bytes : largest single HDF5 read; smaller pieces hand the GIL back sooner.
+    num_classes : when given, every block's labels are checked against ``[0, num_classes)`` as read (before
+        any down-sampling); a bad label raises :class:`DataError` naming the sample, pixel and value.
+    name : how messages name the data set (e.g. ``data.train``); default the path.
+
+    The file's identity (size, modification time, inode, device) is recorded when it is opened and compared
+    with a fresh ``os.stat`` at the first read of every epoch and after a failed read: a file truncated or
+    rewritten during the run raises :class:`DataError` (HDF5 reads past a truncated end return zeros).
     """
 
     def __init__(self, path: str, inputs: str = "inputs", labels: str = "labels",
@@ -94,8 +102,12 @@ class HDF5Reader:
                  shuffle: bool = True, indices: Sequence[int] | None = None, prefetch: bool = True,
                  label_dist: Distribution | None = None, depth: int = 2, comm=None,
                  expected_channels: int | None = None, expected_spatial: Sequence[int] | None = None,
-                 piece_bytes: int = PIECE_BYTES):
+                 piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = ""):
         self.path = str(path)
+        self.name = name or self.path
+        self.num_classes = None if num_classes is None else int(num_classes)
+        self._identity: FileIdentity | None = None
+        self._checked_epoch: int | None = None
         self.rank = int(rank)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -227,6 +239,7 @@ class HDF5Reader:
             import h5py
 
             self._fh = h5py.File(self.path, "r")
+            self._identity = FileIdentity.of(self.path)
             self._dx = self._fh[self.info.inputs]
             self._dy = self._fh[self.info.labels]
             if not self.info.per_pixel:
@@ -262,22 +275,34 @@ class HDF5Reader:
         """Read this rank's block of batch ``(epoch, step)`` now (no prefetch, position unchanged)."""
         t0 = time.perf_counter()
         self._file()
+        if epoch != self._checked_epoch:  # one os.stat per epoch: the file is still the one opened
+            check_identity(self.path, self._identity)
+            self._checked_epoch = epoch
         ids = self.batch_ids(epoch, step)
         (b0, b1) = self.box[0]
         mine = ids[b0:b1]
+        (l0, l1) = self.label_box[0]
+        lids = ids[l0:l1]
+        try:
+            x, y = self._read_block(mine, lids)
+        except Exception:
+            check_identity(self.path, self._identity)  # a failed read of a changed file: say so
+            raise
+        check_labels(y, lids, self.num_classes, self.name, [lo for lo, _ in self.label_box[1:]])
+        dt = time.perf_counter() - t0
+        return Batch(x, y, epoch, step, mine.copy(), read_s=dt)
+
+    def _read_block(self, mine: np.ndarray, lids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.empty(self.local_shape, dtype=self.info.input_dtype)
         for f0, d0, k in read_runs(mine):
             self._read_run(self._dx, x, f0, d0, k, self.box[1:])
-        (l0, l1) = self.label_box[0]
-        lids = ids[l0:l1]
         if self.info.per_pixel:
             y = np.empty(self.label_local_shape, dtype=self.info.label_dtype)
             for f0, d0, k in read_runs(lids):
                 self._read_run(self._dy, y, f0, d0, k, self.label_box[1:])
         else:
             y = self._class_labels[lids]
-        dt = time.perf_counter() - t0
-        return Batch(x, y, epoch, step, mine.copy(), read_s=dt)
+        return x, y
 
     def _read_run(self, ds, out: np.ndarray, f0: int, d0: int, k: int, box) -> None:
         """Read file samples ``[f0, f0+k)`` restricted to ``box`` into ``out[d0:d0+k]``.

@@ -132,16 +132,19 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
                         f"trainer.batch_size {batch_size}; lower the batch size")
     common = dict(inputs=train["inputs"], labels=train["labels"], dist=model.input_dist,
                   rank=world.rank, batch_size=batch_size, label_dist=loss.label_dist,
-                  comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+                  comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:],
+                  num_classes=loss.num_classes)
     depth = int(data.get("prefetch", 2))
     reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
-                        prefetch=depth > 0, depth=max(depth, 1), **common)
+                        prefetch=depth > 0, depth=max(depth, 1), name=f"data.train ({train['path']})",
+                        **common)
     val_reader = None
     if val.get("path"):
-        val_reader = HDF5Reader(val["path"], seed=seed, shuffle=False, prefetch=False, **common)
+        val_reader = HDF5Reader(val["path"], seed=seed, shuffle=False, prefetch=False,
+                                name=f"data.validation ({val['path']})", **common)
     elif val_idx is not None and len(val_idx) >= batch_size:
         val_reader = HDF5Reader(train["path"], seed=seed, shuffle=False, indices=val_idx,
-                                prefetch=False, **common)
+                                prefetch=False, name=f"data.validation ({train['path']})", **common)
     elif val_idx is not None:
         raise UserError(f"data.validation.fraction holds out {len(val_idx)} samples, fewer than "
                         f"trainer.batch_size {batch_size}; raise the fraction or lower the batch size")

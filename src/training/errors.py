@@ -60,3 +60,28 @@ def agree_on_error(world, err: str | None, prog: str) -> bool:
         sys.stderr.write(f"{prog}: error{where}: {e}\n")
         sys.stderr.flush()
     return bool(bad)
+
+
+class DataStop(UserError):
+    """A data problem found while training (a label out of range, the data file changed), agreed on by every
+    rank: all of them stop before the same step and the run ends with one line and exit status 2."""
+
+
+def agree_on_data(world, err: str | None) -> None:
+    """Who calls: every rank, once per batch (collective: a one-integer max-allreduce; the messages are
+    gathered only when some rank has one). Raise :class:`DataStop` on every rank when any rank's ``err`` is
+    set, with the first such message (naming its rank when the ranks' messages differ)."""
+    if world.size == 1:
+        if err:
+            raise DataStop(err)
+        return
+    import numpy as np
+
+    comm = getattr(world, "_mpi", world)  # a host integer: an NCCL world agrees over its MPI communicator
+    flag = comm.allreduce(np.array([1 if err else 0], dtype=np.int64), op="max")
+    if not int(flag[0]):
+        return
+    errors = comm.allgather_obj(err)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    r, e = bad[0]
+    raise DataStop(e if all(x == e for _, x in bad) else f"{e} (rank {r})")

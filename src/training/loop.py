@@ -1,8 +1,9 @@
 """The step loop: :class:`Trainer` wires the parts together and runs steps, evaluations and checkpoints.
 
-Where things go: a per-step check (non-finite loss) at the end of :meth:`Trainer.train_step`; a stop
-request (SIGTERM, SIGUSR1: :mod:`.signals`) is voted on by all ranks after each step in :meth:`Trainer.run`
-(then checkpoint, metrics, :class:`~.errors.Stopped`); initial
+Where things go: the data checks of a batch (labels in range, the file unchanged: in the reader) are agreed
+on by every rank in :meth:`Trainer.next_batch`; a per-step check (non-finite loss) at the end of
+:meth:`Trainer.train_step`; a stop request (SIGTERM, SIGUSR1: :mod:`.signals`) is voted on by all ranks
+after each step in :meth:`Trainer.run` (then checkpoint, metrics, :class:`~.errors.Stopped`); initial
 weights (``--init``) or a step-0 checkpoint in :meth:`Trainer.setup` after ``_resume``; the batch upload to
 the device in :meth:`Trainer.upload`.
 """
@@ -18,7 +19,7 @@ from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
 from . import health, outdirs
-from .errors import NonFinite, Stopped, WriteFailed
+from .errors import DataStop, NonFinite, Stopped, WriteFailed, agree_on_data, user_errors
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
@@ -95,6 +96,18 @@ class Trainer:
         self.resumed_from = path
 
     # -- one step ----------------------------------------------------------------------------------------
+    def next_batch(self, reader):
+        """Who calls: every rank (collective). The reader's next batch; a data problem on any rank (a label
+        out of range, the data file changed) raises :class:`~.errors.DataStop` on every rank, before any
+        rank computes with the batch."""
+        err = None
+        try:
+            batch = reader.next()
+        except user_errors() as exc:
+            batch, err = None, f"{exc}" or type(exc).__name__
+        agree_on_data(self.world, err)
+        return batch
+
     def upload(self, batch):
         """The batch's input as a distributed tensor on the device, and its labels."""
         from lbannpy.tensor import DistTensor
@@ -115,7 +128,7 @@ class Trainer:
         t0 = clock.now()
         h0 = time.perf_counter()
         wd.progress("waiting for data")
-        batch = self.reader.next()
+        batch = self.next_batch(self.reader)
         t_io = time.perf_counter() - h0  # the host's wait for data, whatever the clock
         x, labels = self.upload(batch)
         self.model.set_train(True)
@@ -199,7 +212,7 @@ class Trainer:
         totals, n = {}, 0
         for _ in range(self.val_reader.steps_per_epoch):  # unshuffled: every pass reads the same batches
             self.watchdog.progress("evaluation")
-            x, labels = self.upload(self.val_reader.next())
+            x, labels = self.upload(self.next_batch(self.val_reader))
             _, m = self.loss.forward(self.model.forward(x), labels)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -261,7 +274,9 @@ class Trainer:
         sig = self.signals
         vote = StopVote(self.world)
         stop = 0
-        bad = None  # a NonFinite or WriteFailed: the run stops at that step after writing the metrics
+        # a NonFinite, DataStop or WriteFailed (every rank alike): the run stops at that step after writing
+        # the metrics
+        bad = None
         final_eval: dict = {}
         try:
             if sig is not None:
@@ -275,7 +290,7 @@ class Trainer:
                     row = rep.untimed(self.train_step) if self.step < first + rep.warmup_steps \
                         else self.train_step()
                     self._after_step(row, bar)
-                except (NonFinite, WriteFailed) as exc:
+                except (NonFinite, DataStop, WriteFailed) as exc:  # every rank alike: metrics, then stop
                     bad = exc
                     break
                 stop = vote.post(sig.requested if sig is not None else 0)
@@ -284,7 +299,10 @@ class Trainer:
             vote.drain()  # a request during the last step: the run is complete anyway
             self.sync.flush()
             if not stop and bad is None:
-                final_eval = rep.untimed(self.evaluate)
+                try:
+                    final_eval = rep.untimed(self.evaluate)
+                except DataStop as exc:  # a bad validation batch: the training outputs are still written
+                    bad = exc
                 if final_eval:
                     rep.add_eval(self.step, final_eval)
             if bad is None and (s.ckpt_at_end or stop):
@@ -304,7 +322,7 @@ class Trainer:
         if failed:
             failed = f"{self.settings.out_dir}/ outputs could not be written ({failed})"
             bad = WriteFailed(f"{bad}; {failed}" if isinstance(bad, WriteFailed) else failed) \
-                if not isinstance(bad, NonFinite) else bad
+                if not isinstance(bad, (NonFinite, DataStop)) else bad
         if sig is not None:
             sig.finished()
         if bad is not None:

@@ -1,5 +1,5 @@
-"""A disk that fills during a run (a small tmpfs as the output directory, filled by the test): the run stops at
-the checkpoint it cannot write, on every rank, with one line naming the step, the reason and the newest
+"""A disk that fills during a run (a small tmpfs as the output directory, filled by the test): the run stops
+at the checkpoint it cannot write, on every rank, with one line naming the step, the reason and the newest
 complete checkpoint; nothing half-written is left behind; the metric rows logged so far stay on disk, and
 the checkpoint that was complete before still resumes. Needs root (mount), as CI runs."""
 from __future__ import annotations

@@ -1,0 +1,209 @@
+"""``python -m lbannpy.data check FILE``: scan a whole data file before a run, in chunks of bounded size.
+
+Reports non-finite inputs (first sample and count), labels outside ``[0, classes)`` (first sample, value
+and count) and a file that does not fit the model of a spec (:func:`~lbannpy.data.dataset.validate_dataset`
+with the spec's input shape; per-sample or per-pixel labels as the spec's loss needs).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .dataset import DataError, validate_dataset
+from .integrity import label_problem
+
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class Expect:
+    """What the model of a spec needs from the file (all optional)."""
+
+    inputs: str = "inputs"
+    labels: str = "labels"
+    channels: int | None = None
+    spatial: tuple[int, ...] | None = None
+    classes: int | None = None
+    per_pixel: bool | None = None
+    source: str = ""
+
+
+@dataclass
+class Findings:
+    samples: int = 0
+    nonfinite: int = 0                  # values
+    nonfinite_samples: int = 0
+    nonfinite_first: tuple | None = None    # (sample, value)
+    bad_labels: int = 0
+    bad_label_samples: int = 0
+    bad_label_first: tuple | None = None    # (sample, value, pixel or None)
+    label_range: tuple[int, int] | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def spec_expectations(path: str) -> Expect:
+    """The input shape, classes, loss and dataset names of the model in a spec or config (ConfigError when
+    it is not a valid one)."""
+    from lbannpy.config import check_graph, load_config, validate
+
+    cfg = validate(load_config(path), data=False, graph=False)
+    graph = check_graph(cfg)
+    train = (cfg.get("data") or {}).get("train") or {}
+    out = graph.nodes[-1].out_shape
+    return Expect(inputs=train.get("inputs", "inputs"), labels=train.get("labels", "labels"),
+                  channels=int(graph.input_shape[1]), spatial=tuple(int(s) for s in graph.input_shape[2:]),
+                  classes=int(out[1]), per_pixel=cfg["model"].get("loss") == "pixel_cross_entropy",
+                  source=path)
+
+
+def _chunk_samples(info, chunk_bytes: int) -> int:
+    per = int(np.prod(info.sample_shape)) * info.input_dtype.itemsize
+    per += int(np.prod(info.label_shape, dtype=np.int64)) * info.label_dtype.itemsize
+    return max(1, int(chunk_bytes) // max(per, 1))
+
+
+def _scan_inputs(x: np.ndarray, a: int, f: Findings) -> None:
+    bad = ~np.isfinite(x)
+    n = int(np.count_nonzero(bad))
+    if not n:
+        return
+    per_sample = bad.reshape(len(x), -1).any(axis=1)
+    if f.nonfinite_first is None:
+        i = int(np.argmax(per_sample))
+        f.nonfinite_first = (a + i, float(x[i][bad[i]][0]))
+    f.nonfinite += n
+    f.nonfinite_samples += int(np.count_nonzero(per_sample))
+
+
+def _scan_labels(y: np.ndarray, a: int, classes: int | None, f: Findings) -> None:
+    if y.size:
+        lo, hi = int(y.min()), int(y.max())
+        f.label_range = (lo, hi) if f.label_range is None else (min(lo, f.label_range[0]),
+                                                               max(hi, f.label_range[1]))
+    top = int(classes) - 1 if classes is not None else np.iinfo(np.int64).max
+    found = label_problem(y, 0, top)
+    if found is None:
+        return
+    index, value, count = found
+    if f.bad_label_first is None:
+        f.bad_label_first = (a + index[0], value, index[1:] if y.ndim > 1 else None)
+    f.bad_labels += count
+    f.bad_label_samples += int(np.count_nonzero(((y < 0) | (y > top)).reshape(len(y), -1).any(axis=1)))
+
+
+def scan(info, classes: int | None, chunk_bytes: int = CHUNK_BYTES, progress=None) -> Findings:
+    """Read the inputs and labels of a validated file in chunks of about ``chunk_bytes`` (at least one
+    sample) and collect what is wrong with their values; ``progress(samples_done)`` after each chunk."""
+    import h5py
+
+    f = Findings(samples=info.num_samples)
+    step = _chunk_samples(info, chunk_bytes)
+    with h5py.File(info.path, "r") as fh:
+        dx, dy = fh[info.inputs], fh[info.labels]
+        for a in range(0, info.num_samples, step):
+            b = min(info.num_samples, a + step)
+            _scan_inputs(dx[a:b], a, f)
+            _scan_labels(dy[a:b], a, classes, f)
+            if progress is not None:
+                progress(b)
+    return f
+
+
+def _shape_problems(path: str, info, want: Expect) -> list[str]:
+    out = []
+    try:
+        validate_dataset(path, want.inputs, want.labels, want.channels, want.spatial)
+    except DataError as exc:
+        out.append(f"{exc} (the model of {want.source})")
+    if want.per_pixel is not None and want.per_pixel != info.per_pixel:
+        need = "per-pixel labels (M, *spatial) for pixel_cross_entropy" if want.per_pixel \
+            else "one label per sample (M,) for cross_entropy"
+        out.append(f"{path}: dataset '{info.labels}' has shape {(info.num_samples,) + info.label_shape}; "
+                   f"the model of {want.source} needs {need}")
+    return out
+
+
+def report_lines(info, f: Findings, classes: int | None) -> list[str]:
+    """One line per problem class; empty when the file is clean."""
+    lines = [f"shape: {'; '.join(f.problems)}"] if f.problems else []
+    if f.nonfinite:
+        s, v = f.nonfinite_first
+        lines.append(f"non-finite inputs: {f.nonfinite} values in {f.nonfinite_samples} samples of "
+                     f"'{info.inputs}'; the first in sample {s} ({v})")
+    if f.bad_labels:
+        s, v, pixel = f.bad_label_first
+        at = f" at pixel ({', '.join(map(str, pixel))})" if pixel else ""
+        allowed = f"0..{classes - 1} ({classes} classes)" if classes is not None else "0 and up"
+        lines.append(f"labels out of range: {f.bad_labels} labels in {f.bad_label_samples} samples of "
+                     f"'{info.labels}' outside {allowed}; the first: sample {s} has label {v}{at}")
+    return lines
+
+
+def summary(info, f: Findings, classes: int | None, want: Expect) -> str:
+    shape = ", ".join(map(str, info.sample_shape))
+    lo, hi = f.label_range if f.label_range is not None else (0, -1)
+    if classes is not None:
+        labels = f"labels {lo}..{hi} within {classes} classes"
+    else:
+        labels = f"labels {lo}..{hi} (classes not checked: give --classes or --spec)"
+    fits = f"; fits the model of {want.source}" if want.source else ""
+    kind = "per-pixel" if info.per_pixel else "per-sample"
+    return (f"ok: {info.num_samples} samples in {info.path}, inputs ({shape}) {info.input_dtype} all finite, "
+            f"{kind} {labels}{fits}")
+
+
+class _Progress:
+    """A bar on a terminal, else a plain line at each quarter (logs)."""
+
+    def __init__(self, total: int, label: str, stream=None):
+        self.total, self.stream, self.done, self.bar = total, stream or sys.stderr, 0, None
+        self.quarter = 0
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="sample", desc=label, file=self.stream, dynamic_ncols=True)
+        self.label = label
+
+    def __call__(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        else:
+            q = 4 * done // max(self.total, 1)
+            if q > self.quarter:
+                self.quarter = q
+                pct = 100 * done // self.total
+                self.stream.write(f"{self.label}: {done}/{self.total} samples ({pct}%)\n")
+                self.stream.flush()
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_file(path: str, want: Expect, chunk_bytes: int = CHUNK_BYTES, quiet: bool = False,
+               out=None, stream=None) -> int:
+    """The ``check`` command: 0 and one ``ok:`` line when the file is clean, 1 and one line per problem
+    class otherwise (on ``out``); progress on ``stream`` (stderr)."""
+    out = out or sys.stdout
+    try:
+        info = validate_dataset(path, want.inputs, want.labels)
+    except DataError as exc:
+        out.write(f"file: {exc}\n")
+        return 1
+    problems = _shape_problems(path, info, want) if want.source else []
+    progress = None if quiet else _Progress(info.num_samples, "check", stream)
+    try:
+        f = scan(info, want.classes, chunk_bytes, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    f.problems = problems
+    lines = report_lines(info, f, want.classes)
+    if lines:
+        out.write("".join(ln + "\n" for ln in lines))
+        return 1
+    out.write(summary(info, f, want.classes, want) + "\n")
+    return 0
