@@ -74,8 +74,8 @@ def check_storage(ds, path: str, role: str) -> None:
     size = os.path.getsize(path)
     if offset + declared > size:
         raise DataError(f"{path}: {role} dataset '{ds.name.lstrip('/')}' declares shape "
-                        f"{shape_str(ds.shape)} ({declared} bytes, contiguous at offset {offset}) but the file holds {size} bytes: "
-                        f"it is truncated or corrupt; regenerate it")
+                        f"{shape_str(ds.shape)} ({declared} bytes, contiguous at offset {offset}) but "
+                        f"the file holds {size} bytes: it is truncated or corrupt; regenerate it")
 
 
 def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
