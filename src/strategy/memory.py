@@ -7,7 +7,7 @@ distributions the run will use: ``parallel.default`` and ``parallel.layers`` as 
 or the planner's choice for ``strategy: auto``. The data's part is what the reader holds: the prefetched
 blocks of the mini-batch (depth queued + one in use + one being read), one block of the validation reader,
 and the sample ids (``indices``, an epoch's permutation and its order: three int64 arrays of the training
-samples) and the class labels it reads whole.
+samples) and the class labels it reads whole. A constant covers the process itself (:data:`RUNTIME_BYTES`).
 
 Every size here comes from the config or from a file's metadata (shapes and dtypes, nothing read), and the
 arithmetic is on Python integers, so a ``filters: 2**62`` or a file declaring 10^10 samples gives an
@@ -20,6 +20,9 @@ import os
 from dataclasses import dataclass, replace
 
 GIB = 1024 ** 3
+# the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a rank of a tiny run peaks at
+# about 100 MB resident on Linux x86-64)
+RUNTIME_BYTES = 96 * 2 ** 20
 INDEX_ARRAYS = 3  # indices, the epoch's permutation and the permuted order (int64 each)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -56,19 +59,21 @@ class MemoryEstimate:
     batch_bytes: int  # the readers' blocks of the mini-batch (prefetch queue included)
     index_bytes: int  # sample ids and class labels of every reader
     strategy: str  # where the distributions came from
+    runtime_bytes: int = RUNTIME_BYTES  # the process before any of the above
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.batch_bytes + self.index_bytes
+        return self.runtime_bytes + self.model_bytes + self.batch_bytes + self.index_bytes
 
     def as_dict(self) -> dict:
         return {"peak_bytes": self.total_bytes, "model_bytes": self.model_bytes,
-                "batch_bytes": self.batch_bytes, "index_bytes": self.index_bytes, "ranks": self.ranks}
+                "batch_bytes": self.batch_bytes, "index_bytes": self.index_bytes,
+                "runtime_bytes": self.runtime_bytes, "ranks": self.ranks}
 
     def text(self) -> str:
         return (f"peak {gib(self.total_bytes)} per rank on {self.ranks} rank(s) (model "
                 f"{gib(self.model_bytes)}, batch buffers {gib(self.batch_bytes)}, sample ids and labels "
-                f"{gib(self.index_bytes)}; {self.strategy})")
+                f"{gib(self.index_bytes)}, runtime {gib(self.runtime_bytes)}; {self.strategy})")
 
 
 def memory_limit(cfg: dict) -> tuple[int, str]:
