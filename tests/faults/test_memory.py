@@ -48,12 +48,26 @@ def _declared_samples(tmp):
     return util.spec(tmp)
 
 
+def _lazy_images(tmp):
+    """Two 18-channel 16384² samples, chunked and never written (a few KiB on disk, 36 GiB declared), and a
+    model that reads them: one block of the batch alone is 18 GiB per rank."""
+    with h5py.File(tmp / "data.h5", "w") as f:
+        f.create_dataset("inputs", shape=(2, 18, 16384, 16384), dtype="float32", chunks=(1, 1, 256, 256))
+        f.create_dataset("labels", shape=(2,), dtype="int64")
+    assert (tmp / "data.h5").stat().st_size < 64 * 1024
+    cfg = util.spec(tmp, trainer={"batch_size": 2})
+    cfg["model"]["input"] = {"channels": 18, "spatial": [16384, 16384]}
+    return cfg
+
+
 def _tiny_limit(tmp):
     return util.spec(tmp, runtime={"memory_gib": 0.001})
 
 
 CASES = {"filters-200000": (_two_huge_convs, "model"), "filters-2**62": (_filters_2_62, "model"),
-         "1e10-samples": (_declared_samples, "sample ids"), "memory_gib-0.001": (_tiny_limit, "limit")}
+         "1e10-samples": (_declared_samples, "sample ids"), "lazy-16384^2": (_lazy_images, "batch"),
+         "memory_gib-0.001": (_tiny_limit, "limit")}
+OWN_DATA = ("1e10-samples", "lazy-16384^2")
 
 
 def _validate(tmp, cfg, ranks=2):
@@ -72,6 +86,8 @@ def _assert_refusal_line(line: str, part: str) -> None:
         assert "this machine's memory" in line, line  # the default limit
     else:
         assert "runtime.memory_gib 0.001 GiB" in line, line
+    if part == "batch":  # (prefetch 2 + 2) blocks of one 18x16384^2 float32 sample per rank
+        assert "batch buffers 72 GiB" in line, line
     if part == "sample ids":
         assert "sample ids and labels 298 GiB" in line, line  # 3 int64 arrays + int64 labels of 10^10
 
@@ -79,7 +95,7 @@ def _assert_refusal_line(line: str, part: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_validate_refuses_over_the_limit(tmp_path, case):
     make, part = CASES[case]
-    if case != "1e10-samples":
+    if case not in OWN_DATA:
         util.make_data(tmp_path / "data.h5")
     p, took = _validate(tmp_path, make(tmp_path))
     assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
@@ -92,7 +108,7 @@ def test_validate_refuses_over_the_limit(tmp_path, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_refuses_over_the_limit_on_every_rank(tmp_path, case):
     make, part = CASES[case]
-    if case != "1e10-samples":
+    if case not in OWN_DATA:
         util.make_data(tmp_path / "data.h5")
     job = util.run(tmp_path, make(tmp_path), ranks=2, timeout=90)
     job.assert_every_rank_failed()
