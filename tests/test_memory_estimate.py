@@ -16,13 +16,16 @@ from lbannpy.strategy import memory as M
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
-# one process trains in place; its peak resident set is read before and after training (ru_maxrss)
+# one process trains in place; its peak resident set is read before and after training: VmHWM of this
+# process's memory map (ru_maxrss would do, but Linux carries the forking parent's high-water mark into it
+# across exec, so after a large pytest process it can start above the run's peak)
 CHILD = """
-import json, resource, sys
+import json, sys
 import h5py, numpy, matplotlib.pyplot
 import lbannpy.train, lbannpy.training.loop, lbannpy.comm.runtime, lbannpy.optim, lbannpy.data.reader
 def rss():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
 base = rss()
 code = lbannpy.train.main([sys.argv[1], "--quiet"])
 print(json.dumps({"code": code, "base": base, "peak": rss()}))
@@ -43,7 +46,7 @@ def _spec(tmp, filters: int, n: int = 32) -> dict:
             "output": {"dir": str(tmp / "out")}, "checkpoint": {"dir": str(tmp / "ck")}}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB is Linux's")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 def test_estimate_is_within_a_factor_of_two_of_the_measured_peak(tmp_path):
     """A model whose arrays (~0.25 GiB) dwarf the interpreter. Tolerance: a factor of 2 either way. The
     estimate is the planner's accounting (outputs kept for backprop, weights, gradients, optimizer state,
@@ -64,6 +67,7 @@ def test_estimate_is_within_a_factor_of_two_of_the_measured_peak(tmp_path):
     predicted = est["peak_bytes"] - est["runtime_bytes"]  # the measured delta starts after the imports
     measured = got["peak"] - got["base"]
     assert predicted > 2 ** 27, est  # the arrays dominate
+    print(f"measured {measured / 2 ** 20:.0f} MiB, predicted {predicted / 2 ** 20:.0f} MiB")
     assert predicted / 2 <= measured <= 2 * predicted, (measured / 2 ** 20, predicted / 2 ** 20)
 
 
