@@ -155,7 +155,7 @@ def predict(cfg: dict, rt, args) -> dict:
     from lbannpy.training.build import build_model
 
     world = rt.world
-    cfg = validate(cfg, ranks=world.size)
+    cfg = validate(cfg, ranks=world.size, memory=False)  # the estimate prices training
     tr = cfg["trainer"]
     ctx = LayerContext(world, rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                        overlap=False, timer=Timer(events=[]))

@@ -8,7 +8,7 @@
 A config is a plain tree of dicts and lists in the normal form of :data:`SCHEMA` (every default filled);
 ``cfg["trainer"]["batch_size"]`` is always there. Every user error is a :class:`ConfigError` naming the key.
 """
-from .checks import check_data, check_graph, check_ranks, check_references, validate
+from .checks import check_data, check_graph, check_memory, check_ranks, check_references, validate
 from .errors import ConfigError
 from .io import FORMAT, VERSION, load_config, parse_yaml, read_h5, read_raw, save_config, to_yaml, write_h5
 from .overrides import apply_overrides
@@ -25,6 +25,7 @@ def parse_spec(spec) -> dict:
 
 __all__ = ["ConfigError", "SCHEMA", "LAYER_TYPES", "COMMON_LAYER_KEYS", "INPUT_NAME", "INPUT_NAMES", "FORMAT",
            "VERSION",
-           "apply_overrides", "check_data", "check_graph", "check_ranks", "check_references", "layer_params",
+           "apply_overrides", "check_data", "check_graph", "check_memory", "check_ranks", "check_references",
+           "layer_params",
            "layer_type", "layer_types", "load_config", "normalize", "parse_spec", "parse_yaml", "read_h5",
            "read_raw", "save_config", "schema_text", "to_yaml", "validate", "write_h5"]

@@ -3,6 +3,7 @@
     python -m lbannpy.config build SPEC.yaml -o CONFIG.h5 [--set key=value ...]
     python -m lbannpy.config show CONFIG.h5 [--set key=value ...]
     python -m lbannpy.config validate CONFIG.h5 [--ranks P] [--no-data] [--set key=value ...]
+        (also prints the estimated peak memory per rank; refuses one over runtime.memory_gib)
     python -m lbannpy.config zoo NAME -o SPEC.yaml [--batch-size B] [--input-size S]
     python -m lbannpy.config schema
 
@@ -62,7 +63,9 @@ def _load(path: str, sets: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from . import (ConfigError, check_graph, check_ranks, save_config, schema_text, to_yaml, validate)
+    from . import (ConfigError, check_graph, check_memory, check_ranks, save_config, schema_text, to_yaml,
+                   validate)
+    from ..strategy.memory import memory_limit
 
     if args.command == "schema":
         sys.stdout.write(schema_text())
@@ -82,10 +85,13 @@ def run(args) -> int:
     elif args.command == "show":
         sys.stdout.write(to_yaml(_load(args.config, args.overrides)))
     elif args.command == "validate":
-        cfg = validate(_load(args.config, args.overrides), ranks=args.ranks, data=not args.no_data)
+        cfg = validate(_load(args.config, args.overrides), ranks=args.ranks, data=not args.no_data,
+                       memory=False)
+        est = check_memory(cfg, args.ranks or 1, data=not args.no_data)  # refuses over runtime.memory_gib
         ranks = f" on {args.ranks} ranks" if args.ranks is not None else ""
         model = cfg["model"]
         print(f"{args.config}: ok{ranks} (model {model['name']!r}, {len(model['layers'])} layers)")
+        print(f"memory: {est.text()}; limit: {memory_limit(cfg)[1]}")
     elif args.command == "zoo":
         from .. import zoo
 
@@ -100,7 +106,7 @@ def run(args) -> int:
             hint = did_you_mean(args.name, zoo.names(), "models") if args.name not in zoo.names() else \
                 "see python -m lbannpy.config zoo --help"
             raise ConfigError(f"zoo {args.name}", str(e), hint) from None
-        cfg = validate(spec, data=False)
+        cfg = validate(spec, data=False, memory=False)  # a spec to edit: sized where it runs
         save_config(cfg, args.output)
         print(f"wrote {args.output}: zoo model {args.name!r}, {len(cfg['model']['layers'])} layers")
     return 0

@@ -186,6 +186,8 @@ def check_data(cfg: dict, base_dir: str | None = None) -> None:
 def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_train: bool) -> int:
     import h5py  # imported late: only data checks need it
 
+    from ..data.dataset import DataError, check_storage
+
     full = file if os.path.isabs(file) or base_dir is None else os.path.join(base_dir, file)
     where = f"{path}.path"
     if not os.path.exists(full):
@@ -200,12 +202,21 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         with h5py.File(full, "r") as f:
             for key in ("inputs", "labels"):
                 name = names[key]
-                obj = f.get(name)
+                try:
+                    obj = f[name] if name in f else None
+                except (KeyError, OSError) as e:  # the link is there, the object's header is not usable
+                    raise ConfigError(f"{path}.{key}", f"dataset {name!r} in {full!r} cannot be opened: {e}",
+                                      "the file is corrupt; regenerate it") from None
                 if not isinstance(obj, h5py.Dataset):
                     found = [k for k in f if isinstance(f.get(k), h5py.Dataset)]
                     raise ConfigError(f"data.train.{key}", f"{full!r} has no dataset {name!r}",
                                       did_you_mean(name, found, "datasets"))
             x, y = f[names["inputs"]], f[names["labels"]]
+            for key, ds in (("inputs", x), ("labels", y)):
+                try:
+                    check_storage(ds, full, key)
+                except DataError as e:
+                    raise ConfigError(f"{path}.{key}", str(e), "regenerate the data file") from None
             xshape, xdtype, yshape, ydtype = tuple(x.shape or ()), x.dtype, tuple(y.shape or ()), y.dtype
     except OSError as e:
         raise ConfigError(where, f"cannot read {full!r}: {e}", "regenerate the data file") from None
@@ -244,10 +255,41 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
     return n
 
 
+def check_memory(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir: str | None = None,
+                 planned: bool = True):
+    """The per-rank memory estimate of :mod:`lbannpy.strategy.memory` (the cost model's accounting, the
+    readers' buffers and sample ids) against ``runtime.memory_gib``; returns the estimate, raises
+    ConfigError when it exceeds the limit. ``strategy: auto`` is estimated under the planner's choice
+    (``planned``), else under ``parallel`` as written. Nothing is allocated from the sizes."""
+    from ..strategy import memory as M  # imported late, as check_graph
+
+    dists, how = None, ""
+    if planned and cfg["parallel"].get("strategy") == "auto":
+        from ..strategy.planner import PlanError, plan
+
+        par = cfg["parallel"]
+        try:
+            chosen = plan(cfg, ranks, par.get("machine") or "lassen", memory_gib=par.get("memory_gib"),
+                          compare=False)
+        except (PlanError, ValueError, OSError) as e:
+            raise ConfigError("parallel.strategy", f"auto: {e}", "see python -m lbannpy.strategy") from None
+        dists, how = chosen.chosen.dists, "strategy auto: the planner's choice"
+    try:
+        est = M.estimate(cfg, ranks, graph, data, base_dir, dists, how)
+    except (ValueError, OSError, KeyError) as e:  # distributions check_ranks refuses; unreadable data
+        raise ConfigError("parallel", f"cannot estimate the memory per rank: {e}",
+                          "validate with --ranks to see the distribution problem") from None
+    msg = M.refusal(est, cfg)
+    if msg:
+        raise ConfigError("runtime.memory_gib", msg, M.REFUSAL_HINT)
+    return est
+
+
 def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = True,
-             base_dir: str | None = None) -> dict:
-    """All checks: schema, references, shapes (``graph``), a rank count (``ranks``) and the data files
-    (``data``). Returns the normal form; raises ConfigError naming the first problem."""
+             base_dir: str | None = None, memory: bool = True) -> dict:
+    """All checks: schema, references, shapes (``graph``), a rank count (``ranks``), the data files
+    (``data``) and the memory per rank (``memory``, with ``graph``; on ``ranks`` or 1). Returns the normal
+    form; raises ConfigError naming the first problem."""
     cfg = normalize(cfg)
     check_references(cfg)
     model_graph = check_graph(cfg) if graph else None
@@ -255,4 +297,6 @@ def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = Tru
         check_ranks(cfg, ranks, model_graph)
     if data:
         check_data(cfg, base_dir)
+    if memory and graph:
+        check_memory(cfg, ranks or 1, model_graph, data, base_dir)
     return cfg

@@ -179,8 +179,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
                                                             "strategy selector at start-up"),
         Key("machine", Str(), "lassen", "machine model for strategy: auto (a preset name, or a file from "
                                         "python -m lbannpy.bench calibrate)"),
-        Key("memory_gib", Float(0.0, lo_open=True), None, "device memory limit for strategy: auto "
-                                                         "(default: the machine file's)"),
+        Key("memory_gib", Float(0.0, lo_open=True), None, "device (accelerator) memory per rank that "
+                                                         "strategy: auto plans for (default: the machine "
+                                                         "file's); host memory per rank: runtime.memory_gib"),
     )),
     Section("comm", "gradient communication", (
         Key("bucket_mb", Float(0.0, lo_open=True), 25.0, "gradient bucket size (MiB)"),
@@ -214,6 +215,11 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
+        Key("memory_gib", Float(0.0, lo_open=True), UNSET,
+            "host memory one rank may use (GiB): validate and the trainer's set-up refuse a run whose "
+            "estimated peak per rank (model, batch buffers, sample ids) exceeds it; default: this machine's "
+            "memory (or its cgroup limit when lower); give ranks sharing a node their share. Not "
+            "parallel.memory_gib (the device memory strategy: auto plans for)"),
     )),
 ))
 

@@ -58,6 +58,26 @@ def _open_dataset(fh, path: str, name: str, role: str):
     return obj
 
 
+def check_storage(ds, path: str, role: str) -> None:
+    """A contiguous dataset must lie inside its file: ``offset + Π shape · itemsize`` bytes at most the file's
+    size, else the file is truncated or its header lies about the shape (DataError, one line). Chunked or
+    compressed datasets may declare more than the file holds (unwritten chunks read as the fill value,
+    compression): their sizes are bounded by the memory estimate instead. Reads metadata only."""
+    if ds.chunks is not None or ds.compression is not None or ds.shape is None:
+        return
+    declared = ds.dtype.itemsize
+    for s in ds.shape:
+        declared *= int(s)
+    offset = ds.id.get_offset()
+    if offset is None or declared == 0:  # never written: reads return the fill value
+        return
+    size = os.path.getsize(path)
+    if offset + declared > size:
+        raise DataError(f"{path}: {role} dataset '{ds.name.lstrip('/')}' declares shape "
+                        f"{shape_str(ds.shape)} ({declared} bytes, contiguous at offset {offset}) but "
+                        f"the file holds {size} bytes: it is truncated or corrupt; regenerate it")
+
+
 def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
                      expected_channels: int | None = None,
                      expected_spatial: Sequence[int] | None = None) -> DatasetInfo:
@@ -79,6 +99,8 @@ def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
     with h5py.File(path, "r") as fh:
         dx = _open_dataset(fh, path, inputs, "inputs")
         dy = _open_dataset(fh, path, labels, "labels")
+        check_storage(dx, path, "inputs")
+        check_storage(dy, path, "labels")
         xs, ys = tuple(int(s) for s in dx.shape), tuple(int(s) for s in dy.shape)
         xdt, ydt = dx.dtype, dy.dtype
     if not 2 <= len(xs) <= 5:

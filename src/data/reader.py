@@ -40,7 +40,6 @@ is re-raised in the caller at the next :meth:`HDF5Reader.next`.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -461,7 +460,7 @@ def _as_scalar(v):
 
 
 def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    """This machine's memory, or its cgroup limit when lower (0: unknown)."""
+    from lbannpy.strategy.memory import host_memory_bytes
+
+    return host_memory_bytes()

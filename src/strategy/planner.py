@@ -20,7 +20,7 @@ import numpy as np
 from lbannpy.layers.registry import layer_spec
 
 from ..dist import Distribution, DIM_NAMES
-from .cost import (LayerCost, halo_widths, layer_cost, max_local_shape, redistribution_matrix,
+from .cost import (LayerCost, halo_widths, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
                    redistribution_time, required_input)
 from .graph import INPUT_NAMES, ModelGraph, Node, build_graph
 from ..machine import DEFAULT_MACHINE, Machine as MachineModel, load_machine as load_machine_model
@@ -255,6 +255,19 @@ def evaluate_strategy(graph: ModelGraph, dists: Mapping[str, Distribution], mach
             t += redistribution_time(shape, dists[p], required_input(node, d, shape), machine)
         tin[node.name] = t
     return StrategyCost(dict(dists), layer, tin, pers + trans)
+
+
+def strategy_memory(graph: ModelGraph, dists: Mapping[str, Distribution], machine: MachineModel,
+                    optimizer: str = "sgd") -> int:
+    """Per-rank bytes of a fixed assignment, as :func:`evaluate_strategy` counts them (Σ persistent + max
+    transient of :func:`lbannpy.strategy.cost.layer_memory`), without pricing any time: exact on Python
+    integers for any layer size, so a set-up can refuse a run before allocating it."""
+    pers, trans = 0, 0
+    for node in graph:
+        p, t = layer_memory(node, dists[node.name], machine, _reads_input(node), optimizer)
+        pers += p
+        trans = max(trans, t)
+    return pers + trans
 
 
 def _fit(d: int, ranks: int) -> int:

@@ -41,6 +41,7 @@ class Parts:
     reader: object
     val_reader: object
     optimizer: object
+    memory: object = None  # the lbannpy.strategy.memory.MemoryEstimate set-up checked
 
 
 def settings(cfg: dict, train_samples: int) -> Settings:
@@ -153,11 +154,16 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
 
 def build(cfg: dict, ctx, world) -> Parts:
     """Everything training needs but gradient synchronisation. ``cfg`` must be validated."""
+    from lbannpy.config import check_memory
     from lbannpy.optim import make_optimizer
 
+    if cfg["parallel"].get("strategy") == "auto":
+        cfg["parallel"] = auto_strategy(cfg, world, int(cfg["trainer"]["batch_size"]))
+    # every rank refuses a run whose estimated peak exceeds runtime.memory_gib before allocating any of it
+    est = check_memory(cfg, world.size, planned=False)
     model, loss = build_model(cfg, ctx, world)
     reader, val_reader = build_readers(cfg, model, loss, world, cfg["data"]["train"].get("shuffle", True))
     st = settings(cfg, len(reader.indices))
     optimizer = make_optimizer(cfg["optimizer"], model.params, st.total_steps)
     return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,
-                 optimizer=optimizer)
+                 optimizer=optimizer, memory=est)

@@ -45,7 +45,9 @@ class Trainer:
         from lbannpy.layers.base import LayerContext, Timer
 
         world = self.world
-        cfg = self.cfg = validate(self.cfg, ranks=world.size)
+        # the memory estimate is checked in build(), under the distributions the run uses (strategy auto's
+        # choice included), before the model or a reader allocates anything
+        cfg = self.cfg = validate(self.cfg, ranks=world.size, memory=False)
         # overflow and invalid operations are found by the health checks (one line naming the step and
         # place), not by NumPy warnings on stderr from every rank
         import numpy as np
@@ -65,6 +67,9 @@ class Trainer:
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
+        self.memory = parts.memory
+        if world.rank == 0 and not self.quiet and self.memory is not None:
+            print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
         if self.rt.device == "gpu":  # batches go up one ahead, asynchronously, from pinned memory
             from lbannpy.data.upload import DeviceUploader
 
@@ -335,6 +340,8 @@ class Trainer:
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
+        if getattr(self, "memory", None) is not None:
+            run["memory_estimate"] = self.memory.as_dict()
         self.report.bucket_clock = self.sync.engine.clock
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})

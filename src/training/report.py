@@ -189,6 +189,7 @@ class Report:
             "clock": {"layers": self.clock, "step": self.clock, "buckets": self.bucket_clock,
                       "io_wait": "host"},
             "wall_s": run["wall_s"],
+            "memory_estimate": run.get("memory_estimate"),  # bytes per rank, checked at set-up
             "layers": merged,
             "distributions": distributions,
         }
