@@ -85,7 +85,7 @@ _failure_log_dir: str | None = None
 def set_failure_log_dir(path: str | None) -> None:
     """Send the tracebacks of :func:`report_and_abort` to ``PATH/failure-rankR.log`` (named in the one line
     on stderr) instead of stderr. A program whose users read stderr (the trainer) calls it once it knows its
-    run directory."""
+    run directory; ``""`` before that (the temporary directory, one file per process)."""
     global _failure_log_dir
     _failure_log_dir = path
 
@@ -95,6 +95,8 @@ def _write_traceback(rank: int, text: str) -> str | None:
     import tempfile
 
     for d in (_failure_log_dir, tempfile.gettempdir()):
+        if not d:  # "": no run directory known yet
+            continue
         try:
             os.makedirs(d, exist_ok=True)
             path = os.path.join(d, f"failure-rank{rank}.log" if d == _failure_log_dir

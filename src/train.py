@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     or output file could not be written (a full disk); 3 the watchdog; 1 any other failure (one line naming
     ``run-dir/failure-rankR.log``, which holds the traceback)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from lbannpy.comm.runtime import set_failure_log_dir
+
+    set_failure_log_dir("")  # a failure before the config names the run directory: a temporary file
     try:
         return _main(args)
     except SystemExit:

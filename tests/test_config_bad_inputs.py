@@ -250,3 +250,30 @@ def test_cli_user_error_is_one_line(spec, args, phrase, data_dir: Path):
     assert phrase in lines[0] and "(hint: " in lines[0]
     assert "Traceback" not in r.stderr
     assert not (data_dir / "out.h5").exists()  # nothing written on error
+
+
+def test_an_attribute_with_an_empty_dataspace_is_one_line(tmp_path):
+    """h5py.Empty (a null dataspace) where a value belongs: validate and train say which attribute, no
+    traceback."""
+    import subprocess
+    import sys
+
+    import h5py
+
+    from lbannpy.config import save_config, validate
+
+    spec = {"model": {"input": {"channels": 3, "spatial": [8, 8]},
+                      "layers": [{"name": "c1", "type": "conv", "filters": 4, "kernel": 3},
+                                 {"name": "f1", "type": "fc", "units": 2}]},
+            "data": {"train": {"path": str(tmp_path / "d.h5")}}, "trainer": {"batch_size": 2, "steps": 1}}
+    path = tmp_path / "c.h5"
+    save_config(validate(spec, data=False), str(path))
+    with h5py.File(path, "r+") as f:
+        f["model/layers/0"].attrs["filters"] = h5py.Empty("i8")
+    for cmd in (["lbannpy.config", "validate", str(path)], ["lbannpy.train", str(path), "--quiet"]):
+        r = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "BLAS/OpenMP" not in ln]
+        assert len(lines) == 1 and "model/layers/0/filters: attribute has an empty dataspace" in lines[0], \
+            r.stderr

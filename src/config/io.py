@@ -166,6 +166,9 @@ def _read_attr(attrs, name: str, where: str):
 
     aid = attrs.get_id(name)
     shape = aid.shape
+    if shape is None:  # an empty (null) dataspace: h5py.Empty, no value at all
+        raise ConfigError(where, "attribute has an empty dataspace (no value)",
+                          "rebuild the file with python -m lbannpy.config build")
     size = int(np.prod(shape)) if shape else 1
     if len(shape) > 1 or size > MAX_ATTR_ELEMENTS:
         raise ConfigError(where, f"attribute of shape {shape} is not a config value",
