@@ -23,6 +23,7 @@ def long_run(tmp_path):
     ("SIGINT", 1, 2),            # Ctrl-C reaching one rank (srun forwards it to one task)
     ("SIGINT", "launcher", 2),   # Ctrl-C at the terminal
     ("SIGINT", 3, 4),
+    ("SIGINT", "launcher", 4),
     ("SIGHUP", 0, 2),            # the terminal went away
 ])
 def test_signal_to_one_rank_ends_every_rank(long_run, sig, target, ranks):

@@ -13,16 +13,17 @@ from . import util
 pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
 
 
-@pytest.mark.parametrize("sig,target", [("SIGTERM", 1), ("SIGUSR1", "launcher")])
-def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig, target):
+@pytest.mark.parametrize("sig,target,ranks", [("SIGTERM", 1, 2), ("SIGUSR1", "launcher", 2), ("SIGTERM", 2, 4),
+                                              ("SIGTERM", "launcher", 4)])
+def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig, target, ranks):
     util.make_data(tmp_path / "data.h5")
     cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120}, checkpoint={"every_steps": 1000})
-    job = util.start(tmp_path, cfg, ranks=2)
+    job = util.start(tmp_path, cfg, ranks=ranks)
     metrics = tmp_path / "out" / "metrics.csv"
     took = util.signal_when(job, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 3,
                             "some steps", target, sig)
     assert took < 10, f"{took:.1f} s"
-    assert job.rank_codes() == [4, 4] and job.proc.returncode == 4, (job.rank_codes(), job.err[-2000:])
+    assert job.rank_codes() == [4] * ranks and job.proc.returncode == 4, (job.rank_codes(), job.err[-2000:])
     job.assert_no_traceback()
     lines = util.error_lines(job.err)
     assert len(lines) == 1 and lines[0].startswith(f"lbannpy.train: stopped by {sig} after step "), job.err
