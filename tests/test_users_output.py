@@ -138,3 +138,29 @@ def test_metrics_columns_in_a_fixed_order_after_resume(tmp_path):
         with open(tmp_path / "run" / "metrics.csv") as f:
             heads.append(next(csv.reader(f)))
     assert heads[0] == heads[1] and heads[0][:3] == ["step", "epoch", "loss"], heads
+
+
+def test_a_large_checkpoint_write_is_announced_and_timed(tmp_path):
+    """A checkpoint over the size threshold (here lowered to 1 byte) gets a line before and after its write;
+    --quiet and small checkpoints stay silent."""
+    import yaml
+    from faults import util
+
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 2}, checkpoint={"every_steps": 1})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    script = ("import sys\nfrom lbannpy.training import loop\nloop.CKPT_PROGRESS_BYTES = int(sys.argv[2])\n"
+              "from lbannpy.train import main\nraise SystemExit(main([sys.argv[1], *sys.argv[3:]]))")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(threshold, *args):
+        r = subprocess.run([PY, "-c", script, str(tmp_path / "c.yaml"), str(threshold), *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return [ln for ln in r.stderr.splitlines() if "checkpoint" in ln]
+
+    lines = run(1)
+    assert len(lines) == 4, lines  # steps 1 and 2: announced, then timed
+    assert lines[0].startswith("lbannpy.train: step 1: writing a checkpoint of about 0 MiB into ")
+    assert lines[1].startswith("lbannpy.train: step 1: checkpoint written in ") and lines[1].endswith("MiB/s)")
+    assert run(1, "--quiet") == [] and run(64 << 20) == []

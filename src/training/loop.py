@@ -25,6 +25,11 @@ from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 
 
+# a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
+# write of hundreds of MiB takes seconds to minutes on a parallel file system
+CKPT_PROGRESS_BYTES = 64 << 20
+
+
 class Trainer:
     def __init__(self, cfg: dict, rt, trace: bool = False, quiet: bool = False):
         self.cfg = cfg
@@ -232,6 +237,12 @@ class Trainer:
         from lbannpy.checkpoint import CheckpointError, candidates
 
         s = self.settings
+        size = outdirs.checkpoint_bytes(self.model)
+        loud = size >= CKPT_PROGRESS_BYTES and self.world.rank == 0 and not self.quiet
+        if loud:
+            self._say(f"step {self.step}: writing a checkpoint of about {size / 2**20:.0f} MiB into "
+                      f"{s.ckpt_dir}/")
+        t0 = time.perf_counter()
         try:
             ckpt.save(self.world, s.ckpt_dir, self.step, self.model, self.optimizer, self.reader,
                       self.report.rows, self.report.evals, self.record, s.ckpt_keep)
@@ -239,6 +250,19 @@ class Trainer:
             newest = candidates(s.ckpt_dir)[:1]
             raise WriteFailed(f"the checkpoint of step {self.step} could not be written ({exc}); the newest "
                               f"complete checkpoint is {newest[0] if newest else 'none'}") from None
+        if loud:
+            dt = time.perf_counter() - t0
+            self._say(f"step {self.step}: checkpoint written in {dt:.1f} s ({size / 2**20 / max(dt, 1e-9):.0f} "
+                      f"MiB/s)")
+
+    def _say(self, msg: str) -> None:
+        """One line on stderr that leaves a terminal's progress bar intact."""
+        bar = getattr(self, "_bar", None)
+        if bar is not None and hasattr(bar, "write"):
+            bar.write(f"lbannpy.train: {msg}", file=sys.stderr)
+        else:
+            sys.stderr.write(f"lbannpy.train: {msg}\n")
+            sys.stderr.flush()
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _after_step(self, row: dict, bar) -> None:
@@ -270,7 +294,7 @@ class Trainer:
     def run(self) -> None:
         s, rep = self.settings, self.report
         self.watchdog.start()
-        bar = self._progress_bar()
+        bar = self._bar = self._progress_bar()
         t_start = time.perf_counter()  # the run's wall time is the host's
         first = self.step
         # the run's first step allocates buffers and workspaces: left out of the per-layer means when others
