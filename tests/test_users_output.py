@@ -162,5 +162,6 @@ def test_a_large_checkpoint_write_is_announced_and_timed(tmp_path):
     lines = run(1)
     assert len(lines) == 4, lines  # steps 1 and 2: announced, then timed
     assert lines[0].startswith("lbannpy.train: step 1: writing a checkpoint of about 0 MiB into ")
-    assert lines[1].startswith("lbannpy.train: step 1: checkpoint written in ") and lines[1].endswith("MiB/s)")
+    assert lines[1].startswith("lbannpy.train: step 1: checkpoint written in ")
+    assert lines[1].endswith("MiB/s)")
     assert run(1, "--quiet") == [] and run(64 << 20) == []

@@ -252,8 +252,8 @@ class Trainer:
                               f"complete checkpoint is {newest[0] if newest else 'none'}") from None
         if loud:
             dt = time.perf_counter() - t0
-            self._say(f"step {self.step}: checkpoint written in {dt:.1f} s ({size / 2**20 / max(dt, 1e-9):.0f} "
-                      f"MiB/s)")
+            rate = size / 2**20 / max(dt, 1e-9)
+            self._say(f"step {self.step}: checkpoint written in {dt:.1f} s ({rate:.0f} MiB/s)")
 
     def _say(self, msg: str) -> None:
         """One line on stderr that leaves a terminal's progress bar intact."""

@@ -13,8 +13,8 @@ from . import util
 pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
 
 
-@pytest.mark.parametrize("sig,target,ranks", [("SIGTERM", 1, 2), ("SIGUSR1", "launcher", 2), ("SIGTERM", 2, 4),
-                                              ("SIGTERM", "launcher", 4)])
+@pytest.mark.parametrize("sig,target,ranks", [("SIGTERM", 1, 2), ("SIGUSR1", "launcher", 2),
+                                              ("SIGTERM", 2, 4), ("SIGTERM", "launcher", 4)])
 def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig, target, ranks):
     util.make_data(tmp_path / "data.h5")
     cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120}, checkpoint={"every_steps": 1000})
