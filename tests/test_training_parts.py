@@ -52,11 +52,13 @@ def test_end_step_keeps_trace_events_only_when_tracing():
 
 
 @pytest.mark.parametrize("trainer,ck,expect", [
+    # every run ends with a checkpoint, by default under the output directory, the newest 3 kept
     ({"batch_size": 4, "steps": 7}, {}, dict(total_steps=7, steps_per_epoch=5, eval_every=5,
-                                             ckpt_at_end=False)),
+                                             ckpt_at_end=True, ckpt_dir="run/ckpt", ckpt_keep=3)),
     ({"batch_size": 4, "epochs": 3, "eval_every": 2}, {"every_steps": 3},
      dict(total_steps=15, steps_per_epoch=5, eval_every=2, ckpt_every=3, ckpt_at_end=True)),
-    ({"batch_size": 4}, {"dir": "c"}, dict(total_steps=5, ckpt_dir="c", ckpt_at_end=True)),
+    ({"batch_size": 4}, {"dir": "c", "keep": 0}, dict(total_steps=5, ckpt_dir="c", ckpt_at_end=True,
+                                                      ckpt_keep=0)),
 ])
 def test_settings_from_the_config(trainer, ck, expect):
     cfg = {"trainer": trainer, "output": {}, "checkpoint": ck}
