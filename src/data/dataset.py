@@ -78,6 +78,32 @@ def check_storage(ds, path: str, role: str) -> None:
                         f"the file holds {size} bytes: it is truncated or corrupt; regenerate it")
 
 
+def _check_virtual_sources(path: str, dset, role: str) -> None:
+    """A virtual dataset reads its sources' values; where a source file or dataset is missing HDF5 returns
+    the fill value (zeros, or NaN) without an error, so every source is checked before training."""
+    if not dset.is_virtual:
+        return
+    import h5py
+
+    here = os.path.dirname(os.path.abspath(path))
+    for src in dset.virtual_sources():
+        fname = path if src.file_name == "." else src.file_name
+        full = fname if os.path.isabs(fname) else os.path.join(here, fname)
+        problem = None
+        if not os.path.isfile(full):
+            problem = f"its source file {fname} does not exist"
+        else:
+            try:
+                with h5py.File(full, "r") as fh:
+                    if src.dset_name not in fh:
+                        problem = f"its source file {fname} has no dataset '{src.dset_name}'"
+            except OSError as exc:
+                problem = f"its source file {fname} cannot be read ({exc})"
+        if problem:
+            raise DataError(f"{path}: dataset '{dset.name.lstrip('/')}' ({role}) is virtual and {problem}; "
+                            f"HDF5 would read fill values in its place")
+
+
 def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
                      expected_channels: int | None = None,
                      expected_spatial: Sequence[int] | None = None) -> DatasetInfo:
@@ -103,6 +129,8 @@ def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
         check_storage(dy, path, "labels")
         xs, ys = tuple(int(s) for s in dx.shape), tuple(int(s) for s in dy.shape)
         xdt, ydt = dx.dtype, dy.dtype
+        for d, role in ((dx, "inputs"), (dy, "labels")):
+            _check_virtual_sources(path, d, role)
     if not 2 <= len(xs) <= 5:
         raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)} ({len(xs)} dimensions); "
                         f"expected (samples, channels[, spatial...]) with 2 to 5 dimensions")

@@ -127,3 +127,26 @@ def test_validation_label_out_of_range(tmp_path):
     lines = util.error_lines(job.err)
     assert len(lines) == 1 and f"data.validation ({tmp_path / 'val.h5'}): sample 6 has label 3" in lines[0], \
         job.err
+
+
+def test_virtual_dataset_with_a_missing_source_is_refused_before_training(tmp_path):
+    """HDF5 reads the fill value (here NaN) where a virtual dataset's source file is missing, silently: the
+    sources are checked with the rest of the data file, before any step."""
+    util.make_data(tmp_path / "src.h5", n=16)
+    layout = h5py.VirtualLayout(shape=(16, 3, 8, 8), dtype=np.float32)
+    layout[:] = h5py.VirtualSource("src.h5", "inputs", shape=(16, 3, 8, 8))
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f.create_virtual_dataset("inputs", layout, fillvalue=np.nan)
+        f["labels"] = np.zeros(16, np.int64)
+    cfg = util.spec(tmp_path, trainer={"steps": 4})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=60)
+    assert job.rank_codes() == [0, 0], job.err[-3000:]  # with its source the file trains
+    os.remove(tmp_path / "src.h5")
+    cfg["output"]["dir"] = str(tmp_path / "out2")
+    job = util.run(tmp_path, cfg, ranks=2, timeout=60)
+    assert job.rank_codes() == [2, 2], (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1 and "is virtual and its source file src.h5 does not exist" in lines[0], job.err
+    assert not (tmp_path / "out2" / "metrics.csv").exists() or \
+        len((tmp_path / "out2" / "metrics.csv").read_text().splitlines()) <= 1
