@@ -88,16 +88,26 @@ def test_plain_progress_lines_for_logs():
     assert steps == sorted(steps) and len(lines) < 30 and any(b - a < 10 for a, b in zip(steps, steps[1:]))
 
 
-@pytest.mark.parametrize("cmd", [["lbannpy.data"], ["lbannpy.data", "mesh"], ["lbannpy.data", "blobs"],
-                                 ["lbannpy.bench", "scaling"]])
+BENCH = ["halo", "overlap", "memory", "scaling", "strategy", "data", "scale", "peer", "costmodel"]
+
+
+@pytest.mark.parametrize("cmd", [["lbannpy.data"], ["lbannpy.data", "mesh"], ["lbannpy.data", "blobs"]]
+                         + [["lbannpy.bench", b] for b in BENCH])
 def test_more_help_texts(cmd):
     p = subprocess.run([PY, "-m", *cmd, "--help"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "``" not in p.stdout
-    opts = [ln for ln in p.stdout.splitlines() if ln.strip().startswith("--") and "help" not in ln]
     text = p.stdout.replace("\n", " ")
-    assert "(default:" in text or cmd == ["lbannpy.data"]
-    for o in opts:  # every option has a help text on its line or the next
-        assert len(o.split()) > 1 or o == opts[-1], o
+    assert "(default" in text or cmd == ["lbannpy.data"]
+    lines = p.stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("options:"))
+    # every option has a help text on its line or the next
+    for i, ln in enumerate(lines[start + 1:], start + 1):
+        s = ln.strip()
+        if not s.startswith("-"):
+            continue
+        own = len([x for x in s.split("  ") if x.strip()]) > 1
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        assert own or (nxt.startswith(" " * 8) and not nxt.strip().startswith("-")), ln
 
 
 def test_scaling_png_beside_scaling_csv(tmp_path):

@@ -23,6 +23,8 @@ the numbers are those of HDF5 and the memory system, not of a parallel file syst
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import json
 import os
@@ -224,7 +226,7 @@ def two_rank_read(path: str, batch: int, steps: int, split: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench data", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench data", description=describe(__doc__))
     ap.add_argument("--file", help="existing HDF5 file (inputs/labels); default: generate one in a temp dir")
     ap.add_argument("--size", type=int, default=1024, help="generated samples are SIZE×SIZE (default 1024)")
     ap.add_argument("--samples", type=int, default=8, help="generated samples (default 8)")
@@ -234,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of 'paper', 'conv', 'sleep:SECONDS' (default paper,conv)")
     ap.add_argument("--filters", type=int, default=4, help="output channels of the conv step (default 4)")
     ap.add_argument("--piece-mb", type=float, default=4.0, help="bytes per HDF5 read call, MiB (default 4)")
-    ap.add_argument("--launcher", choices=("auto", "mpiexec", "processes"), default="auto")
+    ap.add_argument("--launcher", choices=("auto", "mpiexec", "processes"), default="auto",
+                    help="how the 2-rank reads start: mpiexec, plain processes, or auto (default auto)")
     ap.add_argument("--split", choices=("h", "w", "n"), default="h", help="2-rank split (default h)")
     ap.add_argument("--json", help="also write the results to this JSON file")
     ap.add_argument("--hyperslab-worker", action="store_true", help=argparse.SUPPRESS)

@@ -18,6 +18,8 @@ timed alone), slowest rank.
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import os
 import sys
@@ -35,14 +37,14 @@ from .launch import relaunch_if_needed
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench halo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench halo", description=describe(__doc__))
     ap.add_argument("--shape", default="1,18,1024,1024", help="global N,C,H,W (default 1,18,1024,1024)")
     ap.add_argument("--kernels", default="3,5,7", help="stencil sizes (default 3,5,7)")
     ap.add_argument("--allreduce-mib", default="1,8,32", help="allreduce sizes in MiB (default 1,8,32)")
     ap.add_argument("--machine", default=None, help="machine file or preset for the model")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement (default 20)")
     ap.add_argument("--pokes", type=int, default=8, help="pieces of interior work with test() between")
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="array backend (default cpu)")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
     return ap.parse_args(argv)
 

@@ -7,6 +7,8 @@ resident size after start-up), the time of the pass, and the ratio of the per-ra
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import json
 import os
@@ -60,8 +62,8 @@ def worker(model_name: str, size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mesh1k")
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench memory", description=describe(__doc__))
+    ap.add_argument("--model", default="mesh1k", help="zoo model (default mesh1k)")
     ap.add_argument("--size", type=int, default=1024, help="input side (default 1024)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the split run (default 2)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

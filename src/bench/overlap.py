@@ -15,6 +15,8 @@ weight gradients for VGG-A's FC layers at batch 256 (Lee et al.: 28.5 MB against
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import json
 import os
@@ -130,10 +132,10 @@ def worker(units: int, batch: int, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overlap", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overlap", description=describe(__doc__))
     ap.add_argument("--units", type=int, default=1024, help="width of fc6/fc7 (default 1024: 64 + 4 MiB)")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=32, help="mini-batch size (default 32)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:

@@ -30,6 +30,8 @@ overhead outside the kernels is measured, and the simulator's prediction for the
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import gc
 import math
@@ -520,19 +522,21 @@ def real_steps(setup: RankSetup, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench scale", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench scale", description=describe(__doc__))
     ap.add_argument("--model", nargs="+", default=["mesh1k", "resnet50"],
                     help="zoo models to simulate (mesh1k, mesh2k, resnet50, ...)")
-    ap.add_argument("--ranks", nargs="+", type=int, default=list(DEFAULT_RANKS))
+    ap.add_argument("--ranks", nargs="+", type=int, default=list(DEFAULT_RANKS),
+                    help=f"simulated rank counts (default {' '.join(map(str, DEFAULT_RANKS))})")
     ap.add_argument("--split", default="nhw", help="nhw (samples and space, chosen per P) or n=4,h=2,w=2")
     ap.add_argument("--rank", type=int, default=None, help="simulated rank (default: the middle rank)")
     ap.add_argument("--batch-size", type=int, default=None, help="default: one sample per sample group")
     ap.add_argument("--input-size", type=int, default=None, help="input spatial size (default: the zoo's)")
-    ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "lbannpy-bench-scale"))
+    ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "lbannpy-bench-scale"),
+                    help="where --real writes its data file (default: lbannpy-bench-scale in the temp dir)")
     ap.add_argument("--no-check", action="store_true", help="print only; exit 0 even if acceptance fails")
     ap.add_argument("--real", action="store_true", help="under mpiexec: real set-up and steps vs simulator")
-    ap.add_argument("--real-model", default=REAL_MODEL)
-    ap.add_argument("--real-input", type=int, default=64)
+    ap.add_argument("--real-model", default=REAL_MODEL, help=f"zoo model of --real (default {REAL_MODEL})")
+    ap.add_argument("--real-input", type=int, default=64, help="input side of --real (default 64)")
     ap.add_argument("--steps", type=int, default=3, help="real training steps with --real")
     args = ap.parse_args(argv)
     if args.real:

@@ -8,6 +8,7 @@ paper's numbers are quoted for comparison only.
 """
 from __future__ import annotations
 
+
 import argparse
 import sys
 import time
@@ -139,10 +140,14 @@ def section_mesh(machine: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench strategy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench strategy", description=(
+        "Strategy-selector benchmarks: search time, the VGG-16 strategy next to Jia et al., predicted "
+        "speedups "
+        "over data parallelism, the mesh models."))
     ap.add_argument("--machine", default="p100", help="machine for time/vgg/speedup (default p100)")
     ap.add_argument("--mesh-machine", default="lassen", help="machine for the mesh section (default lassen)")
-    ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS),
+                    help="sections to run (default all)")
     args = ap.parse_args(argv)
     for s in args.only:
         {"time": lambda: section_time(args.machine), "vgg": lambda: section_vgg(args.machine),
