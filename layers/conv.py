@@ -102,8 +102,18 @@ class Conv(Layer):
         self.cgroup = self.ctx.grid_comm(self.in_dists[0], ["c"]) if cdeg > 1 else None
 
     # -- forward ---------------------------------------------------------------------------------------
+    @property
+    def kern(self):
+        """The convolution kernels of this run (``runtime.kernels``: the context's, else lbannpy's own)."""
+        k = self.__dict__.get("_kern")
+        if k is None:
+            from .kernels.select import own
+
+            k = self._kern = getattr(self.ctx, "conv_kernels", None) or own()
+        return k
+
     def _conv(self, xwin, out=None, index=None):
-        return K.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
+        return self.kern.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
                               self.stride, self.dilation, out=out)
 
     def fp_compute(self, xs):
@@ -124,7 +134,8 @@ class Conv(Layer):
         window = self._window
 
         def weight_grads():
-            self.w.grad += K.conv_backward_filter(window, dy, self.w.value.shape, self.stride, self.dilation)
+            self.w.grad += self.kern.conv_backward_filter(window, dy, self.w.value.shape, self.stride,
+                                                          self.dilation)
             if self.b is not None:
                 self.b.grad += K.conv_backward_bias(dy)
         if not self.needs_input_grad:  # the model input: only the weight gradient
@@ -132,8 +143,8 @@ class Conv(Layer):
             self._window = None
             return [None]
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers
-        dwin = K.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
-                                    out=ctx.workspace("conv window gradient", window.shape, dy.dtype))
+        dwin = self.kern.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
+                                            out=ctx.workspace("conv window gradient", window.shape, dy.dtype))
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
         dx = self.halo_backward(dwin, weight_grads)

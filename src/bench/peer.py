@@ -95,6 +95,9 @@ def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, 
         f.create_dataset("labels", data=rng.integers(0, classes, size=lshape).astype(np.int64))
 
 
+KERNELS = ["auto"]  # runtime.kernels of lbannpy's runs (--kernels)
+
+
 def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
                  tag: str, timeout: float) -> float:
     """Median step (s) of ``[mpiexec -n ranks] python -m lbannpy.train`` on the case; ``split`` is the
@@ -105,7 +108,7 @@ def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = dict(spec, data={"train": {"path": data}},
                trainer={"batch_size": case.batch, "steps": steps, "seed": 1, "dtype": "float32"},
-               optimizer=dict(OPTIMIZER), runtime={"threads": 1},
+               optimizer=dict(OPTIMIZER), runtime={"threads": 1, "kernels": KERNELS[0]},
                checkpoint={"dir": os.path.join(run_dir, "ckpt")},
                output={"dir": run_dir, "log_every": 1})
     if ranks > 1:
@@ -306,8 +309,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small networks (lenet5 batch 8, mesh_tiny 32²)")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed for each run")
+    ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="auto",
+                    help="lbannpy's runtime.kernels for its runs")
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    KERNELS[0] = args.kernels
     if args.torch_worker is not None:
         return torch_worker(json.loads(args.torch_worker))
     try:

@@ -213,6 +213,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("backend", Str(("auto", "mpi", "single", "nccl")), "auto",
             "communication backend; auto: nccl on gpu under MPI, mpi under MPI, else single"),
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
+        Key("kernels", Str(("auto", "own", "aten")), "auto",
+            "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy), "
+            "auto: aten where torch is installed (with CUDA on a gpu), else own"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
         Key("memory_gib", Float(0.0, lo_open=True), UNSET,

@@ -19,7 +19,7 @@ from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
 from . import health, outdirs
-from .errors import DataStop, NonFinite, Stopped, WriteFailed, agree_on_data, user_errors
+from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_on_data, user_errors
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
@@ -65,6 +65,12 @@ class Trainer:
         self.timer = Timer(events=[], clock=None if self.clock.name == "host" else self.clock)
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
+        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels
+
+        try:
+            self.ctx.conv_kernels = conv_kernels(cfg["runtime"].get("kernels", "auto"), self.rt.device)
+        except KernelChoiceError as exc:
+            raise UserError(str(exc)) from None
         # set-up reads files and builds communicators: a rank stuck there must not hang the others
         self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
         self.watchdog.progress("set-up: model, data and communicators")

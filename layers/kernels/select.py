@@ -1,0 +1,49 @@
+"""Which convolution kernels a run uses: lbannpy's own (:mod:`.conv`) or PyTorch's ATen (:mod:`.aten`).
+
+``runtime.kernels``: ``own``; ``aten`` (an error where torch cannot run them); ``auto``: ATen where torch
+imports (and sees a GPU, for ``runtime.device: gpu``), else own. Every rank applies the same rule to the same
+installation, so all ranks of a job agree. Both sets compute the same convolutions (equal to float32
+round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+CHOICES = ("auto", "own", "aten")
+
+
+class KernelChoiceError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ConvKernels:
+    """The three convolution kernels of one set (the bias gradient is a sum: always lbannpy's)."""
+
+    name: str
+    conv_forward: Callable
+    conv_backward_data: Callable
+    conv_backward_filter: Callable
+
+
+def own() -> ConvKernels:
+    from . import conv
+
+    return ConvKernels("own", conv.conv_forward, conv.conv_backward_data, conv.conv_backward_filter)
+
+
+def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
+    """The kernel set for ``runtime.kernels`` = ``choice`` on ``device``."""
+    if choice not in CHOICES:
+        raise KernelChoiceError(f"runtime.kernels: {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "own":
+        return own()
+    from . import aten
+
+    if not aten.available(device):
+        if choice == "aten":
+            raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
+                                    + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
+        return own()
+    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter)

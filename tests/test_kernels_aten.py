@@ -1,0 +1,124 @@
+"""The ATen kernel set (PyTorch's convolutions through DLPack) against lbannpy's own: kernel by kernel over
+many shapes, zero-copy and ``out=`` buffers, and whole training runs with ``runtime.kernels: own`` against
+``aten`` (float64 to 1e-10, float32 to round-off), on one rank and split over two. Needs torch (the test
+dependency); without it the ATen set cannot exist and these tests are skipped."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lbannpy.layers.kernels import conv as own
+from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels
+from train_util import ENV, PY, assert_same_weights, build_config, final_params, make_data, model_spec, sh
+
+torch = pytest.importorskip("torch")
+aten = pytest.importorskip("lbannpy.layers.kernels.aten")
+MPIEXEC = shutil.which("mpiexec")
+
+# (batch, channels, spatial, filters, kernel, stride, dilation)
+SHAPES = [(1, 1, (9,), 2, 3, 1, 1), (2, 5, (17,), 3, 5, 2, 1), (3, 2, (20,), 4, 3, 3, 2),
+          (2, 3, (17, 17), 5, 3, 1, 1), (3, 7, (20, 19), 4, 5, 2, 1), (1, 4, (19, 21), 6, 3, 3, 2),
+          (4, 70, (9, 9), 8, 3, 1, 1), (2, 16, (12, 12), 70, 1, 1, 1), (1, 2, (11, 11), 3, 5, 1, 2),
+          (2, 3, (6, 7, 8), 3, 3, 1, 1), (1, 2, (9, 8, 7), 2, 3, 2, 1), (2, 1, (7, 7, 7), 2, 1, 1, 1)]
+
+
+def _case(shape, dtype, seed=0):
+    n, c, sp, f, k, s, d = shape
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, *sp)).astype(dtype)
+    w = rng.standard_normal((f, c) + (k,) * len(sp)).astype(dtype)
+    b = rng.standard_normal(f).astype(dtype)
+    return x, w, b, s, d
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{len(s[2])}d-{i}" for i, s in enumerate(SHAPES)])
+def test_aten_equals_own_in_float64(shape):
+    x, w, b, s, d = _case(shape, np.float64)
+    y = own.conv_forward(x, w, b, s, d)
+    assert np.abs(aten.conv_forward(x, w, b, s, d) - y).max() <= 1e-10 * max(np.abs(y).max(), 1)
+    dy = np.random.default_rng(1).standard_normal(y.shape)
+    dx = own.conv_backward_data(dy, w, x.shape, s, d)
+    got = aten.conv_backward_data(dy, w, x.shape, s, d)
+    assert got.shape == x.shape and np.abs(got - dx).max() <= 1e-10 * max(np.abs(dx).max(), 1)
+    dw = own.conv_backward_filter(x, dy, w.shape, s, d)
+    got = aten.conv_backward_filter(x, dy, w.shape, s, d)
+    assert got.shape == w.shape and np.abs(got - dw).max() <= 1e-10 * max(np.abs(dw).max(), 1)
+
+
+def test_float32_zero_copy_and_out_buffers():
+    x, w, b, s, d = _case((2, 3, (13, 13), 4, 3, 1, 1), np.float32)
+    assert aten._t(x).data_ptr() == x.ctypes.data  # the input is wrapped, not copied
+    y = own.conv_forward(x, w, b, s, d)
+    out = np.empty_like(y)
+    assert aten.conv_forward(x, w, b, s, d, out=out) is out
+    assert np.abs(out - y).max() <= 1e-5 * np.abs(y).max() and out.dtype == np.float32
+    dy = np.ones_like(y)
+    dx_out = np.empty_like(x)
+    assert aten.conv_backward_data(dy, w, x.shape, s, d, out=dx_out) is dx_out
+    assert np.abs(dx_out - own.conv_backward_data(dy, w, x.shape, s, d)).max() <= 1e-4
+
+
+def test_choice_rules(monkeypatch):
+    assert conv_kernels("own").name == "own" and conv_kernels("aten").name == "aten"
+    assert conv_kernels("auto").name == "aten"  # torch is here
+    with pytest.raises(KernelChoiceError, match="not one of"):
+        conv_kernels("fast")
+    monkeypatch.setattr(aten, "available", lambda device="cpu": False)
+    assert conv_kernels("auto").name == "own"
+    with pytest.raises(KernelChoiceError, match="aten needs PyTorch"):
+        conv_kernels("aten")
+
+
+def test_trainer_refuses_aten_without_torch_in_one_line(tmp_path):
+    """A torch that cannot be imported (blocked on the import path): runtime.kernels aten is one line."""
+    work = make_data(tmp_path, blobs_size=8, blobs_samples=8, mesh_size=16, mesh_samples=2)
+    model, data = model_spec(work, "cls", [{"name": "c1", "type": "conv", "filters": 2, "kernel": 3},
+                                           {"name": "f1", "type": "fc", "units": 4}], 8)
+    cfg = build_config(work, "noaten", {"model": model, "data": data,
+                                        "trainer": {"batch_size": 4, "steps": 1},
+                                        "runtime": {"kernels": "aten"}, "output": {"dir": str(work / "o")}})
+    block = ("import sys\nclass B:\n    def find_spec(self, name, *a):\n        if name == 'torch' or "
+             "name.startswith('torch.'):\n            raise ImportError('no torch')\n"
+             "sys.meta_path.insert(0, B())\n"
+             "from lbannpy.train import main\nraise SystemExit(main([sys.argv[1], '--quiet']))")
+    p = subprocess.run([sys.executable, "-c", block, str(cfg)], capture_output=True, text=True, timeout=120,
+                       env=ENV)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "runtime.kernels: aten needs PyTorch" in p.stderr
+
+
+LAYERS = [
+    {"name": "c1", "type": "conv", "filters": 6, "kernel": 3, "padding": 1, "bias": False},
+    {"name": "b1", "type": "batchnorm", "sync": "global"},
+    {"name": "r1", "type": "relu"},
+    {"name": "c2", "type": "conv", "filters": 6, "kernel": 3, "stride": 2, "padding": 1, "dilation": 1},
+    {"name": "r2", "type": "relu"},
+    {"name": "c3", "type": "conv", "filters": 4, "kernel": 3, "padding": 2, "dilation": 2},
+    {"name": "f1", "type": "fc", "units": 4},
+]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec")
+def test_training_with_own_and_aten_kernels_agrees(tmp_path):
+    work = make_data(tmp_path, blobs_size=12, blobs_samples=32, mesh_size=16, mesh_samples=2)
+    model, data = model_spec(work, "cls", LAYERS, 12)
+
+    def run(tag, kernels, dtype, ranks=1, parallel=None):
+        cfg = {"model": model, "data": data,
+               "trainer": {"batch_size": 8, "steps": 3, "seed": 3, "dtype": dtype},
+               "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9},
+               "parallel": parallel or {}, "runtime": {"kernels": kernels},
+               "checkpoint": {"dir": str(work / tag / "ckpt")}, "output": {"dir": str(work / tag / "out")}}
+        sh([MPIEXEC, "-n", str(ranks), PY, "-m", "lbannpy.train", build_config(work, tag, cfg), "--quiet"])
+        return final_params(work / tag / "ckpt")
+
+    own64 = run("own64", "own", "float64")
+    assert_same_weights(run("aten64", "aten", "float64"), own64, 1e-10, "aten vs own, float64")
+    assert_same_weights(run("aten64-h2", "aten", "float64", 2, {"default": {"h": 2}}), own64, 1e-10,
+                        "aten split over height on 2 ranks vs own on 1, float64")
+    assert_same_weights(run("aten32", "aten", "float32"), run("own32", "own", "float32"), 1e-4,
+                        "aten vs own, float32")
