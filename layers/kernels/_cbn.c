@@ -1,21 +1,25 @@
 /* Compiled batch-normalisation and ReLU kernels (float32 and float64, C-contiguous (N, C, P) blocks).
  *
- * Every function takes raw addresses (Python ints) and sizes; lbannpy.layers.kernels.batchnorm checks
- * dtypes, shapes and contiguity before calling. Accumulation is in double throughout.
+ * Arrays come as NumPy arrays (buffers); lbannpy.layers.kernels.batchnorm checks dtypes (the block's float32
+ * or float64; per-channel vectors float64), shapes and C-contiguity before calling. Accumulation is in
+ * double throughout; per-channel coefficients are formed in double and rounded to the dtype once.
  *
- *   stats(isz, x, N, C, P, sum, sq)              per channel: sum x and sum x^2 (double (C,)), one pass;
- *                                                each (sample, channel) row is accumulated about its first
- *                                                element (a shift that keeps the squares' spread exact)
- *   affine(isz, x, N, C, P, scale, shift, y, relu)  y = x * scale + shift per channel (dtype arithmetic
- *                                                with the scale/shift rounded to the dtype), then max(y, 0)
- *                                                (NaN stays NaN, as NumPy's maximum)
- *   bwd_sums(isz, dy, x, y, N, C, P, mean, sdy, sdyxc)  per channel: sum g and sum g * (x - mean) with
- *                                                g = dy where y > 0 (y == 0 address: g = dy), one pass
- *   bwd_data(isz, dy, x, y, N, C, P, a, b, c, dx)   dx = a * g + b * x + c per channel (dtype arithmetic)
- *   relu_bwd(isz, dy, y, n, dx)                  dx = dy where y > 0, else 0
+ *   stats(isz, x, N, C, P, out)          out[:C] = sum x, out[C:] = sum x^2 per channel, one pass; each
+ *                                        (sample, channel) row is accumulated about its first element (a
+ *                                        shift that keeps the squares' spread exact)
+ *   forward(isz, x, N, C, P, mean, var, gamma, beta, eps, relu, y)
+ *                                        y = x * scale + shift per channel (dtype arithmetic), then with
+ *                                        relu max(y, 0) (NaN stays NaN, as NumPy's maximum)
+ *   bwd_sums(isz, dy, x, y, N, C, P, mean, var, eps, out)
+ *                                        out[:C] = sum g, out[C:] = sum g * xhat, one pass, with g = dy
+ *                                        where y > 0 (y None: g = dy)
+ *   bwd_data(isz, dy, x, y, N, C, P, mean, var, gamma, eps, tot, count, dx)
+ *                                        dx = a * g + b * x + c per channel from the reduced sums tot
+ *   relu_bwd(isz, dy, y, n, dx)          dx = dy where y > 0, else 0
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 #define LANES 8
@@ -125,69 +129,151 @@ static void relu_bwd_##SFX(const T *dy, const T *y, Py_ssize_t n, T *dx)        
 DEFINE_KERNELS(float, f)
 DEFINE_KERNELS(double, d)
 
-#define PTR(T, v) ((T *)(uintptr_t)(v))
+/* Arguments are NumPy arrays (buffers): the caller checks dtype and C-contiguity. */
+typedef struct { Py_buffer b[6]; int n; } Bufs;
+
+static int
+get(Bufs *bs, PyObject *o, int writable, void **p)
+{
+    if (o == Py_None) { *p = NULL; return 0; }
+    if (PyObject_GetBuffer(o, &bs->b[bs->n], writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                                                       : PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    *p = bs->b[bs->n++].buf;
+    return 0;
+}
+
+static void
+release(Bufs *bs)
+{
+    for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->b[i]);
+}
+
+/* per-channel affine of the forward: scale = gamma / sqrt(var + eps), shift = beta - mean * scale */
+static void
+scale_shift(Py_ssize_t C, const double *mean, const double *var, const double *gamma, const double *beta,
+            double eps, double *scale, double *shift)
+{
+    for (Py_ssize_t c = 0; c < C; c++) {
+        double inv = 1.0 / sqrt(var[c] + eps);
+        scale[c] = gamma[c] * inv;
+        shift[c] = (beta ? beta[c] : 0.0) - mean[c] * scale[c];
+    }
+}
 
 static PyObject *
 py_stats(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t x, N, C, P, s, q;
-    if (!PyArg_ParseTuple(args, "innnnnn", &isz, &x, &N, &C, &P, &s, &q))
+    Py_ssize_t N, C, P;
+    PyObject *ox, *oo;
+    void *x, *o;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOnnnO", &isz, &ox, &N, &C, &P, &oo))
         return NULL;
+    if (get(&bs, ox, 0, &x) < 0 || get(&bs, oo, 1, &o) < 0) { release(&bs); return NULL; }
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4) stats_f(PTR(float, x), N, C, P, PTR(double, s), PTR(double, q));
-    else stats_d(PTR(double, x), N, C, P, PTR(double, s), PTR(double, q));
+    if (isz == 4) stats_f(x, N, C, P, o, (double *)o + C);
+    else stats_d(x, N, C, P, o, (double *)o + C);
     Py_END_ALLOW_THREADS
+    release(&bs);
     Py_RETURN_NONE;
 }
 
 static PyObject *
-py_affine(PyObject *self, PyObject *args)
+py_forward(PyObject *self, PyObject *args)
 {
     int isz, relu;
-    Py_ssize_t x, N, C, P, sc, sh, y;
-    if (!PyArg_ParseTuple(args, "innnnnnni", &isz, &x, &N, &C, &P, &sc, &sh, &y, &relu))
+    Py_ssize_t N, C, P;
+    double eps;
+    PyObject *ox, *om, *ov, *og, *ob, *oy;
+    void *x, *m, *v, *g, *b, *y;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOnnnOOOOdiO", &isz, &ox, &N, &C, &P, &om, &ov, &og, &ob, &eps, &relu, &oy))
         return NULL;
+    if (get(&bs, ox, 0, &x) < 0 || get(&bs, om, 0, &m) < 0 || get(&bs, ov, 0, &v) < 0 ||
+        get(&bs, og, 0, &g) < 0 || get(&bs, ob, 0, &b) < 0 || get(&bs, oy, 1, &y) < 0) {
+        release(&bs);
+        return NULL;
+    }
+    double *ss = PyMem_Malloc(2 * (C ? C : 1) * sizeof(double));
+    if (!ss) { release(&bs); return PyErr_NoMemory(); }
+    scale_shift(C, m, v, g, b, eps, ss, ss + C);
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4) affine_f(PTR(float, x), N, C, P, PTR(double, sc), PTR(double, sh), PTR(float, y), relu);
-    else affine_d(PTR(double, x), N, C, P, PTR(double, sc), PTR(double, sh), PTR(double, y), relu);
+    if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
+    else affine_d(x, N, C, P, ss, ss + C, y, relu);
     Py_END_ALLOW_THREADS
+    PyMem_Free(ss);
+    release(&bs);
     Py_RETURN_NONE;
 }
 
+/* the backward's local sums: out[:C] = sum g, out[C:] = sum g * xhat (g: dy masked by y when given) */
 static PyObject *
 py_bwd_sums(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t dy, x, y, N, C, P, m, s1, s2;
-    if (!PyArg_ParseTuple(args, "innnnnnnnn", &isz, &dy, &x, &y, &N, &C, &P, &m, &s1, &s2))
+    Py_ssize_t N, C, P;
+    double eps;
+    PyObject *ody, *ox, *oy, *om, *ov, *oo;
+    void *dy, *x, *y, *m, *v, *o;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOOOnnnOOdO", &isz, &ody, &ox, &oy, &N, &C, &P, &om, &ov, &eps, &oo))
         return NULL;
+    if (get(&bs, ody, 0, &dy) < 0 || get(&bs, ox, 0, &x) < 0 || get(&bs, oy, 0, &y) < 0 ||
+        get(&bs, om, 0, &m) < 0 || get(&bs, ov, 0, &v) < 0 || get(&bs, oo, 1, &o) < 0) {
+        release(&bs);
+        return NULL;
+    }
+    double *out = o;
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4)
-        bwd_sums_f(PTR(float, dy), PTR(float, x), PTR(float, y), N, C, P, PTR(double, m), PTR(double, s1),
-                   PTR(double, s2));
-    else
-        bwd_sums_d(PTR(double, dy), PTR(double, x), PTR(double, y), N, C, P, PTR(double, m),
-                   PTR(double, s1), PTR(double, s2));
+    if (isz == 4) bwd_sums_f(dy, x, y, N, C, P, m, out, out + C);
+    else bwd_sums_d(dy, x, y, N, C, P, m, out, out + C);
     Py_END_ALLOW_THREADS
+    for (Py_ssize_t c = 0; c < C; c++) out[C + c] /= sqrt(((const double *)v)[c] + eps);
+    release(&bs);
     Py_RETURN_NONE;
 }
 
+/* dx = k * (g - sum_dy / count - xhat * sum_dy_xhat / count), k = gamma / sigma, as a * g + b * x + c */
 static PyObject *
 py_bwd_data(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t dy, x, y, N, C, P, a, b, c, dx;
-    if (!PyArg_ParseTuple(args, "innnnnnnnnn", &isz, &dy, &x, &y, &N, &C, &P, &a, &b, &c, &dx))
+    Py_ssize_t N, C, P;
+    double eps, count;
+    PyObject *ody, *ox, *oy, *om, *ov, *og, *ot, *odx;
+    void *dy, *x, *y, *m, *v, *g, *t, *dx;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOOOnnnOOOdOdO", &isz, &ody, &ox, &oy, &N, &C, &P, &om, &ov, &og, &eps, &ot,
+                          &count, &odx))
         return NULL;
+    if (get(&bs, ody, 0, &dy) < 0 || get(&bs, ox, 0, &x) < 0 || get(&bs, oy, 0, &y) < 0 ||
+        get(&bs, om, 0, &m) < 0 || get(&bs, ov, 0, &v) < 0 || get(&bs, og, 0, &g) < 0) {
+        release(&bs);
+        return NULL;
+    }
+    Bufs bs2 = {.n = 0};
+    if (get(&bs2, ot, 0, &t) < 0 || get(&bs2, odx, 1, &dx) < 0) {
+        release(&bs); release(&bs2);
+        return NULL;
+    }
+    double *abc = PyMem_Malloc(3 * (C ? C : 1) * sizeof(double));
+    if (!abc) { release(&bs); release(&bs2); return PyErr_NoMemory(); }
+    const double *mean = m, *var = v, *gamma = g, *tot = t;
+    for (Py_ssize_t c = 0; c < C; c++) {
+        double inv = 1.0 / sqrt(var[c] + eps), k = gamma[c] * inv;
+        double b = -k * inv * tot[C + c] / count;
+        abc[c] = k;
+        abc[C + c] = b;
+        abc[2 * C + c] = -k * tot[c] / count - b * mean[c];
+    }
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4)
-        bwd_data_f(PTR(float, dy), PTR(float, x), PTR(float, y), N, C, P, PTR(double, a), PTR(double, b),
-                   PTR(double, c), PTR(float, dx));
-    else
-        bwd_data_d(PTR(double, dy), PTR(double, x), PTR(double, y), N, C, P, PTR(double, a),
-                   PTR(double, b), PTR(double, c), PTR(double, dx));
+    if (isz == 4) bwd_data_f(dy, x, y, N, C, P, abc, abc + C, abc + 2 * C, dx);
+    else bwd_data_d(dy, x, y, N, C, P, abc, abc + C, abc + 2 * C, dx);
     Py_END_ALLOW_THREADS
+    PyMem_Free(abc);
+    release(&bs); release(&bs2);
     Py_RETURN_NONE;
 }
 
@@ -195,19 +281,27 @@ static PyObject *
 py_relu_bwd(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t dy, y, n, dx;
-    if (!PyArg_ParseTuple(args, "innnn", &isz, &dy, &y, &n, &dx))
+    Py_ssize_t n;
+    PyObject *ody, *oy, *odx;
+    void *dy, *y, *dx;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOOnO", &isz, &ody, &oy, &n, &odx))
         return NULL;
+    if (get(&bs, ody, 0, &dy) < 0 || get(&bs, oy, 0, &y) < 0 || get(&bs, odx, 1, &dx) < 0) {
+        release(&bs);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4) relu_bwd_f(PTR(float, dy), PTR(float, y), n, PTR(float, dx));
-    else relu_bwd_d(PTR(double, dy), PTR(double, y), n, PTR(double, dx));
+    if (isz == 4) relu_bwd_f(dy, y, n, dx);
+    else relu_bwd_d(dy, y, n, dx);
     Py_END_ALLOW_THREADS
+    release(&bs);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, "per-channel sum and sum of squares (double), one pass"},
-    {"affine", py_affine, METH_VARARGS, "y = x * scale + shift per channel, optionally max(y, 0)"},
+    {"forward", py_forward, METH_VARARGS, "y = gamma * (x - mean) / sigma + beta per channel, optionally max(y, 0)"},
     {"bwd_sums", py_bwd_sums, METH_VARARGS, "per-channel sum g and sum g * (x - mean), one pass"},
     {"bwd_data", py_bwd_data, METH_VARARGS, "dx = a * g + b * x + c per channel"},
     {"relu_bwd", py_relu_bwd, METH_VARARGS, "dx = dy where y > 0, else 0"},

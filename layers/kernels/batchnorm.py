@@ -35,10 +35,6 @@ USE_COMPILED = _cbn is not None and os.environ.get("LBANNPY_BN_KERNEL", "") != "
 _FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
 
 
-def _addr(a) -> int:
-    return a.__array_interface__["data"][0]
-
-
 def _compiled(*arrays) -> bool:
     """The compiled kernels take these arrays: NumPy, one float dtype, C-contiguous."""
     if not USE_COMPILED:
@@ -74,7 +70,7 @@ def bn_local_stats(x):
     if _compiled(x):
         n, c, p = _ncp(x)
         out = numpy.empty(2 * c)
-        _cbn.stats(x.dtype.itemsize, _addr(x), n, c, p, _addr(out), _addr(out) + 8 * c)
+        _cbn.stats(x.dtype.itemsize, x, n, c, p, out)
         return out[:c], out[c:], n * p
     xf = _flat(x)
     p = xf.shape[2]
@@ -111,14 +107,10 @@ def bn_forward(x, mean, var, gamma, beta, eps=1e-5, relu=False):
     """``gamma * (x - mean) / sqrt(var + eps) + beta`` with per-channel ``(C,)`` parameters; with ``relu``
     its ``max(., 0)`` (fused batch-norm + ReLU)."""
     if _compiled(x):
-        xp = numpy
-        inv_std = 1.0 / xp.sqrt(_f64(var) + eps)
-        scale = _f64(gamma) * inv_std
-        shift = (0.0 if beta is None else _f64(beta)) - _f64(mean) * scale
-        shift = _f64(numpy.broadcast_to(shift, scale.shape))
         y = numpy.empty_like(x)
         n, c, p = _ncp(x)
-        _cbn.affine(x.dtype.itemsize, _addr(x), n, c, p, _addr(scale), _addr(shift), _addr(y), int(relu))
+        _cbn.forward(x.dtype.itemsize, x, n, c, p, _f64(mean), _f64(var), _f64(gamma),
+                     None if beta is None else _f64(beta), float(eps), int(relu), y)
         return y
     scale, shift, _ = _scale_shift(mean, var, gamma, beta, eps, x.dtype)
     gpu = _gpu_kernels(x)
@@ -135,15 +127,13 @@ def bn_backward(dy, x, mean, var, gamma, eps=1e-5, y=None):
     """Local partial sums ``(sum dy, sum dy * xhat)`` per channel (float64 ``(C,)``), to be allreduced
     over the same ranks as the statistics. ``gamma`` is unused (kept for a uniform signature). With ``y``
     (the output of a fused batch-norm + ReLU) ``dy`` counts only where ``y > 0``."""
-    xp = array_module(x)
-    inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     if _compiled(dy, x, y):
         n, c, p = _ncp(x)
         out = numpy.empty(2 * c)
-        m = _f64(mean)
-        _cbn.bwd_sums(x.dtype.itemsize, _addr(dy), _addr(x), 0 if y is None else _addr(y), n, c, p,
-                      _addr(m), _addr(out), _addr(out) + 8 * c)
-        return out[:c], inv_std * out[c:]
+        _cbn.bwd_sums(x.dtype.itemsize, dy, x, y, n, c, p, _f64(mean), _f64(var), float(eps), out)
+        return out[:c], out[c:]
+    xp = array_module(x)
+    inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     if y is not None:
         dy = relu_mask(dy, y)
     dyf, xf = _flat(dy), _flat(x)
@@ -158,6 +148,13 @@ def bn_backward(dy, x, mean, var, gamma, eps=1e-5, y=None):
 def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y=None):
     """``dx = gamma/sigma * (dy - sum_dy/count - xhat * sum_dy_xhat/count)`` given the global sums; with
     ``y`` (fused batch-norm + ReLU) ``dy`` is first masked where ``y <= 0``."""
+    if _compiled(dy, x, y):
+        dx = numpy.empty_like(x)
+        n, ch, p = _ncp(x)
+        tot = numpy.concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
+        _cbn.bwd_data(x.dtype.itemsize, dy, x, y, n, ch, p, _f64(mean), _f64(var), _f64(gamma), float(eps),
+                      tot, float(count), dx)
+        return dx
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     k = gamma.astype(numpy.float64) * inv_std
@@ -166,13 +163,6 @@ def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y
     b = -k * inv_std * sum_dy_xhat / count
     c = -k * sum_dy / count - b * mean
     nd = x.ndim
-    if _compiled(dy, x, y):
-        a, b, c = _f64(a), _f64(b), _f64(c)
-        dx = numpy.empty_like(x)
-        n, ch, p = _ncp(x)
-        _cbn.bwd_data(x.dtype.itemsize, _addr(dy), _addr(x), 0 if y is None else _addr(y), n, ch, p,
-                      _addr(a), _addr(b), _addr(c), _addr(dx))
-        return dx
     gpu = _gpu_kernels(x)
     if gpu is not None:
         pc = [_per_channel(v.astype(x.dtype), nd) for v in (a, b, c)]
@@ -194,7 +184,7 @@ def relu_mask(dy, y):
     """``dy`` where ``y > 0``, else 0: the gradient through a ReLU whose output is ``y``."""
     if _compiled(dy, y):
         dx = numpy.empty_like(dy)
-        _cbn.relu_bwd(dy.dtype.itemsize, _addr(dy), _addr(y), dy.size, _addr(dx))
+        _cbn.relu_bwd(dy.dtype.itemsize, dy, y, dy.size, dx)
         return dx
     return array_module(y).where(y > 0, dy, dy.dtype.type(0))
 
