@@ -21,7 +21,11 @@ _M2 = 0x94D049BB133111EB
 
 def relu_forward(x, out=None):
     """``max(x, 0)`` (NaN propagates, as in PyTorch); into ``out`` when given (``out=x``: in place)."""
-    return array_module(x).maximum(x, x.dtype.type(0), out=out)
+    xp = array_module(x)
+    if out is None:
+        return xp.maximum(x, x.dtype.type(0))
+    xp.maximum(x, x.dtype.type(0), out=out)
+    return out
 
 
 def relu_backward(dy, x):
