@@ -194,6 +194,14 @@ class Layer:
     splittable = ("n", "c", "d", "h", "w")
     #: number of inputs (None: any number >= 1)
     arity: int | None = 1
+    #: the layer's backward may read its own output (False: a reader may overwrite the output when it is
+    #: the only reader)
+    output_kept = True
+    #: a pointwise layer that can run inside a ``fuses_relu`` parent, or overwrite its input in place
+    fusable_activation = False
+    #: the layer can apply a following ``fusable_activation`` itself (sets ``fuse_relu`` when the model
+    #: asks)
+    fuses_relu = False
 
     def __init__(self, name: str, **params):
         self.name = name

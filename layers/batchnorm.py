@@ -41,6 +41,8 @@ class BatchNorm(Layer):
     #: set by the model when the only reader of this layer's output is a ReLU: the layer then outputs
     #: ``relu(bn(x))`` and back-propagates through both (one pass each way)
     fuse_relu = False
+    fuses_relu = True
+    output_kept = False  # the backward reads the input (and the fused output, kept by the layer itself)
 
     def setup(self, dist: Distribution) -> None:
         super().setup(dist)

@@ -19,6 +19,7 @@ from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, elementwise, r
 class ReLU(Layer):
     #: set by the model when nothing else reads (or keeps) the parent's output: it is overwritten
     inplace = False
+    fusable_activation = True
 
     def fp_compute(self, xs):
         (x,) = xs
@@ -100,6 +101,8 @@ def _sum_infer(lay: LayerArgs) -> Inferred:
                     order=70))
 class Sum(Layer):
     """Elementwise sum of inputs of one shape (residual connections)."""
+
+    output_kept = False
 
     def setup(self, dist):
         shapes = set(self.in_shapes)

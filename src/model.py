@@ -15,11 +15,6 @@ from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, layer_classes
 from lbannpy.tensor import DistTensor
 
 
-# layer types whose output the layer itself does not keep for its backward: a ReLU reading such an output,
-# and nothing else reading it, may overwrite it
-OUTPUT_NOT_KEPT = frozenset({"conv", "batchnorm", "sum", "fc"})
-
-
 class ModelError(ValueError):
     """A model that cannot be built: names the layer and the fix."""
 
@@ -123,15 +118,16 @@ class Model:
         self._fused: set[str] = set()
         for layer in self.layers:
             parents = self.parents[layer.name]
-            if layer.type != "relu" or len(parents) != 1 or parents[0] in INPUT_NAMES or layer._moves:
+            if (not layer.fusable_activation or len(parents) != 1 or parents[0] in INPUT_NAMES
+                    or layer._moves):
                 continue
             parent = by_name[parents[0]]
             alone = (self.consumers.get(parent.name, 0) == 1 and parent is not self.output
                      and parent.out_dist == layer.out_dist)
-            if fuse and alone and parent.type == "batchnorm":
+            if fuse and alone and parent.fuses_relu:
                 parent.fuse_relu = True
                 self._fused.add(layer.name)
-            elif fuse and alone and parent.type in OUTPUT_NOT_KEPT:
+            elif fuse and alone and not parent.output_kept:
                 layer.inplace = True
         # (layer, parent names, the layer's parent when fused into it else None)
         self._steps = [(layer, self.parents[layer.name],

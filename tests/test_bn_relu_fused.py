@@ -113,7 +113,7 @@ def _run(model, shape=(3, 4, 9, 7)):
 
 
 NET = [{"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
-       {"name": "r0", "type": "relu"},
+       {"name": "s0", "type": "sum", "parents": ["c1", "x"]}, {"name": "r0", "type": "relu"},
        {"name": "b1", "type": "batchnorm"}, {"name": "r1", "type": "relu"},
        {"name": "c2", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
        {"name": "b2", "type": "batchnorm", "sync": "global"}, {"name": "r2", "type": "relu"},

@@ -69,14 +69,16 @@ def layer_cases(size):
     for par in splits(size, ("c", "h", "w")):  # per-sample-group statistics equal global ones when n is whole
         cases.append(Case("batchnorm-group", ({"name": "b", "type": "batchnorm"},), (N, C, H, W),
                           {"default": par}))
-    # a ReLU reading only a batch-norm runs fused into it (one pass each way); a ReLU after a conv in place
+    # a ReLU reading only a batch-norm runs fused into it (one pass each way); a ReLU after a sum in place
     for sync, dims in (("global", ("n", "c", "h", "w")), ("group", ("c", "h", "w"))):
         for par in splits(size, dims):
             cases.append(Case(f"batchnorm-relu-{sync}", ({"name": "b", "type": "batchnorm", "sync": sync},
                                                          {"name": "r", "type": "relu"}),
                               (N, C, H, W), {"default": par}))
     for par in splits(size, ("n", "h", "w")):
-        cases.append(Case("conv-relu-inplace", (conv(kernel=3, padding=1), {"name": "r", "type": "relu"},
+        cases.append(Case("sum-relu-inplace", (conv(kernel=3, padding=1, filters=C),
+                                               {"name": "s", "type": "sum", "parents": ["c", "x"]},
+                                               {"name": "r", "type": "relu"},
                                                 {"name": "b", "type": "batchnorm", "sync": "global"}),
                           (N, C, H, W),
                           {"default": par}))
@@ -129,7 +131,7 @@ def test_fused_batchnorm_relu_equals_the_unfused_layers(comm):
 
     bad = []
     for case in layer_cases(comm.size):
-        if not case.name.startswith(("batchnorm-relu", "conv-relu-inplace")):
+        if not case.name.startswith(("batchnorm-relu", "sum-relu-inplace")):
             continue
         fused = run_lbannpy(case, comm)
         kinds = {(layer.type, getattr(layer, "fuse_relu", False), getattr(layer, "inplace", False))
