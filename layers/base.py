@@ -29,7 +29,7 @@ import numpy as np
 from lbannpy.dist import Box, Distribution, DistributionError, box_shape, box_size, shape_str
 from lbannpy.stencil import Stencil
 from lbannpy.shuffle import same_layout, shuffle_plan
-from lbannpy.tensor import DistTensor
+from lbannpy.tensor import DistTensor, block_shape
 
 from .kernels._buffers import Scratch
 
@@ -94,8 +94,11 @@ class LayerContext:
     """
 
     def __init__(self, comm, xp=np, dtype="float32", seed: int = 0, overlap: bool = True,
-                 timer: Timer | None = None):
+                 timer: Timer | None = None, fuse: bool = True):
         self.comm = comm
+        # a model built in this context runs a ReLU that only reads a batch-norm inside it, and a ReLU that
+        # alone reads its parent's output in place (False: every layer on its own, e.g. to compare)
+        self.fuse = fuse
         self.xp = xp
         self.dtype = np.dtype(dtype)
         self.seed = int(seed)
@@ -191,6 +194,14 @@ class Layer:
     splittable = ("n", "c", "d", "h", "w")
     #: number of inputs (None: any number >= 1)
     arity: int | None = 1
+    #: the layer's backward may read its own output (False: a reader may overwrite the output when it is
+    #: the only reader)
+    output_kept = True
+    #: a pointwise layer that can run inside a ``fuses_relu`` parent, or overwrite its input in place
+    fusable_activation = False
+    #: the layer can apply a following ``fusable_activation`` itself (sets ``fuse_relu`` when the model
+    #: asks)
+    fuses_relu = False
 
     def __init__(self, name: str, **params):
         self.name = name
@@ -245,6 +256,20 @@ class Layer:
             same = src == dst or same_layout(src, dst, s)
             # from the cache that also serves the reverse plans (src/shuffle.py): one plan per layout pair
             self._in_plans.append(None if same else shuffle_plan(src, dst, s, ctx.rank))
+        self._cache_step_geometry()
+
+    def _cache_step_geometry(self) -> None:
+        """What every step's ``forward``/``backward`` needs and set-up fixed: whether any input moves, this
+        rank's output block and the blocks of the input gradients in the layouts they are handed back in,
+        so a step wraps its tensors with one shape comparison each and no cache lookup."""
+        rank = self.ctx.rank
+        self._moves = any(p is not None for p in self._in_plans)
+        self._out_block = block_shape(self.out_dist, tuple(self.out_shape), rank)
+        self._back_plans = [None if plan is None else plan.reverse() for plan in self._in_plans]
+        self._grad_geom = []
+        for s, back, src in zip(self.in_shapes, self._back_plans, self._parent_dists):
+            d = src if back is None else back.dst_dist
+            self._grad_geom.append((s, d, block_shape(d, tuple(s), rank)))
 
     @staticmethod
     def dist_dims(dist: Distribution) -> list[str]:
@@ -277,39 +302,44 @@ class Layer:
     # -- the fixed template ----------------------------------------------------------------------------
     def forward(self, inputs: Sequence[DistTensor]) -> DistTensor:
         ctx = self.ctx
-        # every redistribution is posted before any is waited for, so those of several inputs overlap
-        t0 = ctx.timer.now()
-        moving = [None if plan is None else plan.start(ctx.comm, x.local)
-                  for plan, x in zip(self._in_plans, inputs)]
-        xs = [x.local if h is None else h.wait() for h, x in zip(moving, inputs)]
-        if any(h is not None for h in moving):
-            ctx.timer.add((self.name, "shuffle"), t0, ctx.timer.now(), "comm")
-        t0 = ctx.timer.now()
+        timer = ctx.timer
+        if self._moves:
+            # every redistribution is posted before any is waited for, so those of several inputs overlap
+            t0 = timer.now()
+            moving = [None if plan is None else plan.start(ctx.comm, x.local)
+                      for plan, x in zip(self._in_plans, inputs)]
+            xs = [x.local if h is None else h.wait() for h, x in zip(moving, inputs)]
+            timer.add((self.name, "shuffle"), t0, timer.now(), "comm")
+        else:
+            xs = [x.local for x in inputs]
+        t0 = timer.now()
         y = self.fp_compute(xs)
-        ctx.timer.add((self.name, "fp"), t0, ctx.timer.now())
-        return DistTensor.wrap(y, self.out_shape, self.out_dist, ctx.rank)
+        timer.add((self.name, "fp"), t0, timer.now())
+        return DistTensor.trusted(y, self.out_shape, self.out_dist, ctx.rank, self._out_block)
 
     def backward(self, dy: DistTensor) -> list[DistTensor]:
         ctx = self.ctx
-        t0 = ctx.timer.now()
+        timer = ctx.timer
+        t0 = timer.now()
         dxs = self.bp_compute(dy.local)
-        ctx.timer.add((self.name, "bp"), t0, ctx.timer.now())
+        timer.add((self.name, "bp"), t0, timer.now())
+        rank, trusted = ctx.rank, DistTensor.trusted
+        if not self._moves:  # every gradient goes back in its parent's layout, as the parent gave it
+            return [None if dx is None else trusted(dx, s, d, rank, b)
+                    for dx, (s, d, b) in zip(dxs, self._grad_geom)]
         # the reverse redistributions of all inputs are posted before any is waited for (the parents'
         # backward needs every one of them, so none can be left in flight past this call)
-        t0 = ctx.timer.now()
-        backs = [None if dx is None or plan is None else plan.reverse()
-                 for plan, dx in zip(self._in_plans, dxs)]
-        moving = [None if b is None else b.start(ctx.comm, dx) for b, dx in zip(backs, dxs)]
+        t0 = timer.now()
+        moving = [None if b is None or dx is None else b.start(ctx.comm, dx)
+                  for b, dx in zip(self._back_plans, dxs)]
         out = []
-        for i, (dx, back, h) in enumerate(zip(dxs, backs, moving)):
+        for dx, h, (s, d, b) in zip(dxs, moving, self._grad_geom):
             if dx is None:  # not wanted (needs_input_grad) and not computed
                 out.append(None)
-            elif h is None:  # the parent's layout, as the parent gave it
-                out.append(DistTensor.wrap(dx, self.in_shapes[i], self._parent_dists[i], ctx.rank))
-            else:
-                out.append(DistTensor.wrap(h.wait(), self.in_shapes[i], back.dst_dist, ctx.rank))
+            else:  # the parent's layout: as the parent gave it, or brought back by the reverse plan
+                out.append(trusted(dx if h is None else h.wait(), s, d, rank, b))
         if any(h is not None for h in moving):
-            ctx.timer.add((self.name, "shuffle_bp"), t0, ctx.timer.now(), "comm")
+            timer.add((self.name, "shuffle_bp"), t0, timer.now(), "comm")
         return out
 
     # -- stencil layers (a window over space: conv, pool) ----------------------------------------------

@@ -38,6 +38,11 @@ SPEC = LayerSpec("batchnorm", "batch normalization over samples and spatial dime
 
 @register(SPEC)
 class BatchNorm(Layer):
+    #: set by the model when the only reader of this layer's output is a ReLU: the layer then outputs
+    #: ``relu(bn(x))`` and back-propagates through both (one pass each way)
+    fuse_relu = False
+    fuses_relu = True
+    output_kept = False  # the backward reads the input (and the fused output, kept by the layer itself)
 
     def setup(self, dist: Distribution) -> None:
         super().setup(dist)
@@ -64,9 +69,9 @@ class BatchNorm(Layer):
         # allreduce and none is read back to the host
         box = dist.box(in_shape, self.ctx.rank)
         self.local_block = tuple(hi - lo for lo, hi in box)
-        self.stat_count = math.prod(n if name in self.stat_dims else hi - lo
+        self.stat_count = float(math.prod(n if name in self.stat_dims else hi - lo
                                     for name, n, (lo, hi) in zip(dist.dim_names, in_shape, box)
-                                    if name != "c")
+                                    if name != "c"))
         self.running_mean = xp.zeros(cbox[1] - cbox[0])
         self.running_var = xp.ones(cbox[1] - cbox[0])
 
@@ -105,37 +110,43 @@ class BatchNorm(Layer):
 
     def fp_compute(self, xs):
         (x,) = xs
-        xp = self.ctx.xp
+        relu = self.fuse_relu
         if not self.train:
             self._saved = None
             return K.bn_forward(x, self.running_mean, self.running_var, self.gamma.value, self.beta.value,
-                                self.eps)
-        if tuple(x.shape) != self.local_block:
+                                self.eps, relu=relu)
+        if x.shape != self.local_block:
             raise LayerError(f"layer '{self.name}' (batchnorm) on rank {self.ctx.rank}: input block "
                              f"{tuple(x.shape)} is not the block {self.local_block} of {self.in_shapes[0]} "
                              f"under {self.in_dists[0]}; batches must have the configured batch size")
         s, sq, _ = K.bn_local_stats(x)
-        tot = self.stats_comm.allreduce(xp.concatenate([s, sq]))
         c = s.shape[0]
-        count = float(self.stat_count)
+        tot = self.ctx.xp.concatenate((s, sq))
+        if self.stats_comm.size > 1:
+            tot = self.stats_comm.allreduce(tot)
+        count = self.stat_count
         mean, var = K.bn_mean_var(tot[:c], tot[c:2 * c], count)
         m = self.momentum
         unbiased = var * (count / max(count - 1.0, 1.0))
         self.running_mean = (1 - m) * self.running_mean + m * mean
         self.running_var = (1 - m) * self.running_var + m * unbiased
-        self._saved = (x, mean, var, count)
-        return K.bn_forward(x, mean, var, self.gamma.value, self.beta.value, self.eps)
+        y = K.bn_forward(x, mean, var, self.gamma.value, self.beta.value, self.eps, relu=relu)
+        self._saved = (x, mean, var, count, y if relu else None)
+        return y
 
     def bp_compute(self, dy):
-        x, mean, var, count = self._saved
+        x, mean, var, count, y = self._saved
         xp = self.ctx.xp
-        sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, self.gamma.value, self.eps)
+        gamma = self.gamma.value
+        sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, self.eps, y=y)
         # gradients of scale/shift are partial sums over this block; the grad sync sums them
         dgamma, dbeta = K.bn_backward_params(sum_dy, sum_dy_xhat)
         self.gamma.grad += xp.asarray(dgamma, dtype=self.gamma.grad.dtype)
         self.beta.grad += xp.asarray(dbeta, dtype=self.beta.grad.dtype)
         c = sum_dy.shape[0]
-        tot = self.stats_comm.allreduce(xp.concatenate([sum_dy, sum_dy_xhat]))
-        dx = K.bn_backward_data(dy, x, mean, var, self.gamma.value, self.eps, tot[:c], tot[c:], count)
+        tot = xp.concatenate((sum_dy, sum_dy_xhat))
+        if self.stats_comm.size > 1:
+            tot = self.stats_comm.allreduce(tot)
+        dx = K.bn_backward_data(dy, x, mean, var, gamma, self.eps, tot[:c], tot[c:], count, y=y)
         self._saved = None
         return [dx]

@@ -17,14 +17,19 @@ from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, elementwise, r
 
 @register(LayerSpec("relu", "rectified linear unit", (), elementwise(1), pointwise=True, order=40))
 class ReLU(Layer):
+    #: set by the model when nothing else reads (or keeps) the parent's output: it is overwritten
+    inplace = False
+    fusable_activation = True
 
     def fp_compute(self, xs):
         (x,) = xs
-        self._x = x
-        return K.relu_forward(x)
+        # the output is saved, not the input: y > 0 exactly where x > 0, and an in-place ReLU keeps no x
+        y = self._y = K.relu_forward(x, out=x if self.inplace else None)
+        return y
 
     def bp_compute(self, dy):
-        return [K.relu_backward(dy, self._x)]
+        y, self._y = self._y, None
+        return [K.relu_backward(dy, y)]
 
 
 @register(LayerSpec("leaky_relu", "leaky rectified linear unit", (
@@ -96,6 +101,8 @@ def _sum_infer(lay: LayerArgs) -> Inferred:
                     order=70))
 class Sum(Layer):
     """Elementwise sum of inputs of one shape (residual connections)."""
+
+    output_kept = False
 
     def setup(self, dist):
         shapes = set(self.in_shapes)

@@ -106,6 +106,34 @@ class Model:
         for ps in self.parents.values():
             for p in ps:
                 self.consumers[p] = self.consumers.get(p, 0) + 1
+        self._plan_steps()
+
+    def _plan_steps(self) -> None:
+        """Fuse and order once what every step repeats: a ReLU whose only parent is a batch-norm that
+        nothing else reads runs inside the batch-norm (one pass forward, one backward; the ReLU layer is
+        skipped), and a ReLU whose parent's output nothing else reads (nor keeps for its own backward)
+        overwrites it. ``ctx.fuse = False`` keeps every layer on its own."""
+        by_name = {layer.name: layer for layer in self.layers}
+        fuse = self.ctx.fuse
+        self._fused: set[str] = set()
+        for layer in self.layers:
+            parents = self.parents[layer.name]
+            if (not layer.fusable_activation or len(parents) != 1 or parents[0] in INPUT_NAMES
+                    or layer._moves):
+                continue
+            parent = by_name[parents[0]]
+            alone = (self.consumers.get(parent.name, 0) == 1 and parent is not self.output
+                     and parent.out_dist == layer.out_dist)
+            if fuse and alone and parent.fuses_relu:
+                parent.fuse_relu = True
+                self._fused.add(layer.name)
+            elif fuse and alone and not parent.output_kept:
+                layer.inplace = True
+        # (layer, parent names, the layer's parent when fused into it else None)
+        self._steps = [(layer, self.parents[layer.name],
+                        self.parents[layer.name][0] if layer.name in self._fused else None)
+                       for layer in self.layers]
+        self._input_grad_for = None
 
     @property
     def params(self):
@@ -119,12 +147,24 @@ class Model:
         """Forward pass; ``before_layer(layer)`` is called just before each layer's forward (the trainer
         applies a layer's late, replicated gradient update there)."""
         acts: dict[str, Any] = {n: x for n in INPUT_NAMES}
-        for layer in self.layers:
+        for layer, parents, fused_into in self._steps:
             if before_layer is not None:
                 before_layer(layer)
-            acts[layer.name] = layer.forward([acts[p] for p in self.parents[layer.name]])
+            if fused_into is not None:  # computed by its batch-norm parent
+                acts[layer.name] = acts[fused_into]
+            elif len(parents) == 1:
+                acts[layer.name] = layer.forward([acts[parents[0]]])
+            else:
+                acts[layer.name] = layer.forward([acts[p] for p in parents])
         self._acts = acts
         return acts[self.output.name]
+
+    def _set_input_grad(self, input_grad: bool) -> None:
+        if self._input_grad_for is input_grad:
+            return
+        for layer in self.layers:
+            layer.needs_input_grad = input_grad or not all(p in INPUT_NAMES for p in self.parents[layer.name])
+        self._input_grad_for = input_grad
 
     def backward(self, dy: DistTensor, on_layer=None, input_grad: bool = True) -> DistTensor | None:
         """Backprop from the loss gradient ``dy``; ``on_layer(name)`` is called after each layer's backward
@@ -133,23 +173,24 @@ class Model:
         the model input skip computing it where they can (conv, fc: no data gradient, no partial-sum
         reduction, no halo accumulation) and None may be returned."""
         grads: dict[str, DistTensor] = {self.output.name: dy}
-        for layer in self.layers:
-            layer.needs_input_grad = input_grad or not all(p in INPUT_NAMES for p in self.parents[layer.name])
-        for layer in reversed(self.layers):
+        self._set_input_grad(input_grad)
+        first = INPUT_NAMES[0]
+        for layer, parents, fused_into in reversed(self._steps):
             g = grads.pop(layer.name, None)
             if g is None:
                 raise ModelError(f"layer '{layer.name}' does not reach the loss; remove it or connect it")
-            dxs = layer.backward(g)
+            dxs = (g,) if fused_into is not None else layer.backward(g)
             if on_layer is not None:
                 on_layer(layer.name)
-            for p, dx in zip(self.parents[layer.name], dxs):
+            for p, dx in zip(parents, dxs):
                 if dx is None:
                     continue
-                key = INPUT_NAMES[0] if p in INPUT_NAMES else p
-                if key in grads:
-                    grads[key] = DistTensor.wrap(grads[key].local + dx.local, dx.global_shape, dx.dist,
-                                                 dx.rank)
+                key = first if p in INPUT_NAMES else p
+                have = grads.get(key)
+                if have is not None:
+                    grads[key] = DistTensor.trusted(have.local + dx.local, dx.global_shape, dx.dist, dx.rank,
+                                                    have.local.shape)
                 else:
                     grads[key] = dx
         self._acts = None
-        return grads.get(INPUT_NAMES[0])
+        return grads.get(first)

@@ -48,9 +48,10 @@ def global_data(case: Case, out_shape, seed: int = 0):
     return x, dy
 
 
-def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7):
-    """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays."""
-    ctx = LayerContext(comm, xp, "float64", seed=seed, overlap=overlap)
+def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True):
+    """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays; ``fuse``
+    False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU)."""
+    ctx = LayerContext(comm, xp, "float64", seed=seed, overlap=overlap, fuse=fuse)
     model = Model(case.spec(), case.input_shape[0], ctx, case.parallel)
     x, dy = global_data(case, model.output.out_shape)
     xt = DistTensor.scatter(xp.asarray(x), model.input_dist, comm)

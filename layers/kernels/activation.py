@@ -11,20 +11,27 @@ import numpy
 
 from lbannpy.backend import array_module, get_xp
 
+from .batchnorm import relu_mask
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 
-def relu_forward(x):
-    """``max(x, 0)`` (NaN propagates, as in PyTorch)."""
-    return array_module(x).maximum(x, x.dtype.type(0))
+def relu_forward(x, out=None):
+    """``max(x, 0)`` (NaN propagates, as in PyTorch); into ``out`` when given (``out=x``: in place)."""
+    xp = array_module(x)
+    if out is None:
+        return xp.maximum(x, x.dtype.type(0))
+    xp.maximum(x, x.dtype.type(0), out=out)
+    return out
 
 
 def relu_backward(dy, x):
-    """``dy`` where ``x > 0``, else 0 (ReLU's subgradient at 0 is 0, as in PyTorch)."""
-    return array_module(x).where(x > 0, dy, dy.dtype.type(0))
+    """``dy`` where ``x > 0``, else 0 (ReLU's subgradient at 0 is 0, as in PyTorch). ``x`` may as well be
+    the ReLU's output: it is positive exactly where the input is. One compiled pass on NumPy arrays."""
+    return relu_mask(dy, x)
 
 
 def leaky_relu_forward(x, slope=0.01):

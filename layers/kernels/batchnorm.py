@@ -10,12 +10,50 @@ also the parameter gradients: ``dgamma = sum_dy_xhat``, ``dbeta = sum_dy``. This
 ``var = E[x^2] - E[x]^2`` loses ``log10(mean^2 / var)`` digits, so each (sample, channel) row's sum of
 squares is formed about the row's own mean (two passes, pairwise sums) and rows are combined in float64;
 the backward sums are taken about the global mean.
+
+Compiled path (NumPy float32/float64 C-contiguous blocks, when the ``_cbn`` extension is built; set
+``LBANNPY_BN_KERNEL=numpy`` to force the NumPy path): the statistics are one pass with float64 accumulators
+(each row about its first element), the forward one pass (optionally with the ReLU of a fused
+batch-norm + ReLU), the backward's two sums one pass and its data gradient one pass. With ``y`` (the fused
+layer's output) the backward first masks ``dy`` where ``y <= 0``: the gradient of ``relu(bn(x))``. On a GPU
+the element-wise passes are CuPy ``ElementwiseKernel``s where CuPy has them, else array expressions.
 """
 from __future__ import annotations
+
+import os
 
 import numpy
 
 from lbannpy.backend import array_module
+
+try:  # the compiled kernels are optional: no compiler, no extension
+    from . import _cbn
+except ImportError:  # pragma: no cover - depends on the build
+    _cbn = None
+
+USE_COMPILED = _cbn is not None and os.environ.get("LBANNPY_BN_KERNEL", "") != "numpy"
+_FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
+
+
+def _compiled(*arrays) -> bool:
+    """The compiled kernels take these arrays: NumPy, one float dtype, C-contiguous."""
+    if not USE_COMPILED:
+        return False
+    dt = arrays[0].dtype
+    for a in arrays:
+        if a is not None and (type(a) is not numpy.ndarray or a.dtype != dt or not a.flags.c_contiguous):
+            return False
+    return dt in _FLOATS
+
+
+def _ncp(x):
+    """``(N, C, P)`` of a channels-first block."""
+    n, c = x.shape[0], x.shape[1]
+    return n, c, (x.size // (n * c) if n * c else 0)
+
+
+def _f64(v):
+    return numpy.ascontiguousarray(v, dtype=numpy.float64)
 
 
 def _flat(x):
@@ -29,6 +67,11 @@ def _per_channel(v, ndim):
 
 def bn_local_stats(x):
     """Per-channel ``(sum, sum of squares, count)`` of the local block; sums are float64 ``(C,)``."""
+    if _compiled(x):
+        n, c, p = _ncp(x)
+        out = numpy.empty(2 * c)
+        _cbn.stats(x.dtype.itemsize, x, n, c, p, out)
+        return out[:c], out[c:], n * p
     xf = _flat(x)
     p = xf.shape[2]
     # per (sample, channel) row: pairwise sums in x's dtype, then the squares about the row's own mean, so
@@ -60,19 +103,39 @@ def _scale_shift(mean, var, gamma, beta, eps, dtype):
     return scale.astype(dtype), xp.asarray(shift).astype(dtype), inv_std
 
 
-def bn_forward(x, mean, var, gamma, beta, eps=1e-5):
-    """``gamma * (x - mean) / sqrt(var + eps) + beta`` with per-channel ``(C,)`` parameters."""
+def bn_forward(x, mean, var, gamma, beta, eps=1e-5, relu=False):
+    """``gamma * (x - mean) / sqrt(var + eps) + beta`` with per-channel ``(C,)`` parameters; with ``relu``
+    its ``max(., 0)`` (fused batch-norm + ReLU)."""
+    if _compiled(x):
+        y = numpy.empty_like(x)
+        n, c, p = _ncp(x)
+        _cbn.forward(x.dtype.itemsize, x, n, c, p, _f64(mean), _f64(var), _f64(gamma),
+                     None if beta is None else _f64(beta), float(eps), int(relu), y)
+        return y
     scale, shift, _ = _scale_shift(mean, var, gamma, beta, eps, x.dtype)
+    gpu = _gpu_kernels(x)
+    if gpu is not None:
+        return gpu[0](x, _per_channel(scale, x.ndim), _per_channel(shift, x.ndim), int(relu))
     y = x * _per_channel(scale, x.ndim)
     y += _per_channel(shift, x.ndim)
+    if relu:
+        array_module(x).maximum(y, x.dtype.type(0), out=y)
     return y
 
 
-def bn_backward(dy, x, mean, var, gamma, eps=1e-5):
+def bn_backward(dy, x, mean, var, gamma, eps=1e-5, y=None):
     """Local partial sums ``(sum dy, sum dy * xhat)`` per channel (float64 ``(C,)``), to be allreduced
-    over the same ranks as the statistics. ``gamma`` is unused (kept for a uniform signature)."""
+    over the same ranks as the statistics. ``gamma`` is unused (kept for a uniform signature). With ``y``
+    (the output of a fused batch-norm + ReLU) ``dy`` counts only where ``y > 0``."""
+    if _compiled(dy, x, y):
+        n, c, p = _ncp(x)
+        out = numpy.empty(2 * c)
+        _cbn.bwd_sums(x.dtype.itemsize, dy, x, y, n, c, p, _f64(mean), _f64(var), float(eps), out)
+        return out[:c], out[c:]
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
+    if y is not None:
+        dy = relu_mask(dy, y)
     dyf, xf = _flat(dy), _flat(x)
     sum_dy = dyf.sum(axis=2).sum(axis=0, dtype=numpy.float64)
     # sum dy * (x - mean) in x's dtype (centred, so no cancellation), pairwise along rows
@@ -82,8 +145,16 @@ def bn_backward(dy, x, mean, var, gamma, eps=1e-5):
     return sum_dy, inv_std * sum_dy_xc
 
 
-def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count):
-    """``dx = gamma/sigma * (dy - sum_dy/count - xhat * sum_dy_xhat/count)`` given the global sums."""
+def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y=None):
+    """``dx = gamma/sigma * (dy - sum_dy/count - xhat * sum_dy_xhat/count)`` given the global sums; with
+    ``y`` (fused batch-norm + ReLU) ``dy`` is first masked where ``y <= 0``."""
+    if _compiled(dy, x, y):
+        dx = numpy.empty_like(x)
+        n, ch, p = _ncp(x)
+        tot = numpy.concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
+        _cbn.bwd_data(x.dtype.itemsize, dy, x, y, n, ch, p, _f64(mean), _f64(var), _f64(gamma), float(eps),
+                      tot, float(count), dx)
+        return dx
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     k = gamma.astype(numpy.float64) * inv_std
@@ -92,6 +163,12 @@ def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count):
     b = -k * inv_std * sum_dy_xhat / count
     c = -k * sum_dy / count - b * mean
     nd = x.ndim
+    gpu = _gpu_kernels(x)
+    if gpu is not None:
+        pc = [_per_channel(v.astype(x.dtype), nd) for v in (a, b, c)]
+        return gpu[1](dy, x, x if y is None else y, int(y is not None), *pc)
+    if y is not None:
+        dy = relu_mask(dy, y)
     dx = dy * _per_channel(a.astype(x.dtype), nd)
     dx += x * _per_channel(b.astype(x.dtype), nd)
     dx += _per_channel(c.astype(x.dtype), nd)
@@ -101,3 +178,38 @@ def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count):
 def bn_backward_params(sum_dy, sum_dy_xhat):
     """``(dgamma, dbeta)`` from the globally reduced sums of :func:`bn_backward`."""
     return sum_dy_xhat, sum_dy
+
+
+def relu_mask(dy, y):
+    """``dy`` where ``y > 0``, else 0: the gradient through a ReLU whose output is ``y``."""
+    if _compiled(dy, y):
+        dx = numpy.empty_like(dy)
+        _cbn.relu_bwd(dy.dtype.itemsize, dy, y, dy.size, dx)
+        return dx
+    return array_module(y).where(y > 0, dy, dy.dtype.type(0))
+
+
+# the GPU's element-wise passes: one CuPy ElementwiseKernel each (built on first use; None where the array
+# module has no working ElementwiseKernel, e.g. NumPy or a CuPy stand-in, which then use array expressions)
+_GPU_FWD = (
+    "T x, T s, T h, int32 relu", "T y",
+    "T v = x * s + h; y = (relu && v < (T)0) ? (T)0 : v;", "lbannpy_bn_relu_fwd")
+_GPU_BWD = (
+    "T dy, T x, T y, int32 relu, T a, T b, T c", "T dx",
+    "T g = (relu && !(y > (T)0)) ? (T)0 : dy; dx = g * a + x * b + c;", "lbannpy_bn_relu_bwd")
+_gpu_cache: dict = {}
+
+
+def _gpu_kernels(x):
+    """``(forward, backward)`` ElementwiseKernels of ``x``'s array module, or None."""
+    xp = array_module(x)
+    if xp is numpy:
+        return None
+    got = _gpu_cache.get(xp, False)
+    if got is False:
+        try:
+            got = tuple(xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))
+        except (AttributeError, NotImplementedError, TypeError):
+            got = None
+        _gpu_cache[xp] = got
+    return got

@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "data": ("lbannpy.bench.data", "I/O wait with and without prefetch; 1- and 2-rank hyperslab reads"),
     "scale": ("lbannpy.bench.scale",
               "rank simulator: per-rank set-up and per-step index cost at 64 to 4096 ranks"),
+    "overhead": ("lbannpy.bench.overhead",
+                 "fixed Python cost per layer and step (tiny inputs), by layer type, against 60 us"),
     "peer": ("lbannpy.bench.peer", "training steps against PyTorch: 1 process, DDP, spatial split"),
     "costmodel": ("lbannpy.bench.costmodel",
                   "cost model against measured training steps: 3 models x 3 strategies at 1, 2, 4 ranks"),

@@ -69,6 +69,19 @@ def layer_cases(size):
     for par in splits(size, ("c", "h", "w")):  # per-sample-group statistics equal global ones when n is whole
         cases.append(Case("batchnorm-group", ({"name": "b", "type": "batchnorm"},), (N, C, H, W),
                           {"default": par}))
+    # a ReLU reading only a batch-norm runs fused into it (one pass each way); a ReLU after a sum in place
+    for sync, dims in (("global", ("n", "c", "h", "w")), ("group", ("c", "h", "w"))):
+        for par in splits(size, dims):
+            cases.append(Case(f"batchnorm-relu-{sync}", ({"name": "b", "type": "batchnorm", "sync": sync},
+                                                         {"name": "r", "type": "relu"}),
+                              (N, C, H, W), {"default": par}))
+    for par in splits(size, ("n", "h", "w")):
+        cases.append(Case("sum-relu-inplace", (conv(kernel=3, padding=1, filters=C),
+                                               {"name": "s", "type": "sum", "parents": ["c", "x"]},
+                                               {"name": "r", "type": "relu"},
+                                                {"name": "b", "type": "batchnorm", "sync": "global"}),
+                          (N, C, H, W),
+                          {"default": par}))
     for t in ("relu", "leaky_relu"):
         for par in splits(size, ("n", "c", "h", "w")):
             cases.append(Case(t, ({"name": "a", "type": t},), (N, C, H, W), {"default": par}))
@@ -107,6 +120,31 @@ def test_layers_match_pytorch(comm):
     bad = []
     for case in layer_cases(comm.size):
         bad += compare(case, comm)
+    assert_all(comm, not bad, "\n".join(bad))
+
+
+def test_fused_batchnorm_relu_equals_the_unfused_layers(comm):
+    """Under every split: the fused batch-norm + ReLU (and the in-place ReLU) give the numbers of the
+    layers run one by one, to 1e-12 in float64."""
+    import numpy as np
+    from layer_cases import run_lbannpy
+
+    bad = []
+    for case in layer_cases(comm.size):
+        if not case.name.startswith(("batchnorm-relu", "sum-relu-inplace")):
+            continue
+        fused = run_lbannpy(case, comm)
+        kinds = {(layer.type, getattr(layer, "fuse_relu", False), getattr(layer, "inplace", False))
+                 for layer in fused[4].layers}
+        if ("batchnorm", True, False) not in kinds and ("relu", False, True) not in kinds:
+            bad.append(f"{case.id}: nothing fused or in place ({sorted(kinds)})")
+        alone = run_lbannpy(case, comm, fuse=False)
+        pairs = [("output", fused[0], alone[0]), ("input gradient", fused[1], alone[1])]
+        pairs += [(f"gradient of {k}", fused[2][k], alone[2][k]) for k in fused[2]]
+        for what, a, b in pairs:
+            err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+            if not err <= 1e-12:
+                bad.append(f"{case.id} {what}: fused against unfused {err:.3g}")
     assert_all(comm, not bad, "\n".join(bad))
 
 

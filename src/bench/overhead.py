@@ -1,0 +1,143 @@
+"""``python -m lbannpy.bench overhead``: the fixed (Python) cost of a layer in a training step.
+
+Each layer type runs as a chain of ``k`` layers on a tiny input (1 sample, 4 channels, 4x4), where the
+arithmetic is negligible, on one rank: forward and backward through :class:`lbannpy.model.Model`, as the
+trainer steps. The cost per layer is the slope between a chain of 1 and a chain of ``k``
+(``(t_k - t_1) / (k - 1)``), so the model's own per-step cost is not charged to the layers. A batch-norm
+followed by a ReLU is one pair (fused by the model when nothing else reads the batch-norm). The step line
+is a whole model's forward and backward (mesh_tiny at 16², batch 1, float32) and its time per layer, where
+the arithmetic of its convolutions is included.
+
+Times are medians over rounds of ``steps`` steps; per layer in microseconds, against the target.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+TARGET_US = 60.0
+
+# layer type -> the layers of one link of the chain (names are made unique per link)
+LINKS: dict[str, tuple[dict, ...]] = {
+    "conv": ({"type": "conv", "filters": 4, "kernel": 3, "padding": 1},),
+    "pool": ({"type": "pool", "mode": "avg", "kernel": 3, "stride": 1, "padding": 1},),
+    "batchnorm": ({"type": "batchnorm"},),
+    "relu": ({"type": "relu"},),
+    "batchnorm+relu": ({"type": "batchnorm"}, {"type": "relu"}),
+    "sum": ({"type": "sum", "parents": ["@prev", "@prev2"]},),
+}
+
+
+def _chain(kind: str, k: int) -> list[dict]:
+    layers, names = [], ["x", "x"]
+    for i in range(k):
+        for j, proto in enumerate(LINKS[kind]):
+            spec = {key: v for key, v in proto.items() if key != "parents"}
+            spec["name"] = f"l{i}_{j}"
+            if "parents" in proto:
+                spec["parents"] = [names[-1] if p == "@prev" else names[-2] for p in proto["parents"]]
+            names.append(spec["name"])
+            layers.append(spec)
+    return layers
+
+
+def _stepper(model_spec: dict, batch: int, fuse: bool):
+    """A closure running one forward and backward of the model (float32, one rank), and its layer count."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    ctx = LayerContext(SingleCommunicator(), np, "float32", seed=0, fuse=fuse)
+    model = Model(model_spec, batch, ctx, {})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(model.input_shape).astype(np.float32)
+    out = model.output
+    dy = DistTensor(rng.standard_normal(out.out_shape).astype(np.float32), out.out_shape, out.out_dist, 0)
+
+    def step():
+        model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
+        model.backward(dy, input_grad=False)
+    return step, len(model.layers)
+
+
+def _time(step, steps: int, rounds: int) -> float:
+    """Median seconds per step over ``rounds`` rounds of ``steps`` steps (after a warm-up round)."""
+    for _ in range(max(steps // 4, 2)):
+        step()
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        per.append((time.perf_counter() - t0) / steps)
+    return float(np.median(per))
+
+
+def per_layer_us(kind: str, k: int, steps: int, rounds: int, fuse: bool = True) -> float:
+    """Fixed cost of one layer (one link) of ``kind`` in microseconds per step, forward and backward."""
+    ts = []
+    for n in (1, k):
+        spec = {"input": {"channels": 4, "spatial": [4, 4]}, "layers": _chain(kind, n)}
+        step, _ = _stepper(spec, 1, fuse)
+        ts.append(_time(step, steps, rounds))
+    return (ts[1] - ts[0]) / (k - 1) * 1e6
+
+
+def model_step(zoo: str, size: int, batch: int, steps: int, rounds: int, fuse: bool = True):
+    """``(seconds per forward + backward, number of layers)`` of a zoo model."""
+    from lbannpy.zoo import get_spec
+
+    spec = get_spec(zoo, batch_size=batch, input_size=size)
+    step, nlayers = _stepper(spec["model"], batch, fuse)
+    return _time(step, steps, rounds), nlayers
+
+
+def report(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, size: int) -> list[str]:
+    lines = [f"per-layer fixed cost, forward + backward, 1 rank, float32, input 1x4x4x4, chains of 1 and {k} "
+             f"(target {TARGET_US:.0f} us per layer{'' if fuse else ', fusion off'})",
+             f"{'layer':<16} {'us/layer':>9}  target"]
+    for kind in kinds:
+        us = per_layer_us(kind, k, steps, rounds, fuse)
+        pair = kind == "batchnorm+relu"
+        per = us / 2 if pair else us
+        note = f" (a pair: {per:.1f} us per layer)" if pair else ""
+        lines.append(f"{kind:<16} {us:>9.1f}  {'ok' if per <= TARGET_US else 'over'}{note}")
+    t, nlayers = model_step(zoo, size, 1, steps, rounds, fuse)
+    lines.append(f"step: {zoo} {size}x{size} batch 1: {t * 1e3:.3f} ms forward + backward, {nlayers} layers, "
+                 f"{t * 1e6 / nlayers:.1f} us per layer (arithmetic included)")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overhead", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few steps (a format check, not a timing)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per round (default 200)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
+    ap.add_argument("--chain", type=int, default=9, help="layers in the long chain (default 9)")
+    ap.add_argument("--kinds", default=",".join(LINKS),
+                    help="comma-separated layer types (default: %(default)s)")
+    ap.add_argument("--no-fuse", action="store_true", help="every layer on its own (no fusion)")
+    ap.add_argument("--model", default="mesh_tiny", help="zoo model of the step line (default mesh_tiny)")
+    ap.add_argument("--size", type=int, default=16, help="its input size (default 16)")
+    args = ap.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in LINKS]
+    if unknown:
+        print(f"overhead: unknown layer type(s) {unknown}; choose from {sorted(LINKS)}", file=sys.stderr)
+        return 2
+    if args.chain < 2:
+        print("overhead: --chain must be at least 2", file=sys.stderr)
+        return 2
+    steps, rounds = (10, 1) if args.quick else (args.steps, args.rounds)
+    chain = 3 if args.quick else args.chain
+    for line in report(kinds, chain, steps, rounds, not args.no_fuse, args.model, args.size):
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
