@@ -45,9 +45,10 @@ import numpy as np
 
 from lbannpy.backend import array_module, is_gpu_array
 
+from . import _conv_gemm as _gemm
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
-from ._geometry import KernelShapeError, per_dim, tap_view, valid_output_shape
+from ._geometry import KernelShapeError, per_dim, valid_output_shape
 from .padding import pad_spatial
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
@@ -130,11 +131,6 @@ class ConvGeometry:
         per_row = self.cg * self.ntaps * self.rest * itemsize
         return max(1, min(self.out[0], budget // max(per_row, 1)))
 
-    def blocks(self, itemsize: int, budget: int):
-        rb = self.rows_per_block(itemsize, budget)
-        for o0 in range(0, self.out[0], rb):
-            yield o0, min(o0 + rb, self.out[0])
-
 
 def _budget(arr) -> int:
     return GPU_COLUMN_BYTES if is_gpu_array(arr) else CPU_COLUMN_BYTES
@@ -147,24 +143,6 @@ def _check_dtypes(*arrays):
             got = [str(a.dtype) for a in arrays if a is not None]
             raise KernelShapeError(f"conv: all arrays must share one dtype, got {got}")
     return dt
-
-
-def _block_index(nsp: int, o0: int, o1: int) -> tuple:
-    """Index of output rows ``[o0, o1)`` in a tap view ``(Cg, *kernel, *out)``."""
-    return (slice(None),) * (1 + nsp) + (slice(o0, o1),)
-
-
-def _view(xp, arr, geo: ConvGeometry):
-    return tap_view(xp, arr, geo.kernel, geo.out, geo.stride, geo.dilation)
-
-
-def _gather(xp, view, geo: ConvGeometry, o0: int, o1: int, buf):
-    """Columns of output rows ``[o0, o1)``: a ``(Cg*K, rows*rest)`` matrix in ``buf``."""
-    nsp = len(geo.kernel)
-    p = (o1 - o0) * geo.rest
-    col = buf[:geo.cg * geo.ntaps * p].reshape((geo.cg,) + geo.kernel + (o1 - o0,) + geo.out[1:])
-    xp.copyto(col, view[_block_index(nsp, o0, o1)])
-    return col.reshape(geo.cg * geo.ntaps, p)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -341,43 +319,19 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
     if out is not None and not out.flags.c_contiguous:
         out[...] = conv_forward(x_window, w, b, stride, dilation)
         return out
-    cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
     y = xp.empty(geo.out_shape, dtype=dt) if out is None else out
-    w2 = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps)
-    bias = None if b is None else b.reshape(geo.groups, fg, 1)
-    buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, x_window[n, g * cg:(g + 1) * cg], geo)
-            yg = y[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                col = _gather(xp, view, geo, o0, o1, buf)
-                out = yg[:, o0 * geo.rest:o1 * geo.rest]
-                xp.matmul(w2[g], col, out=out)
-                if bias is not None:
-                    out += bias[g]
-    return y
+    return _gemm.forward(xp, x_window, w, b, geo, y, _budget(x_window))
 
 
 def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
     """Gradient w.r.t. the filter, shape ``w_shape`` (``(F, C/groups, *K)``), from the window and ``dy``."""
     xp = array_module(x_window)
-    dt = _check_dtypes(x_window, dy)
+    _check_dtypes(x_window, dy)
     geo = ConvGeometry.make(x_window.shape, w_shape, stride, dilation)
     _check_dy(dy, geo)
     if _compiled(x_window, dy, channels=geo.cg, row=geo.out[-1]):
         return _backward_filter_compiled(x_window, dy, w_shape, geo)
-    cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
-    dw2 = xp.zeros((geo.groups, fg, cg * geo.ntaps), dtype=dt)
-    buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, x_window[n, g * cg:(g + 1) * cg], geo)
-            dyg = dy[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                col = _gather(xp, view, geo, o0, o1, buf)
-                dw2[g] += dyg[:, o0 * geo.rest:o1 * geo.rest] @ col.T
-    return dw2.reshape(tuple(w_shape))
+    return _gemm.backward_filter(xp, x_window, dy, geo, _budget(x_window)).reshape(tuple(w_shape))
 
 
 def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
@@ -512,30 +466,8 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
 
 def _backward_data_col2im(dy, w, geo: ConvGeometry, out=None):
     xp = array_module(dy)
-    dt = dy.dtype
-    cg, fg, budget = geo.cg, geo.fg, _budget(dy)
-    if out is None:
-        dx = xp.zeros((geo.batch, geo.channels) + geo.window, dtype=dt)
-    else:
-        dx = out
-        dx[...] = 0
-    w2t = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps).transpose(0, 2, 1)
-    rb = geo.rows_per_block(dt.itemsize, budget)
-    buf = xp.empty(cg * geo.ntaps * rb * geo.rest, dtype=dt)
-    taps = list(itertools.product(*(range(k) for k in geo.kernel)))
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, dx[n, g * cg:(g + 1) * cg], geo)
-            dyg = dy[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                p = (o1 - o0) * geo.rest
-                dcol = buf[:cg * geo.ntaps * p].reshape(cg * geo.ntaps, p)
-                xp.matmul(w2t[g], dyg[:, o0 * geo.rest:o1 * geo.rest], out=dcol)
-                dcol = dcol.reshape((cg,) + geo.kernel + (o1 - o0,) + geo.out[1:])
-                for tap in taps:
-                    idx = (slice(None),) + tap + (slice(o0, o1),)
-                    view[idx] += dcol[(slice(None),) + tap]
-    return dx
+    dx = xp.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype) if out is None else out
+    return _gemm.backward_data_col2im(xp, dy, w, geo, dx, _budget(dy))
 
 
 def conv_backward_bias(dy):
