@@ -26,12 +26,14 @@ per stride phase of the window with the matching sub-filter (column stride 2: bo
 call, written interleaved; otherwise into a phase array merged into ``dx`` afterwards). Stride and
 dilation both > 1 take the NumPy col2im path below.
 
-NumPy / CuPy path (the array module is taken from the arguments): per sample and group, the outputs are
-taken in blocks of rows of the first spatial dimension; each block's columns (``Cg*prod(kernel)`` x
-``rows*rest``) are gathered from a strided view of the window into a reused buffer, and a single GEMM
-(``F x Cg*K`` times ``Cg*K x P``) produces the block's outputs directly in NCHW order. The filter gradient
-is the same gather followed by ``dy_block @ cols.T``. The data gradient is the flipped convolution above
-on the same path, or a GEMM plus col2im scatter when F > 1.25 C or stride and dilation are both > 1.
+NumPy / CuPy path (the array module is taken from the arguments; see _conv_gemm.py): the columns of a
+chunk of samples (``Cg*prod(kernel)`` x ``samples*outputs``, as many whole samples as fit a column budget,
+row blocks of one sample where a single sample does not) are gathered at once from a strided view of the
+window, and one GEMM per chunk and group (``F x Cg*K`` times ``Cg*K x nb*L``) produces the chunk's outputs,
+moved into NCHW order with one copy. The filter gradient is the same gather followed by
+``dy_chunk @ cols.T``. The data gradient is the flipped convolution above on the same path, or a GEMM
+``w.T @ dy_chunk`` plus a col2im scatter (one strided add per tap over the chunk) when F > 1.25 C, from 64
+channels per group on, or when stride and dilation are both > 1.
 """
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ CPU_COLUMN_BYTES = 8 * 1024 * 1024
 # the data gradient is a flipped convolution (gathering F*K rows per column) while F <= this x C, and a GEMM
 # plus col2im scatter (C*K rows) beyond: measured at C = 18, F = 16 / 32 / 64 on one core
 GATHER_DATA_GRAD_MAX_RATIO = 1.25
+# ... and from this many input channels per group on whatever the filter count: the flipped convolution runs
+# over the whole window (padding included: 10x10 for the 8x8 outputs of a deep layer), col2im's GEMM over
+# the outputs only, and its per-tap scatter is cheap next to a GEMM of >= 64*K rows (measured 3x3, 7x7 to
+# 64x64 outputs, 256-768 channels: col2im 0.8-0.98x the flipped convolution's time)
+COL2IM_MIN_CHANNELS = 64
 # on a GPU, larger blocks amortise kernel launches; memory, not cache, bounds them
 GPU_COLUMN_BYTES = 64 * 1024 * 1024
 
@@ -345,7 +352,8 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     (``dx[..., a::s]``) is such a stride-1 convolution with the sub-filter ``w[..., a::s]``. Both run on the
     forward kernel's GEMM path. Other combinations (stride and dilation both > 1) use a GEMM followed by
     a scatter-add (col2im), as do filters with many more outputs than inputs (F > 1.25 C), where gathering
-    ``dy``'s columns would cost more than scattering the window's.
+    ``dy``'s columns would cost more than scattering the window's, and convolutions of 64 or more channels
+    per group (col2im's GEMM covers the outputs, the flipped convolution the larger padded window).
     """
     dt = _check_dtypes(dy, w)
     geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
@@ -353,7 +361,7 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
     compiled = _compiled(dy, w, out, channels=geo.fg, row=geo.window[-1])
-    if geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg and not compiled:
+    if not compiled and (geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg or geo.cg >= COL2IM_MIN_CHANNELS):
         # the flipped convolution would gather F*K rows per column, col2im scatters only C*K
         return _backward_data_col2im(dy, w, geo, out)
     if all(s == 1 for s in geo.stride):
