@@ -265,7 +265,7 @@ def gpu_missing() -> str:
 # (zoo model, input size, batch size) as the models train; --quick shrinks input and batch
 MODEL_RUNS = (("lenet5", 32, 32), ("alexnet", 128, 32), ("mesh_tiny", 64, 8), ("mesh1k", 256, 2),
               ("mesh1k", 1024, 1))
-QUICK_RUNS = (("lenet5", 32, 2), ("alexnet", 64, 1), ("mesh_tiny", 16, 2), ("mesh1k", 64, 2))
+QUICK_RUNS = (("lenet5", 32, 2), ("alexnet", 64, 1), ("mesh_tiny", 16, 2), ("mesh1k", 32, 2))
 CONV_OPS = ("forward", "data grad", "filter grad")
 
 
