@@ -421,6 +421,17 @@ def run_models(dtype, repeats: int, quick: bool, max_size: int = 0, only: str | 
     return 0
 
 
+def _models_main(args, dtype) -> int:
+    import torch
+
+    repeats = min(args.repeats, 3) if args.quick else args.repeats
+    print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU (torch.nn.functional / aten), "
+          f"{args.dtype}, 1 thread (torch threads {torch.get_num_threads()}), interleaved, median of "
+          f">= {repeats} after 1 warm-up")
+    only = None if args.only == "maxpool" else args.only
+    return run_models(dtype, repeats, args.quick, args.max_size, only)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -463,11 +474,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dtype = np.dtype(args.dtype)
     if args.models:
-        print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU (torch.nn.functional / aten), "
-              f"{args.dtype}, 1 thread (torch threads {torch.get_num_threads()}), interleaved, median of "
-              f">= {min(args.repeats, 3) if args.quick else args.repeats} after 1 warm-up")
-        return run_models(dtype, min(args.repeats, 3) if args.quick else args.repeats, args.quick,
-                          args.max_size, None if args.only == "maxpool" else args.only)
+        return _models_main(args, dtype)
     cases = default_cases(args.full)
     if args.only:
         cases = [c for c in cases if c.kind == args.only]
