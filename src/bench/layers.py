@@ -432,8 +432,7 @@ def _models_main(args, dtype) -> int:
     return run_models(dtype, repeats, args.quick, args.max_size, only)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lbannpy.bench layers",
         description="Forward+backward time of our local conv / max-pool / batch-norm kernels against PyTorch "
@@ -456,6 +455,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="gpu: our kernels on CuPy against PyTorch CUDA on this node's GPU (exits 0 with "
                              "one line when there is none)")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
