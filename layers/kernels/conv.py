@@ -59,7 +59,8 @@ CPU_COLUMN_BYTES = 8 * 1024 * 1024
 # the data gradient is a flipped convolution (gathering F*K rows per column) while F <= this x C, and a GEMM
 # plus col2im scatter (C*K rows) beyond: measured at C = 18, F = 16 / 32 / 64 on one core
 GATHER_DATA_GRAD_MAX_RATIO = 1.25
-# ... and from this many input channels per group on whatever the filter count: the flipped convolution runs
+# ... and from this many input channels per group on, unless F < C / 1.25 (a few filters: the flipped
+# convolution gathers only F*K rows, 1024 -> 2 channels 10x faster than col2im): the flipped convolution runs
 # over the whole window (padding included: 10x10 for the 8x8 outputs of a deep layer), col2im's GEMM over
 # the outputs only, and its per-tap scatter is cheap next to a GEMM of >= 64*K rows (measured 3x3, 7x7 to
 # 64x64 outputs, 256-768 channels: col2im 0.8-0.98x the flipped convolution's time)
@@ -361,7 +362,8 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
     compiled = _compiled(dy, w, out, channels=geo.fg, row=geo.window[-1])
-    if not compiled and (geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg or geo.cg >= COL2IM_MIN_CHANNELS):
+    ratio, cg, fg = GATHER_DATA_GRAD_MAX_RATIO, geo.cg, geo.fg
+    if not compiled and (fg > ratio * cg or (cg >= COL2IM_MIN_CHANNELS and fg * ratio >= cg)):
         # the flipped convolution would gather F*K rows per column, col2im scatters only C*K
         return _backward_data_col2im(dy, w, geo, out)
     if all(s == 1 for s in geo.stride):
