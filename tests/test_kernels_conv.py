@@ -156,6 +156,7 @@ def test_conv_float64_matches_torch(case, kernel_path, monkeypatch):
     # data gradient through the flipped convolution (per stride phase) wherever it applies, and one output
     # row per gathered block: the blocking that large images take
     monkeypatch.setattr(kconv, "GATHER_DATA_GRAD_MAX_RATIO", float("inf"))
+    monkeypatch.setattr(kconv, "COL2IM_MIN_CHANNELS", float("inf"))
     monkeypatch.setattr(kconv, "CPU_COLUMN_BYTES", 1)
     _check(case, x, w, b, 1e-10, ref)
     # data gradient through GEMM + col2im scatter (NumPy path), default blocks
@@ -335,3 +336,22 @@ def test_conv_cupy_matches_numpy():
                 conv_backward_filter(xw, dy, w.shape, case.stride, case.dilation)]
         for g, r in zip(got, want):
             assert_close(cp.asnumpy(g), r, 1e-10)
+
+
+def test_conv_sample_chunks_match_one_chunk(monkeypatch):
+    """The GEMM path with chunks of 2 samples (the last one short) and with one chunk of all 5 agree."""
+    monkeypatch.setattr(kconv, "USE_COMPILED", False)
+    rng = np.random.default_rng(5)
+    xw = rng.standard_normal((5, 6, 11, 9))
+    w = rng.standard_normal((8, 6, 3, 3))
+    b = rng.standard_normal(8)
+    dy = rng.standard_normal((5, 8, 5, 4))
+    got = {}
+    per_sample = 6 * 9 * 5 * 4 * 8  # columns of one sample, float64 bytes
+    for budget in (2 * per_sample, 1 << 30):
+        monkeypatch.setattr(kconv, "CPU_COLUMN_BYTES", budget)
+        monkeypatch.setattr(kconv, "GATHER_DATA_GRAD_MAX_RATIO", 0.0)  # col2im data gradient
+        got[budget] = (conv_forward(xw, w, b, 2), conv_backward_data(dy, w, xw.shape, 2),
+                       conv_backward_filter(xw, dy, w.shape, 2))
+    for a, c in zip(*got.values()):
+        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)

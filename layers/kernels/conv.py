@@ -26,12 +26,14 @@ per stride phase of the window with the matching sub-filter (column stride 2: bo
 call, written interleaved; otherwise into a phase array merged into ``dx`` afterwards). Stride and
 dilation both > 1 take the NumPy col2im path below.
 
-NumPy / CuPy path (the array module is taken from the arguments): per sample and group, the outputs are
-taken in blocks of rows of the first spatial dimension; each block's columns (``Cg*prod(kernel)`` x
-``rows*rest``) are gathered from a strided view of the window into a reused buffer, and a single GEMM
-(``F x Cg*K`` times ``Cg*K x P``) produces the block's outputs directly in NCHW order. The filter gradient
-is the same gather followed by ``dy_block @ cols.T``. The data gradient is the flipped convolution above
-on the same path, or a GEMM plus col2im scatter when F > 1.25 C or stride and dilation are both > 1.
+NumPy / CuPy path (the array module is taken from the arguments; see _conv_gemm.py): the columns of a
+chunk of samples (``Cg*prod(kernel)`` x ``samples*outputs``, as many whole samples as fit a column budget,
+row blocks of one sample where a single sample does not) are gathered at once from a strided view of the
+window, and one GEMM per chunk and group (``F x Cg*K`` times ``Cg*K x nb*L``) produces the chunk's outputs,
+moved into NCHW order with one copy. The filter gradient is the same gather followed by
+``dy_chunk @ cols.T``. The data gradient is the flipped convolution above on the same path, or a GEMM
+``w.T @ dy_chunk`` plus a col2im scatter (one strided add per tap over the chunk) when F > 1.25 C, from 64
+channels per group on, or when stride and dilation are both > 1.
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ import numpy as np
 
 from lbannpy.backend import array_module, is_gpu_array
 
+from . import _conv_gemm as _gemm
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
-from ._geometry import KernelShapeError, per_dim, tap_view, valid_output_shape
+from ._geometry import KernelShapeError, per_dim, valid_output_shape
 from .padding import pad_spatial
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
@@ -56,6 +59,12 @@ CPU_COLUMN_BYTES = 8 * 1024 * 1024
 # the data gradient is a flipped convolution (gathering F*K rows per column) while F <= this x C, and a GEMM
 # plus col2im scatter (C*K rows) beyond: measured at C = 18, F = 16 / 32 / 64 on one core
 GATHER_DATA_GRAD_MAX_RATIO = 1.25
+# ... and from this many input channels per group on, unless F < C / 1.25 (a few filters: the flipped
+# convolution gathers only F*K rows, 1024 -> 2 channels 10x faster than col2im): the flipped convolution runs
+# over the whole window (padding included: 10x10 for the 8x8 outputs of a deep layer), col2im's GEMM over
+# the outputs only, and its per-tap scatter is cheap next to a GEMM of >= 64*K rows (measured 3x3, 7x7 to
+# 64x64 outputs, 256-768 channels: col2im 0.8-0.98x the flipped convolution's time)
+COL2IM_MIN_CHANNELS = 64
 # on a GPU, larger blocks amortise kernel launches; memory, not cache, bounds them
 GPU_COLUMN_BYTES = 64 * 1024 * 1024
 
@@ -130,11 +139,6 @@ class ConvGeometry:
         per_row = self.cg * self.ntaps * self.rest * itemsize
         return max(1, min(self.out[0], budget // max(per_row, 1)))
 
-    def blocks(self, itemsize: int, budget: int):
-        rb = self.rows_per_block(itemsize, budget)
-        for o0 in range(0, self.out[0], rb):
-            yield o0, min(o0 + rb, self.out[0])
-
 
 def _budget(arr) -> int:
     return GPU_COLUMN_BYTES if is_gpu_array(arr) else CPU_COLUMN_BYTES
@@ -147,24 +151,6 @@ def _check_dtypes(*arrays):
             got = [str(a.dtype) for a in arrays if a is not None]
             raise KernelShapeError(f"conv: all arrays must share one dtype, got {got}")
     return dt
-
-
-def _block_index(nsp: int, o0: int, o1: int) -> tuple:
-    """Index of output rows ``[o0, o1)`` in a tap view ``(Cg, *kernel, *out)``."""
-    return (slice(None),) * (1 + nsp) + (slice(o0, o1),)
-
-
-def _view(xp, arr, geo: ConvGeometry):
-    return tap_view(xp, arr, geo.kernel, geo.out, geo.stride, geo.dilation)
-
-
-def _gather(xp, view, geo: ConvGeometry, o0: int, o1: int, buf):
-    """Columns of output rows ``[o0, o1)``: a ``(Cg*K, rows*rest)`` matrix in ``buf``."""
-    nsp = len(geo.kernel)
-    p = (o1 - o0) * geo.rest
-    col = buf[:geo.cg * geo.ntaps * p].reshape((geo.cg,) + geo.kernel + (o1 - o0,) + geo.out[1:])
-    xp.copyto(col, view[_block_index(nsp, o0, o1)])
-    return col.reshape(geo.cg * geo.ntaps, p)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -341,43 +327,19 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
     if out is not None and not out.flags.c_contiguous:
         out[...] = conv_forward(x_window, w, b, stride, dilation)
         return out
-    cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
     y = xp.empty(geo.out_shape, dtype=dt) if out is None else out
-    w2 = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps)
-    bias = None if b is None else b.reshape(geo.groups, fg, 1)
-    buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, x_window[n, g * cg:(g + 1) * cg], geo)
-            yg = y[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                col = _gather(xp, view, geo, o0, o1, buf)
-                out = yg[:, o0 * geo.rest:o1 * geo.rest]
-                xp.matmul(w2[g], col, out=out)
-                if bias is not None:
-                    out += bias[g]
-    return y
+    return _gemm.forward(xp, x_window, w, b, geo, y, _budget(x_window))
 
 
 def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
     """Gradient w.r.t. the filter, shape ``w_shape`` (``(F, C/groups, *K)``), from the window and ``dy``."""
     xp = array_module(x_window)
-    dt = _check_dtypes(x_window, dy)
+    _check_dtypes(x_window, dy)
     geo = ConvGeometry.make(x_window.shape, w_shape, stride, dilation)
     _check_dy(dy, geo)
     if _compiled(x_window, dy, channels=geo.cg, row=geo.out[-1]):
         return _backward_filter_compiled(x_window, dy, w_shape, geo)
-    cg, fg, budget = geo.cg, geo.fg, _budget(x_window)
-    dw2 = xp.zeros((geo.groups, fg, cg * geo.ntaps), dtype=dt)
-    buf = xp.empty(cg * geo.ntaps * geo.rows_per_block(dt.itemsize, budget) * geo.rest, dtype=dt)
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, x_window[n, g * cg:(g + 1) * cg], geo)
-            dyg = dy[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                col = _gather(xp, view, geo, o0, o1, buf)
-                dw2[g] += dyg[:, o0 * geo.rest:o1 * geo.rest] @ col.T
-    return dw2.reshape(tuple(w_shape))
+    return _gemm.backward_filter(xp, x_window, dy, geo, _budget(x_window)).reshape(tuple(w_shape))
 
 
 def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
@@ -391,7 +353,8 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     (``dx[..., a::s]``) is such a stride-1 convolution with the sub-filter ``w[..., a::s]``. Both run on the
     forward kernel's GEMM path. Other combinations (stride and dilation both > 1) use a GEMM followed by
     a scatter-add (col2im), as do filters with many more outputs than inputs (F > 1.25 C), where gathering
-    ``dy``'s columns would cost more than scattering the window's.
+    ``dy``'s columns would cost more than scattering the window's, and convolutions of 64 or more channels
+    per group (col2im's GEMM covers the outputs, the flipped convolution the larger padded window).
     """
     dt = _check_dtypes(dy, w)
     geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
@@ -399,7 +362,8 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
     compiled = _compiled(dy, w, out, channels=geo.fg, row=geo.window[-1])
-    if geo.fg > GATHER_DATA_GRAD_MAX_RATIO * geo.cg and not compiled:
+    ratio, cg, fg = GATHER_DATA_GRAD_MAX_RATIO, geo.cg, geo.fg
+    if not compiled and (fg > ratio * cg or (cg >= COL2IM_MIN_CHANNELS and fg * ratio >= cg)):
         # the flipped convolution would gather F*K rows per column, col2im scatters only C*K
         return _backward_data_col2im(dy, w, geo, out)
     if all(s == 1 for s in geo.stride):
@@ -512,30 +476,8 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
 
 def _backward_data_col2im(dy, w, geo: ConvGeometry, out=None):
     xp = array_module(dy)
-    dt = dy.dtype
-    cg, fg, budget = geo.cg, geo.fg, _budget(dy)
-    if out is None:
-        dx = xp.zeros((geo.batch, geo.channels) + geo.window, dtype=dt)
-    else:
-        dx = out
-        dx[...] = 0
-    w2t = xp.ascontiguousarray(w).reshape(geo.groups, fg, cg * geo.ntaps).transpose(0, 2, 1)
-    rb = geo.rows_per_block(dt.itemsize, budget)
-    buf = xp.empty(cg * geo.ntaps * rb * geo.rest, dtype=dt)
-    taps = list(itertools.product(*(range(k) for k in geo.kernel)))
-    for n in range(geo.batch):
-        for g in range(geo.groups):
-            view = _view(xp, dx[n, g * cg:(g + 1) * cg], geo)
-            dyg = dy[n, g * fg:(g + 1) * fg].reshape(fg, -1)
-            for o0, o1 in geo.blocks(dt.itemsize, budget):
-                p = (o1 - o0) * geo.rest
-                dcol = buf[:cg * geo.ntaps * p].reshape(cg * geo.ntaps, p)
-                xp.matmul(w2t[g], dyg[:, o0 * geo.rest:o1 * geo.rest], out=dcol)
-                dcol = dcol.reshape((cg,) + geo.kernel + (o1 - o0,) + geo.out[1:])
-                for tap in taps:
-                    idx = (slice(None),) + tap + (slice(o0, o1),)
-                    view[idx] += dcol[(slice(None),) + tap]
-    return dx
+    dx = xp.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype) if out is None else out
+    return _gemm.backward_data_col2im(xp, dy, w, geo, dx, _budget(dy))
 
 
 def conv_backward_bias(dy):

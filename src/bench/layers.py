@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 TARGET_CONV_RATIO = 1.5
+TARGET_MODEL_CONV_RATIO = 1.2  # --models: every conv shape and op
 
 
 def _one_thread_or_reexec(argv) -> None:
@@ -258,8 +259,180 @@ def gpu_missing() -> str:
     return ""
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+# --------------------------------------------------------------------------------------------------------
+# --models: every distinct conv and batch-norm shape of the zoo models, as they train
+
+# (zoo model, input size, batch size) as the models train; --quick shrinks input and batch
+MODEL_RUNS = (("lenet5", 32, 32), ("alexnet", 128, 32), ("mesh_tiny", 64, 8), ("mesh1k", 256, 2),
+              ("mesh1k", 1024, 1))
+QUICK_RUNS = (("lenet5", 32, 2), ("alexnet", 64, 1), ("mesh_tiny", 16, 2), ("mesh1k", 32, 2))
+CONV_OPS = ("forward", "data grad", "filter grad")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One distinct conv or batch-norm shape of a zoo model (2-D, symmetric padding per dimension)."""
+
+    kind: str  # conv | batchnorm
+    x_shape: tuple  # (N, C, H, W)
+    filters: int = 0
+    kernel: tuple = ()
+    stride: tuple = ()
+    pad: tuple = ()
+    dilation: tuple = ()
+
+    @property
+    def id(self) -> str:
+        shape = "x".join(str(n) for n in self.x_shape)
+        if self.kind == "batchnorm":
+            return f"bn {shape}"
+        k = "x".join(str(n) for n in self.kernel)
+        return f"conv {shape}->{self.filters} k{k} s{self.stride[0]} p{self.pad[0]}"
+
+
+def model_shapes(runs=MODEL_RUNS, max_size: int = 0) -> list[tuple[str, LayerShape]]:
+    """``(model label, shape)`` of every distinct conv / batch-norm shape of ``runs``, from the zoo specs
+    through the model graph; the first model that has a shape names it. ``max_size``: skip inputs larger."""
+    from lbannpy.strategy.graph import build_graph
+    from lbannpy.zoo import get_spec
+
+    seen: dict[LayerShape, str] = {}
+    for name, size, batch in runs:
+        if max_size and size > max_size:
+            continue
+        graph = build_graph(get_spec(name, batch_size=batch, input_size=size)["model"], batch)
+        for node in graph.nodes:
+            if node.type == "batchnorm":
+                shape = LayerShape("batchnorm", tuple(node.in_shape))
+            elif node.type == "conv":
+                dims = node.stencil.dims[2:]
+                if any(d.pad_lo != d.pad_hi for d in dims):
+                    raise ValueError(f"{name} {node.name}: asymmetric padding is not benchmarked")
+                shape = LayerShape("conv", tuple(node.in_shape), node.out_shape[1],
+                                   tuple(d.kernel for d in dims), tuple(d.stride for d in dims),
+                                   tuple(d.pad_lo for d in dims), tuple(d.dilation for d in dims))
+            else:
+                continue
+            seen.setdefault(shape, f"{name} {size}^2 b{batch}")
+    return [(label, shape) for shape, label in seen.items()]
+
+
+def _model_conv_ops(shape: LayerShape, dtype):
+    """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from lbannpy.layers import kernels as K
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape.x_shape).astype(dtype)
+    w = (rng.standard_normal((shape.filters, shape.x_shape[1]) + shape.kernel) * 0.1).astype(dtype)
+    b = rng.standard_normal(shape.filters).astype(dtype)
+    pads = [(p, p) for p in shape.pad]
+    xw = K.pad_spatial(x, pads)
+    s, d = shape.stride, shape.dilation
+    dy = rng.standard_normal(K.conv_forward(xw, w, b, s, d).shape).astype(dtype)
+    dwindow = np.empty_like(xw)  # the layer's window-gradient workspace, reused
+    xt, wt, bt, dyt = (torch.from_numpy(a) for a in (x, w, b, dy))
+    conv_bwd = torch.ops.aten.convolution_backward
+
+    def t_bwd(mask):
+        return lambda: conv_bwd(dyt, xt, wt, [shape.filters], list(s), list(shape.pad), list(d), False,
+                                [0, 0], 1, mask)
+    return {
+        "forward": (lambda: K.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
+                    lambda: F.conv2d(xt, wt, bt, s, shape.pad, d)),
+        "data grad": (lambda: np.ascontiguousarray(K.crop_spatial(
+                          K.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
+                      t_bwd([True, False, False])),
+        "filter grad": (lambda: (K.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
+                        t_bwd([False, True, True])),
+    }
+
+
+def _model_bn_ops(shape: LayerShape, dtype):
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    case = BenchCase("batchnorm", shape.x_shape[0], shape.x_shape[1], shape.x_shape[2])
+    host = rng.standard_normal(shape.x_shape).astype(dtype)
+    ours, torch_fn = _batchnorm_pair(case, dtype, rng, host, np, torch.from_numpy, lambda: None)
+    return {"fwd+bwd": (ours, torch_fn(torch.contiguous_format))}
+
+
+def time_pair(ours, theirs, repeats: int, adaptive: bool = True) -> tuple[float, float]:
+    """Median seconds of ``ours`` and ``theirs``, one warm-up call each, then interleaved rounds (the order
+    alternating); short calls get more rounds (about ``MIN_TIMED_S`` each, at most ``MAX_REPEATS``)."""
+    import statistics
+
+    fns = [ours, theirs]
+    longest = 0.0
+    for fn in fns:
+        t0 = time.perf_counter()
+        fn()
+        longest = max(longest, time.perf_counter() - t0)
+    if adaptive:
+        repeats = max(repeats, min(MAX_REPEATS, int(MIN_TIMED_S / max(longest, 1e-6))))
+    times: list[list[float]] = [[], []]
+    for r in range(repeats):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def run_models(dtype, repeats: int, quick: bool, max_size: int = 0, only: str | None = None) -> int:
+    """The ``--models`` table: one row per shape and op, then per kind the geometric mean and worst ratio."""
+    import numpy as np
+
+    shapes = model_shapes(QUICK_RUNS if quick else MODEL_RUNS, max_size)
+    if only:
+        shapes = [(m, s) for m, s in shapes if s.kind == only]
+    n_conv = sum(s.kind == "conv" for _, s in shapes)
+    runs = ", ".join(f"{m} {sz}^2 batch {b}" for m, sz, b in (QUICK_RUNS if quick else MODEL_RUNS)
+                     if not max_size or sz <= max_size)
+    print(f"zoo model layer shapes: {n_conv} conv, {len(shapes) - n_conv} batchnorm (runs: {runs})")
+    head = f"{'model':<20} {'shape':<42} {'op':<12} {'ours ms':>10} {'torch ms':>10} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    ratios: dict[str, list[tuple[float, str]]] = {}
+    for model, shape in shapes:
+        ops = _model_conv_ops(shape, dtype) if shape.kind == "conv" else _model_bn_ops(shape, dtype)
+        for op, (ours, theirs) in ops.items():
+            # large calls (seconds each) get fewer rounds
+            t_ours, t_torch = time_pair(ours, theirs, repeats, adaptive=not quick)
+            ratio = t_ours / t_torch
+            ratios.setdefault(shape.kind, []).append((ratio, f"{shape.id} {op}"))
+            print(f"{model:<20} {shape.id:<42} {op:<12} {t_ours * 1e3:10.2f} {t_torch * 1e3:10.2f} "
+                  f"{ratio:6.2f}", flush=True)
+    print()
+    for kind, rs in ratios.items():
+        geo = float(np.exp(np.mean(np.log([r for r, _ in rs]))))
+        worst = max(rs)
+        line = (f"{kind:<10} ratio ours/torch over {len(rs)} rows: geometric mean {geo:.2f}, "
+                f"worst {worst[0]:.2f} ({worst[1]})")
+        if kind == "conv":
+            verdict = "met" if worst[0] <= TARGET_MODEL_CONV_RATIO else "NOT met"
+            line += f"; target <= {TARGET_MODEL_CONV_RATIO} on every shape: {verdict}"
+        print(line)
+    return 0
+
+
+def _models_main(args, dtype) -> int:
+    import torch
+
+    repeats = min(args.repeats, 3) if args.quick else args.repeats
+    print(f"lbannpy layer kernels vs PyTorch {torch.__version__} CPU (torch.nn.functional / aten), "
+          f"{args.dtype}, 1 thread (torch threads {torch.get_num_threads()}), interleaved, median of "
+          f">= {repeats} after 1 warm-up")
+    only = None if args.only == "maxpool" else args.only
+    return run_models(dtype, repeats, args.quick, args.max_size, only)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lbannpy.bench layers",
         description="Forward+backward time of our local conv / max-pool / batch-norm kernels against PyTorch "
@@ -268,13 +441,26 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"), help="run one layer kind")
     parser.add_argument("--full", action="store_true", help="add the large (1024^2, 64 filters) conv shapes")
-    parser.add_argument("--quick", action="store_true", help="256^2 shapes only and 3 repeats (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="256^2 shapes only and 3 repeats (smoke test); with --models: tiny inputs")
+    parser.add_argument("--models", action="store_true",
+                        help="every distinct conv (forward, data grad, filter grad) and batch-norm shape of "
+                             "lenet5, alexnet, mesh_tiny and mesh1k at their training sizes")
+    parser.add_argument("--max-size", type=int, default=0,
+                        help="with --models: skip model inputs larger than this (e.g. 256 leaves out mesh1k "
+                             "at 1024^2)")
     parser.add_argument("--conv-kernel", choices=("default", "numpy"), default="default",
                         help="numpy: time the NumPy im2col conv path even where the compiled kernels "
                              "are built")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="gpu: our kernels on CuPy against PyTorch CUDA on this node's GPU (exits 0 with "
                              "one line when there is none)")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -292,6 +478,8 @@ def main(argv=None) -> int:
             return 0
     torch.set_num_threads(1)
     dtype = np.dtype(args.dtype)
+    if args.models:
+        return _models_main(args, dtype)
     cases = default_cases(args.full)
     if args.only:
         cases = [c for c in cases if c.kind == args.only]
