@@ -88,7 +88,8 @@ def test_plain_progress_lines_for_logs():
     assert steps == sorted(steps) and len(lines) < 30 and any(b - a < 10 for a, b in zip(steps, steps[1:]))
 
 
-BENCH = ["halo", "overlap", "memory", "scaling", "strategy", "data", "scale", "peer", "costmodel"]
+BENCH = ["halo", "overlap", "memory", "scaling", "strategy", "data", "scale", "peer", "costmodel", "overhead",
+         "layers", "calibrate"]
 
 
 @pytest.mark.parametrize("cmd", [["lbannpy.data"], ["lbannpy.data", "mesh"], ["lbannpy.data", "blobs"]]
@@ -103,7 +104,7 @@ def test_more_help_texts(cmd):
     # every option has a help text on its line or the next
     for i, ln in enumerate(lines[start + 1:], start + 1):
         s = ln.strip()
-        if not s.startswith("-"):
+        if not (ln.startswith("  -") and not ln.startswith("   ")):  # not an option's own line
             continue
         own = len([x for x in s.split("  ") if x.strip()]) > 1
         nxt = lines[i + 1] if i + 1 < len(lines) else ""

@@ -19,6 +19,8 @@ Needs at least 2 ranks; started alone it relaunches itself under ``mpiexec -n 2`
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import datetime
 import math
@@ -298,12 +300,13 @@ def _memory_gib(xp, ranks_per_node: int) -> float:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate",
-                                 description=__doc__.split("\n")[0])
+                                 description=describe(__doc__))
     ap.add_argument("-o", "--output", default="machine.yaml",
                     help="machine file to write (default ./machine.yaml)")
     ap.add_argument("--name", default=None, help="machine name in the file (default: the host name)")
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--backend", choices=("auto", "mpi", "nccl"), default="auto")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="array backend (default cpu)")
+    ap.add_argument("--backend", choices=("auto", "mpi", "nccl"), default="auto",
+                    help="communication backend (default auto: nccl on gpu under MPI, else mpi)")
     ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                     help="largest message (default 64 MiB)")
     ap.add_argument("--gemm", type=int, default=1024, help="GEMM size n for gamma (n x n x n, default 1024)")

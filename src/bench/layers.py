@@ -317,8 +317,15 @@ def model_shapes(runs=MODEL_RUNS, max_size: int = 0) -> list[tuple[str, LayerSha
     return [(label, shape) for shape, label in seen.items()]
 
 
+KERNELS = ["own"]  # the conv kernel set of --models (--kernels)
+
+
 def _model_conv_ops(shape: LayerShape, dtype):
-    """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient."""
+    """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient, ours
+    from the kernel set of ``--kernels``."""
+    from lbannpy.layers.kernels.select import conv_kernels
+
+    ks = conv_kernels(KERNELS[0])
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -341,12 +348,12 @@ def _model_conv_ops(shape: LayerShape, dtype):
         return lambda: conv_bwd(dyt, xt, wt, [shape.filters], list(s), list(shape.pad), list(d), False,
                                 [0, 0], 1, mask)
     return {
-        "forward": (lambda: K.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
+        "forward": (lambda: ks.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
                     lambda: F.conv2d(xt, wt, bt, s, shape.pad, d)),
         "data grad": (lambda: np.ascontiguousarray(K.crop_spatial(
-                          K.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
+                          ks.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
                       t_bwd([True, False, False])),
-        "filter grad": (lambda: (K.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
+        "filter grad": (lambda: (ks.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
                         t_bwd([False, True, True])),
     }
 
@@ -438,8 +445,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Forward+backward time of our local conv / max-pool / batch-norm kernels against PyTorch "
                     "CPU, at one thread, interleaved, median of repeats.")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per contender (default 7)")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"), help="run one layer kind")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="floating-point type (default float32)")
+    parser.add_argument("--kernels", choices=("own", "aten"), default="own",
+                        help="with --models: lbannpy's conv kernel set timed against PyTorch "
+                             "(runtime.kernels; aten: PyTorch's own kernels through DLPack, so the ratio is "
+                             "lbannpy's wrapping) (default own)")
+    parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"),
+                        help="run one layer kind (default: all)")
     parser.add_argument("--full", action="store_true", help="add the large (1024^2, 64 filters) conv shapes")
     parser.add_argument("--quick", action="store_true",
                         help="256^2 shapes only and 3 repeats (smoke test); with --models: tiny inputs")
@@ -462,6 +475,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
+    KERNELS[0] = args.kernels
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.conv_kernel == "numpy":

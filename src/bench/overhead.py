@@ -12,6 +12,8 @@ Times are medians over rounds of ``steps`` steps; per layer in microseconds, aga
 """
 from __future__ import annotations
 
+from lbannpy.bench import describe
+
 import argparse
 import sys
 import time
@@ -113,7 +115,7 @@ def report(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, size: i
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overhead", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overhead", description=describe(__doc__))
     ap.add_argument("--quick", action="store_true", help="few steps (a format check, not a timing)")
     ap.add_argument("--steps", type=int, default=200, help="steps per round (default 200)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
