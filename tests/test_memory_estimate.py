@@ -64,7 +64,9 @@ def test_estimate_is_within_a_factor_of_two_of_the_measured_peak(tmp_path):
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["code"] == 0
     est = json.loads((tmp_path / "out" / "summary.json").read_text())["memory_estimate"]
-    predicted = est["peak_bytes"] - est["runtime_bytes"]  # the measured delta starts after the imports
+    # the measured delta starts after the imports of CHILD; torch (the ATen kernels, runtime.kernels auto) is
+    # imported during the run, so its term stays in both
+    predicted = est["peak_bytes"] - M.RUNTIME_BYTES
     measured = got["peak"] - got["base"]
     assert predicted > 2 ** 27, est  # the arrays dominate
     print(f"measured {measured / 2 ** 20:.0f} MiB, predicted {predicted / 2 ** 20:.0f} MiB")

@@ -23,6 +23,8 @@ GIB = 1024 ** 3
 # the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a rank of a tiny run peaks at
 # about 100 MB resident on Linux x86-64)
 RUNTIME_BYTES = 96 * 2 ** 20
+# PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (measured: about 210 MiB)
+ATEN_BYTES = 224 * 2 ** 20
 INDEX_ARRAYS = 3  # indices, the epoch's permutation and the permuted order (int64 each)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -169,7 +171,17 @@ def estimate(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir: str
     optimizer = str((cfg.get("optimizer") or {}).get("type", "sgd"))
     model = strategy_memory(graph, dists, machine, optimizer)
     batch, index = data_memory(cfg, graph.input_shape, input_dist, base_dir) if data else (0, 0)
-    return MemoryEstimate(ranks, model, batch, index, strategy or "parallel as written")
+    runtime = RUNTIME_BYTES + (ATEN_BYTES if _uses_aten(cfg) else 0)
+    return MemoryEstimate(ranks, model, batch, index, strategy or "parallel as written", runtime)
+
+
+def _uses_aten(cfg: dict) -> bool:
+    """Whether the run will load torch for its kernels (``runtime.kernels``: aten, or auto with torch
+    installed and, on a GPU, assumed to see one); decided without importing torch."""
+    import importlib.util
+
+    kernels = (cfg.get("runtime") or {}).get("kernels", "auto")
+    return kernels == "aten" or (kernels == "auto" and importlib.util.find_spec("torch") is not None)
 
 
 def refusal(est: MemoryEstimate, cfg: dict) -> str | None:
