@@ -79,6 +79,7 @@ class Trainer:
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
         self.memory = parts.memory
+        self._bar = None  # the progress bar (or plain lines) of rank 0 while run() goes on
         if world.rank == 0 and not self.quiet and self.memory is not None:
             print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
         if self.rt.device == "gpu":  # batches go up one ahead, asynchronously, from pinned memory
@@ -263,7 +264,7 @@ class Trainer:
 
     def _say(self, msg: str) -> None:
         """One line on stderr that leaves a terminal's progress bar intact."""
-        bar = getattr(self, "_bar", None)
+        bar = self._bar
         if bar is not None and hasattr(bar, "write"):
             bar.write(f"lbannpy.train: {msg}", file=sys.stderr)
         else:
@@ -370,7 +371,7 @@ class Trainer:
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
-        if getattr(self, "memory", None) is not None:
+        if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
         self.report.bucket_clock = self.sync.engine.clock
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
