@@ -108,6 +108,10 @@ class LayerContext:
         self._partitions: dict = {}  # partition key -> communicator
         self._tags = 100
         self._workspace = Scratch(xp)
+        # the conv kernel set of the run (runtime.kernels; None: lbannpy's own) and, per (local input shape,
+        # local output shape), the set a calibration found faster there (kernels/select.kernel_table)
+        self.conv_kernels = None
+        self.conv_kernel_table: dict = {}
 
     @property
     def rank(self) -> int:

@@ -104,12 +104,16 @@ class Conv(Layer):
     # -- forward ---------------------------------------------------------------------------------------
     @property
     def kern(self):
-        """The convolution kernels of this run (``runtime.kernels``: the context's, else lbannpy's own)."""
+        """The convolution kernels of this layer: the set a calibration chose for its local shapes, else the
+        run's (``runtime.kernels``), else lbannpy's own (:mod:`.kernels.select`)."""
         k = self.__dict__.get("_kern")
         if k is None:
             from .kernels.select import own
 
-            k = self._kern = getattr(self.ctx, "conv_kernels", None) or own()
+            ctx, rank = self.ctx, self.ctx.rank
+            shapes = (tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
+                      tuple(self.out_dist.local_shape(self.out_shape, rank)))
+            k = self._kern = ctx.conv_kernel_table.get(shapes) or ctx.conv_kernels or own()
         return k
 
     def _conv(self, xwin, out=None, index=None):

@@ -28,6 +28,10 @@ A machine file is YAML (read with :func:`lbannpy.yamlsafe.load`: never evaluated
         - {type: conv, in: [16, 64, 56, 56], out: [16, 64, 56, 56], split: [4, 1, 1, 1], procs: 4,
            fwd_s: 0.0043}                                  # optional procs (with split): timed while that
                                                            # many ranks ran on the node, core sharing included
+        - {type: conv, in: [32, 6, 14, 14], out: [32, 16, 10, 10], fwd_s: 0.0006, bwd_data_s: 0.0005,
+           bwd_weights_s: 0.0007, kernel: aten}             # optional kernel (conv): the faster set at this
+                                                           # shape, whose times the row holds; what
+                                                           # `runtime.kernels: auto` takes for the shape
     measured_on: {date: ..., host: ...}                    # optional, written by `lbannpy.bench calibrate`
     fit: {...}                                             # optional, the calibration's fit errors (not read)
 
@@ -142,6 +146,8 @@ class Machine:
     redistribution_link: Link | None = None
     dtype_bytes: int = 4  # bytes per tensor element (float32)
     measured: Mapping[tuple, tuple[float, float, float]] = field(default_factory=dict, compare=False)
+    # (type, local input shape, local output shape) -> the kernel set a calibration found faster there
+    kernels: Mapping[tuple, str] = field(default_factory=dict, compare=False)
     # Compute slots (CPU cores, or devices) of one node that its ranks share; 0 = at least one per rank, the
     # case of one rank per GPU. γ, mem_s_per_byte and measured tables are per rank with a slot to itself.
     cores_per_node: int = 0
@@ -208,7 +214,8 @@ _TOP_KEYS = ("name", "source", "comment", "ranks_per_node", "cores_per_node", "m
 _SECTION_KEYS = {"intra": _LINK_KEYS, "inter": _LINK_KEYS, "redistribution": _LINK_KEYS,
                  "allreduce": _LINK_KEYS + ("threshold_bytes", "algorithm"),
                  "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured")}
-_MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s")
+_MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s", "kernel")
+KERNEL_SETS = ("own", "aten")  # the conv kernel sets a measured row may name (layers/kernels/select.py)
 
 
 class _Reader:
@@ -254,12 +261,13 @@ class _Reader:
         return Link(self.number(sec["alpha_s"], f"{key}.alpha_s"),
                     self.number(sec["beta_s_per_byte"], f"{key}.beta_s_per_byte", positive=True))
 
-    def measured(self, rows: Any) -> dict[tuple, tuple[float, float, float]]:
+    def measured(self, rows: Any) -> tuple[dict[tuple, tuple[float, float, float]], dict[tuple, str]]:
+        """The measured times by key, and the kernel set of the rows that name one."""
         if rows is None:
-            return {}
+            return {}, {}
         if not isinstance(rows, list):
             raise self.fail(f"compute.measured must be a list of rows, got {type(rows).__name__}")
-        out = {}
+        out, kernels = {}, {}
         for i, row in enumerate(rows):
             what = f"compute.measured[{i}]"
             try:
@@ -281,10 +289,15 @@ class _Reader:
                                  for k in ("fwd_s", "bwd_data_s", "bwd_weights_s"))
                 if "fwd_s" not in row:
                     raise KeyError("fwd_s")
+                if "kernel" in row:
+                    if row["kernel"] not in KERNEL_SETS or row["type"] != "conv":
+                        raise ValueError(f"kernel must be one of {', '.join(KERNEL_SETS)}, on a conv row, "
+                                         f"got {row['kernel']!r} on {row['type']!r}")
+                    kernels[key[:3]] = row["kernel"]
             except (KeyError, TypeError, ValueError) as exc:
                 raise self.fail(f"{what} needs type, in, out, fwd_s (and bwd_data_s, bwd_weights_s, split, "
-                                f"procs): {exc!r}") from None
-        return out
+                                f"procs, kernel): {exc!r}") from None
+        return out, kernels
 
 
 def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None) -> Machine:
@@ -317,6 +330,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
     measured_on = tree.get("measured_on") or {}
     if not isinstance(measured_on, Mapping):
         raise r.fail("measured_on must be a mapping")
+    measured, kernels = r.measured(comp.get("measured"))
     return Machine(
         name=str(tree.get("name", name)), intra=intra, inter=inter,
         ranks_per_node=r.integer(tree["ranks_per_node"], "ranks_per_node", 1, "a positive integer"),
@@ -329,7 +343,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
         allreduce_algorithm=algo, allreduce_link=ar_link,
         redistribution_link=None if rd is None else r.link(rd, "redistribution"),
         dtype_bytes=r.integer(tree.get("dtype_bytes", 4), "dtype_bytes", 1, "a positive integer (bytes)"),
-        measured=r.measured(comp.get("measured")),
+        measured=measured, kernels=kernels,
         cores_per_node=r.integer(tree.get("cores_per_node", 0), "cores_per_node", 0,
                                  "an integer >= 0 (0: one compute slot per rank)"),
         gradient_sync=sync, source=str(tree.get("source") or tree.get("comment") or ""),
@@ -352,7 +366,10 @@ def _to_dict(m: Machine) -> dict[str, Any]:
                 row["split"] = list(key[3])
             if len(key) > 4:
                 row["procs"] = key[4]
-            rows.append({**row, "fwd_s": fwd, "bwd_data_s": bwd_d, "bwd_weights_s": bwd_w})
+            row.update(fwd_s=fwd, bwd_data_s=bwd_d, bwd_weights_s=bwd_w)
+            if key[:3] in m.kernels:
+                row["kernel"] = m.kernels[key[:3]]
+            rows.append(row)
         compute["measured"] = rows
     d: dict[str, Any] = {"name": m.name, "source": m.source, "ranks_per_node": m.ranks_per_node}
     if m.cores_per_node:  # 0, one compute slot per rank, is the default

@@ -1,9 +1,11 @@
 """Which convolution kernels a run uses: lbannpy's own (:mod:`.conv`) or PyTorch's ATen (:mod:`.aten`).
 
 ``runtime.kernels``: ``own``; ``aten`` (an error where torch cannot run them); ``auto``: ATen where torch
-imports (and sees a GPU, for ``runtime.device: gpu``), else own. Every rank applies the same rule to the same
-installation, so all ranks of a job agree. Both sets compute the same convolutions (equal to float32
-round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``).
+imports (and sees a GPU, for ``runtime.device: gpu``), else own; and at every layer shape that a calibration
+of the run's machine (``parallel.machine``, written by ``python -m lbannpy.bench calibrate --kernels``)
+timed, the set it found faster there (:func:`kernel_table`). Every rank applies the same rule to the same
+installation and machine file, so all ranks of a layer agree. Both sets compute the same convolutions
+(equal to float32 round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``).
 """
 from __future__ import annotations
 
@@ -47,3 +49,17 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
                                     + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
         return own()
     return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter)
+
+
+def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
+    """``{(local input shape, local output shape): kernels}`` of the conv shapes ``machine`` (a
+    :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto``. A shape
+    whose set cannot run here (ATen without torch) is left to the rule of :func:`conv_kernels`."""
+    if choice != "auto" or not getattr(machine, "kernels", None):
+        return {}
+    sets = {"own": own()}
+    aten_set = conv_kernels("auto", device)
+    if aten_set.name == "aten":
+        sets["aten"] = aten_set
+    return {(key[1], key[2]): sets[name] for key, name in machine.kernels.items()
+            if key[0] == "conv" and name in sets}

@@ -34,6 +34,7 @@ import numpy as np
 from lbannpy.comm import Runtime
 from lbannpy.machine import machine_from_dict, machines_dir, ring_from_fit
 
+from .kernel_choice import conv_shapes, measure_kernels
 from .launch import relaunch_if_needed
 
 DEFAULT_MAX_BYTES = 64 << 20
@@ -315,6 +316,10 @@ def parse_args(argv):
                     help="the calls per size last about batches x target-ms")
     ap.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 3 batches, GEMM 512")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
+    ap.add_argument("--kernels", nargs="+", metavar="MODEL", default=[],
+                    help="also time lbannpy's own and PyTorch's ATen conv kernels at every conv shape of "
+                         "these models (zoo names, NAME:SIZE:BATCH, or spec/config files) and write the "
+                         "faster set per shape (runtime.kernels: auto takes it; CPU only; default: none)")
     return ap.parse_args(argv)
 
 
@@ -410,6 +415,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     check_output(args.output)
+    try:
+        conv_shapes(args.kernels, args.quick)  # a model that cannot be read fails now, not after the links
+    except Exception as exc:  # the zoo's, the spec reader's and the graph's errors: all one line
+        raise SystemExit(f"lbannpy.bench calibrate: --kernels: {exc}") from None
     code = relaunch_if_needed("calibrate", argv, args.ranks)
     if code is not None:
         return code
@@ -433,6 +442,13 @@ def main(argv=None) -> int:
                                                              args.batches)
         compute, slots, compute_tables = measure_compute(comm, xp, hosts, args.gemm, args.quick,
                                                          rt.local_size)
+        if args.kernels:
+            rows, lines = (measure_kernels(comm, args.kernels, args.quick) if rt.device == "cpu" else
+                           ([], ["conv kernels: timed on the CPU only (a GPU run takes cuDNN through ATen "
+                                 "where torch sees the GPU)"]))
+            compute_tables.append("\n".join(lines))
+            if rows:
+                compute["measured"] = rows
         if comm.rank == 0:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             data = {

@@ -320,15 +320,11 @@ def model_shapes(runs=MODEL_RUNS, max_size: int = 0) -> list[tuple[str, LayerSha
 KERNELS = ["own"]  # the conv kernel set of --models (--kernels)
 
 
-def _model_conv_ops(shape: LayerShape, dtype):
-    """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient, ours
-    from the kernel set of ``--kernels``."""
-    from lbannpy.layers.kernels.select import conv_kernels
-
-    ks = conv_kernels(KERNELS[0])
+def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
+    """``({op: callable}, (x, w, b, dy))``: the forward, the data and the filter gradient of kernel set
+    ``ks`` (a :class:`~lbannpy.layers.kernels.select.ConvKernels`) at ``shape``, called as the conv layer
+    calls them (padded window in, window gradient into a reused buffer, cropped), and their arrays."""
     import numpy as np
-    import torch
-    import torch.nn.functional as F
 
     from lbannpy.layers import kernels as K
 
@@ -341,6 +337,25 @@ def _model_conv_ops(shape: LayerShape, dtype):
     s, d = shape.stride, shape.dilation
     dy = rng.standard_normal(K.conv_forward(xw, w, b, s, d).shape).astype(dtype)
     dwindow = np.empty_like(xw)  # the layer's window-gradient workspace, reused
+    ops = {
+        "forward": lambda: ks.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
+        "data grad": lambda: np.ascontiguousarray(K.crop_spatial(
+            ks.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
+        "filter grad": lambda: (ks.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
+    }
+    return ops, (x, w, b, dy)
+
+
+def _model_conv_ops(shape: LayerShape, dtype):
+    """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient, ours
+    from the kernel set of ``--kernels``."""
+    from lbannpy.layers.kernels.select import conv_kernels
+
+    import torch
+    import torch.nn.functional as F
+
+    ours, (x, w, b, dy) = conv_set_ops(shape, dtype, conv_kernels(KERNELS[0]))
+    s, d = shape.stride, shape.dilation
     xt, wt, bt, dyt = (torch.from_numpy(a) for a in (x, w, b, dy))
     conv_bwd = torch.ops.aten.convolution_backward
 
@@ -348,13 +363,9 @@ def _model_conv_ops(shape: LayerShape, dtype):
         return lambda: conv_bwd(dyt, xt, wt, [shape.filters], list(s), list(shape.pad), list(d), False,
                                 [0, 0], 1, mask)
     return {
-        "forward": (lambda: ks.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
-                    lambda: F.conv2d(xt, wt, bt, s, shape.pad, d)),
-        "data grad": (lambda: np.ascontiguousarray(K.crop_spatial(
-                          ks.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
-                      t_bwd([True, False, False])),
-        "filter grad": (lambda: (ks.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
-                        t_bwd([False, True, True])),
+        "forward": (ours["forward"], lambda: F.conv2d(xt, wt, bt, s, shape.pad, d)),
+        "data grad": (ours["data grad"], t_bwd([True, False, False])),
+        "filter grad": (ours["filter grad"], t_bwd([False, True, True])),
     }
 
 

@@ -177,8 +177,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
                                           "default, its unset dimensions are 1"),
         Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
                                                             "strategy selector at start-up"),
-        Key("machine", Str(), "lassen", "machine model for strategy: auto (a preset name, or a file from "
-                                        "python -m lbannpy.bench calibrate)"),
+        Key("machine", Str(), "lassen", "machine model for strategy: auto and for runtime.kernels: auto's "
+                                        "choice per conv shape (a preset name, or a file from python -m "
+                                        "lbannpy.bench calibrate [--kernels MODEL ...])"),
         Key("memory_gib", Float(0.0, lo_open=True), None, "device (accelerator) memory per rank that "
                                                          "strategy: auto plans for (default: the machine "
                                                          "file's); host memory per rank: runtime.memory_gib"),
@@ -215,7 +216,8 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
         Key("kernels", Str(("auto", "own", "aten")), "auto",
             "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy), "
-            "auto: aten where torch is installed (with CUDA on a gpu), else own"),
+            "auto: at each conv shape parallel.machine's calibration timed, the faster set there, elsewhere "
+            "aten where torch is installed (with CUDA on a gpu), else own"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
         Key("memory_gib", Float(0.0, lo_open=True), UNSET,

@@ -9,6 +9,7 @@ the device in :meth:`Trainer.upload`.
 """
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -23,6 +24,7 @@ from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
+from lbannpy.machine import DEFAULT_MACHINE
 
 
 # a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
@@ -65,20 +67,16 @@ class Trainer:
         self.timer = Timer(events=[], clock=None if self.clock.name == "host" else self.clock)
         self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                                 overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
-        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels
-
-        try:
-            self.ctx.conv_kernels = conv_kernels(cfg["runtime"].get("kernels", "auto"), self.rt.device)
-        except KernelChoiceError as exc:
-            raise UserError(str(exc)) from None
         # set-up reads files and builds communicators: a rank stuck there must not hang the others
         self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
         self.watchdog.progress("set-up: model, data and communicators")
+        self._choose_kernels(cfg)
         parts = build(cfg, self.ctx, world)
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
         self.memory = parts.memory
+        self._say_kernels()
         self._bar = None  # the progress bar (or plain lines) of rank 0 while run() goes on
         if world.rank == 0 and not self.quiet and self.memory is not None:
             print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
@@ -261,6 +259,37 @@ class Trainer:
             dt = time.perf_counter() - t0
             rate = size / 2**20 / max(dt, 1e-9)
             self._say(f"step {self.step}: checkpoint written in {dt:.1f} s ({rate:.0f} MiB/s)")
+
+    def _choose_kernels(self, cfg: dict) -> None:
+        """The run's conv kernel set, and per layer shape the set a calibration of ``parallel.machine``
+        chose (a preset has none: the rule of ``runtime.kernels`` everywhere)."""
+        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, kernel_table
+        from lbannpy.machine import MachineError, load_machine
+
+        choice = cfg["runtime"].get("kernels", "auto")
+        self._kernel_machine = None
+        try:
+            self.ctx.conv_kernels = conv_kernels(choice, self.rt.device)
+        except KernelChoiceError as exc:
+            raise UserError(str(exc)) from None
+        if choice != "auto":
+            return
+        try:
+            machine = load_machine(cfg["parallel"].get("machine") or DEFAULT_MACHINE)
+        except MachineError as exc:
+            raise UserError(str(exc)) from None
+        self.ctx.conv_kernel_table = kernel_table(choice, self.rt.device, machine)
+        self._kernel_machine = machine.name
+
+    def _say_kernels(self) -> None:
+        """Rank 0: which set each conv layer took, where a calibrated machine chose by shape."""
+        if not self.ctx.conv_kernel_table or self.world.rank != 0 or self.quiet:
+            return
+        counts = collections.Counter(lay.kern.name for lay in self.model.layers if hasattr(lay, "kern"))
+        print("lbannpy.train: conv kernels: " + ", ".join(f"{name} at {n} layer(s)" for name, n in
+                                                        sorted(counts.items()))
+              + f" (by shape where machine {self._kernel_machine} measured it; "
+              f"{self.ctx.conv_kernels.name} elsewhere)", flush=True)
 
     def _say(self, msg: str) -> None:
         """One line on stderr that leaves a terminal's progress bar intact."""
