@@ -81,3 +81,10 @@ def test_bad_override(cfg, item, path, phrase):
         apply_overrides(cfg, [item])
     assert info.value.path.startswith(path), str(info.value)
     assert phrase in str(info.value)
+
+
+def test_unsetting_one_key_of_a_pair_keeps_the_other(cfg):
+    # the README's way to count steps in a zoo spec that counts epochs, in either order
+    for items in (["trainer.steps=3", "trainer.epochs=null"], ["trainer.epochs=null", "trainer.steps=3"]):
+        out = apply_overrides(cfg, items)
+        assert out["trainer"]["steps"] == 3 and "epochs" not in out["trainer"], items

@@ -65,7 +65,8 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     """A copy of ``cfg`` with each ``"key=value"`` applied in order, then normalized and checked.
 
     Setting one key of an exclusive pair (``trainer.epochs``/``trainer.steps``, ``data.validation.path``
-    /``fraction``) drops the other; ``key=null`` unsets a key (its default applies again).
+    /``fraction``) drops the other; ``key=null`` unsets a key (its default applies again) and leaves the
+    other key of its pair alone (``trainer.steps=3 trainer.epochs=null`` runs 3 steps).
     """
     from .checks import check_references
 
@@ -93,7 +94,7 @@ def apply_overrides(cfg: dict, overrides) -> dict:
         last = _child(node, parts[-1], path)
         node[last] = value
         section = lookup(schema_path) if schema_path is not None and isinstance(node, dict) else None
-        for rule in section.rules if isinstance(section, Section) else ():
+        for rule in section.rules if isinstance(section, Section) and value is not None else ():
             if last in rule.keys:
                 for other in rule.keys:
                     if other != last:
