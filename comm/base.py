@@ -84,6 +84,12 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def size(self) -> int: ...
 
+    @property
+    def host(self) -> "Communicator":
+        """The communicator over the same ranks that reduces host (NumPy) arrays: this one, except where
+        collectives take device arrays only (NCCL: the MPI communicator it was bootstrapped on)."""
+        return self
+
     # -- management --------------------------------------------------------------------------------
     @abc.abstractmethod
     def split(self, color: int, key: int | None = None) -> "Communicator":

@@ -61,6 +61,11 @@ class NCCLCommunicator(Communicator):
 
     backend = "nccl"
 
+    @property
+    def host(self) -> MPICommunicator:
+        """Host integers (votes, flags) are reduced over the MPI communicator NCCL was bootstrapped on."""
+        return self._mpi
+
     def __init__(self, bootstrap: MPICommunicator, device: int | None = None):
         if not isinstance(bootstrap, MPICommunicator):
             raise CommError(f"NCCLCommunicator is bootstrapped over an MPICommunicator, got "

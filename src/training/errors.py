@@ -77,7 +77,7 @@ def agree_on_data(world, err: str | None) -> None:
         return
     import numpy as np
 
-    comm = getattr(world, "_mpi", world)  # a host integer: an NCCL world agrees over its MPI communicator
+    comm = world.host  # a host integer: an NCCL world agrees over its MPI communicator
     flag = comm.allreduce(np.array([1 if err else 0], dtype=np.int64), op="max")
     if not int(flag[0]):
         return

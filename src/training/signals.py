@@ -130,8 +130,7 @@ class StopVote:
     def __init__(self, world):
         import numpy as np
 
-        # a host integer: an NCCL world votes over the MPI communicator it was bootstrapped on
-        self.world = getattr(world, "_mpi", world)
+        self.world = world.host  # a host integer: an NCCL world votes over its MPI communicator
         self._np = np
         self._pending = None
         self._buf = None
