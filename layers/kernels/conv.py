@@ -136,6 +136,20 @@ class ConvGeometry:
     def out_shape(self) -> tuple[int, ...]:
         return (self.batch, self.filters) + self.out
 
+    @functools.cached_property
+    def x_shape(self) -> tuple[int, ...]:
+        """The window's shape."""
+        return (self.batch, self.channels) + self.window
+
+    def __hash__(self) -> int:
+        # geometries key the kernels' caches on every call: the fields are hashed once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.batch, self.channels, self.filters, self.groups, self.window, self.kernel,
+                      self.out, self.stride, self.dilation))
+            self.__dict__["_hash"] = h
+        return h
+
     def rows_per_block(self, itemsize: int, budget: int) -> int:
         per_row = self.cg * self.ntaps * self.rest * itemsize
         return max(1, min(self.out[0], budget // max(per_row, 1)))
@@ -332,16 +346,22 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
     ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``. ``out`` (optional): an
     array of the output's shape and dtype to write into (every element is written), such as a block of a
     larger output; written in place where its rows are contiguous, else through a temporary."""
-    xp = array_module(x_window)
     dt = _check_dtypes(x_window, w, b)
     geo = geometry(x_window.shape, w.shape, stride, dilation)
     _check_out(out, geo.out_shape, dt, "output")
+    return _forward(x_window, w, b, geo, out)
+
+
+def _forward(x_window, w, b, geo: ConvGeometry, out):
+    """:func:`conv_forward` of checked arguments."""
+    dt = x_window.dtype
     if _compiled(x_window, w, b, out, channels=geo.cg, row=geo.out[-1]):
         if out is None or out.strides[-1] == dt.itemsize:
             return _forward_compiled(x_window, w, b, geo, out=out)
     if out is not None and not out.flags.c_contiguous:
-        out[...] = conv_forward(x_window, w, b, stride, dilation)
+        out[...] = _forward(x_window, w, b, geo, None)
         return out
+    xp = array_module(x_window)
     y = xp.empty(geo.out_shape, dtype=dt) if out is None else out
     return _gemm.forward(xp, x_window, w, b, geo, y, _budget(x_window))
 
@@ -421,13 +441,23 @@ def _flipped_subfilter(w, geo: ConvGeometry, phase):
     return array_module(w).ascontiguousarray(wt)
 
 
+@functools.lru_cache(maxsize=1024)
+def _phase_plan(geo: ConvGeometry, phase: tuple, extent: tuple):
+    """``(pads, geometry)`` of :func:`_backward_data_phase`: the padding of ``dy`` and the stride-1
+    convolution of the padded ``dy`` with the phase's flipped sub-filter."""
+    flipped = _subfilter_plan(geo, phase)[3]
+    pads = tuple((d * (t - 1), m - o) for t, d, m, o in zip(flipped[2:], geo.dilation, extent, geo.out))
+    return pads, geometry(padded_shape(geo.out_shape, pads), flipped, 1, geo.dilation)
+
+
 def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent, out=None):
     """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
+    pads, inner = _phase_plan(geo, tuple(phase), tuple(extent))
     wt = _flipped_subfilter(w, geo, phase)
-    pads = tuple((d * (t - 1), m - o) for t, d, m, o in zip(wt.shape[2:], geo.dilation, extent, geo.out))
     # NumPy: a scratch buffer (the forward below reads it and keeps nothing); CuPy: a fresh array
-    dyp = _pad_into(dy, pads) if isinstance(dy, np.ndarray) else pad_spatial(dy, pads)
-    return conv_forward(dyp, wt, None, 1, geo.dilation, out=out)
+    dyp = (pad_spatial(dy, pads, out=_scratch("padded dy", inner.x_shape, dy.dtype))
+           if isinstance(dy, np.ndarray) else pad_spatial(dy, pads))
+    return _forward(dyp, wt, None, inner, out)
 
 
 def _backward_data_phases_compiled(dy, w, geo: ConvGeometry, out=None):
