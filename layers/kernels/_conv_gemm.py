@@ -116,10 +116,12 @@ def backward_data_col2im(xp, dy, w, geo, dx, budget: int):
             dyc = _dy_columns(xp, dy, g, geo, blk)
             dcol = _temp(xp, "gemm columns", (cg * geo.ntaps, dyc.shape[1]), dt)
             xp.matmul(w2t[g], dyc, out=dcol)
-            dcol = dcol.reshape((cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:])
+            # (nb, Cg, *K, rows, *O[1:]) like the view below (one axis move for all taps)
+            dcol = xp.moveaxis(dcol.reshape((cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:]),
+                               1 + len(geo.kernel), 0)
             view = tap_view(xp, dx[n0:n1, g * cg:(g + 1) * cg], geo.kernel, geo.out, geo.stride,
                             geo.dilation)  # (nb, Cg, *K, *O), aliasing dx
             for tap in taps:
-                idx = (slice(None), slice(None)) + tap + (slice(o0, o1),)
-                view[idx] += xp.moveaxis(dcol[(slice(None),) + tap], 1, 0)
+                idx = (slice(None), slice(None)) + tap
+                view[idx + (slice(o0, o1),)] += dcol[idx]
     return dx

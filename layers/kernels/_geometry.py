@@ -53,7 +53,7 @@ def tap_view(xp, arr, kernel, out_shape, stride, dilation):
     shape = tuple(lead) + tuple(kernel) + tuple(out_shape)
     strides = (tuple(arr.strides[:arr.ndim - nsp]) + tuple(d * st for d, st in zip(dilation, sp_strides))
                + tuple(s * st for s, st in zip(stride, sp_strides)))
-    return xp.lib.stride_tricks.as_strided(arr, shape=shape, strides=strides)
+    return strided(xp, arr, shape, strides)
 
 
 @functools.lru_cache(maxsize=1024)
