@@ -94,11 +94,15 @@ def forward(xp, x_window, w, b, geo, y, budget: int):
 def backward_filter(xp, x_window, dy, geo, budget: int):
     """``(G, Fg, Cg*K)`` filter gradient: one ``dy_block @ cols.T`` per chunk and group."""
     dt = x_window.dtype
-    dw2 = xp.zeros((geo.groups, geo.fg, geo.cg * geo.ntaps), dtype=dt)
-    for blk in chunks(geo, dt.itemsize, budget):
+    dw2 = xp.empty((geo.groups, geo.fg, geo.cg * geo.ntaps), dtype=dt)
+    for i, blk in enumerate(chunks(geo, dt.itemsize, budget)):
         for g in range(geo.groups):
             col = gather(xp, x_window, g, geo, blk)
-            dw2[g] += _dy_columns(xp, dy, g, geo, blk) @ col.T
+            dyc = _dy_columns(xp, dy, g, geo, blk)
+            if i == 0:  # the first block writes the gradient, the others add to it
+                xp.matmul(dyc, col.T, out=dw2[g])
+            else:
+                dw2[g] += dyc @ col.T
     return dw2
 
 
