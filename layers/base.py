@@ -364,9 +364,15 @@ class Layer:
         it waits and calls ``compute(window, None, None)``, which returns the whole output.
         ``LayerContext.overlap = False`` computes the same pieces after the wait, so turning overlap off
         changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size).
-        Returns ``(window, y)``.
+        A plan with nothing to exchange (``local``: its interior is the whole output block) fills the window
+        and calls ``compute(window, None)`` at once. Returns ``(window, y)``.
         """
         ctx, plan = self.ctx, self.halo
+        if plan.local:  # nothing to exchange (one rank, or no split the stencil crosses): no messages
+            window = plan.local_window(x, window_out)
+            if prepare is not None:
+                prepare(window)
+            return window, compute(window, None)
         t0 = ctx.timer.now()
         exchange = plan.start(ctx.comm, x, out=window_out)
         window = exchange.window
@@ -374,7 +380,7 @@ class Layer:
             prepare(window)
         split = box_size(plan.interior_box) > 0
         if split:
-            y = ctx.xp.empty(self.out_dist.local_shape(self.out_shape, ctx.rank), dtype=x.dtype)
+            y = ctx.xp.empty(self._out_block, dtype=x.dtype)
 
         def out(sl):  # the plan's output slices cover the input's channels in dim 1; the output's may differ
             return (sl[0], slice(None)) + tuple(sl[2:])
@@ -403,6 +409,10 @@ class Layer:
         """Collective over the spatial group: the input gradient of a stencil layer from the gradient of its
         window. The halo accumulation (ghost contributions sent back to their owners and added) is in flight
         while ``during()`` runs (e.g. the weight gradient); overlap off runs it after the wait."""
+        if self.halo.local:  # nothing to send back: the owned part of the window gradient
+            if during is not None:
+                during()
+            return self.halo.local_gradient(dwindow)
         acc = self.halo.accumulate_start(self.ctx.comm, dwindow)
         if during is not None and self.ctx.overlap:
             during()

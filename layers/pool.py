@@ -95,11 +95,11 @@ class Pool(Layer):
 
     def fp_compute(self, xs):
         (x,) = xs
-        prepare = self._mask_padding if self.mode == "max" else None
-        local = self.out_dist.local_shape(self.out_shape, self.ctx.rank)
-        if self.mode == "max":  # the winning taps of the whole block, filled piece by piece
-            self._arg = self.ctx.xp.empty(local, dtype="int8" if math.prod(self.kernel) <= 127 else "int16")
-        window, y = self.halo_forward(x, self._pool, prepare=prepare)
+        is_max = self.mode == "max"
+        if is_max and not self.halo.local:  # the winning taps of the whole block, filled piece by piece
+            self._arg = self.ctx.xp.empty(self._out_block, dtype="int8" if math.prod(self.kernel) <= 127
+                                          else "int16")
+        window, y = self.halo_forward(x, self._pool, prepare=self._mask_padding if is_max else None)
         self._wshape = window.shape
         return y
 

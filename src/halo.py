@@ -158,6 +158,9 @@ class HaloPlan:
         self.sends: tuple[Segment, ...] = segments(send_pieces, in0)
         self.recv_size = packed_size(self.recvs)
         self.send_size = packed_size(self.sends)
+        # nothing to exchange (one rank, or a split the stencil does not cross: samples, channels, 1x1
+        # kernels): the window is the owned block and padding, and its gradient goes to this block alone
+        self.local = not self.recvs and not self.sends
 
         # interior (owned data and padding only) and boundary of the output block
         ranges = [_interior_1d(w, lo, hi, n, o0, o1) for w, (lo, hi), n, (o0, o1)
@@ -186,17 +189,8 @@ class HaloPlan:
         starts its own plan. ``local`` is this rank's input block; ``out`` (optional) receives the window.
         Returns a :class:`HaloExchange` whose ``wait()`` returns the window (shape ``window_shape``)."""
         check_comm(comm, self.dist, self.rank, "halo exchange")
-        check_array(local, self.local_shape, "halo exchange input block", self.rank)
+        window = self.local_window(local, out)
         xp = array_module(local)
-        if out is None:
-            window = xp.empty(self.window_shape, dtype=local.dtype)
-        else:
-            check_array(out, self.window_shape, "halo exchange output window", self.rank, local.dtype)
-            window = out
-        for sl in self.padding_slices:
-            window[sl] = 0
-        if self.owned_box is not None:
-            window[self.owned_window_slices] = local[self.owned_local_slices]
         recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
         handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.recvs]
         sendbuf = pack(local, self.sends)
@@ -208,6 +202,33 @@ class HaloPlan:
         comm.flush()  # backends that batch point-to-point operations start them now, before interior work
         return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
                             f"halo rank {self.rank}")
+
+    def local_window(self, local, out=None):
+        """Not collective: the window with its owned part (from ``local``, this rank's input block) and
+        its padding (zeros) filled in, written into ``out`` when given; the whole window when ``local``
+        (no exchange needed), else ghost parts are left for :meth:`start`'s receives."""
+        check_array(local, self.local_shape, "halo exchange input block", self.rank)
+        if out is None:
+            window = array_module(local).empty(self.window_shape, dtype=local.dtype)
+        else:
+            check_array(out, self.window_shape, "halo exchange output window", self.rank, local.dtype)
+            window = out
+        for sl in self.padding_slices:
+            window[sl] = 0
+        if self.owned_box is not None:
+            window[self.owned_window_slices] = local[self.owned_local_slices]
+        return window
+
+    def local_gradient(self, grad_window):
+        """Not collective, for a ``local`` plan: the gradient with respect to this rank's input block (a
+        new array): the owned part of ``grad_window``; inputs no window reads get zeros."""
+        check_array(grad_window, self.window_shape, "halo accumulate window gradient", self.rank)
+        if self.owned_box == self.input_box:  # every input is read: one copy, nothing to zero
+            return grad_window[self.owned_window_slices].copy()
+        grad = array_module(grad_window).zeros(self.local_shape, dtype=grad_window.dtype)
+        if self.owned_box is not None:
+            grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
+        return grad
 
     def accumulate_start(self, comm: Communicator, grad_window, out=None) -> Handle:
         """Adjoint of :meth:`start` (point to point, same group). ``grad_window`` has ``window_shape``;

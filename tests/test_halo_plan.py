@@ -115,6 +115,10 @@ def test_interior_and_boundary_tile_the_output_block(case):
         pieces = list(p.boundary_boxes) + ([p.interior_box] if box_size(p.interior_box) else [])
         assert (count_cover(p.output_box, pieces) == 1).all()
         assert box_contains(p.output_box, p.interior_box)
+        # a plan with nothing to exchange computes its whole block at once (the layer template relies on it)
+        assert p.local == (not p.recvs and not p.sends)
+        if p.local:
+            assert p.interior_box == p.output_box and not p.boundary_boxes
         # interior outputs read nothing another rank holds
         if box_size(p.interior_box):
             reads = clip_box(stencil.input_window(p.interior_box), shape)
@@ -277,6 +281,19 @@ def test_single_rank_window_and_adjoint(kernel, stride, padding, dilation):
     assert np.array_equal(gx, ref)
     with pytest.raises(CommError):
         ex.wait()
+    # the same window and gradient without the exchange machinery (a new gradient array, not a view)
+    assert plan.local
+    assert np.array_equal(plan.local_window(x), win)
+    lg = plan.local_gradient(y)
+    assert np.array_equal(lg, ref) and not np.shares_memory(lg, y)
+
+
+def test_only_plans_without_messages_are_local():
+    stencil = Stencil.conv(4, 3, 1, 1)
+    shape = (4, 2, 8, 8)
+    assert all(p.local for p in all_plans(Distribution.make(4, ranks=2, n=2), shape, stencil))
+    assert all(p.local for p in all_plans(Distribution.make(4, ranks=2, h=2), shape, Stencil.conv(4, 1)))
+    assert not any(p.local for p in all_plans(Distribution.make(4, ranks=2, h=2), shape, stencil))
 
 
 def test_start_refuses_wrong_arrays():

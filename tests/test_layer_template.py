@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from lbannpy.layers.base import LayerContext
 from lbannpy.layers.kernels import _buffers
@@ -31,3 +32,38 @@ def test_layers_and_kernels_use_the_same_mechanism():
     assert kconv._addr is _buffers.addr and kpool._addr is _buffers.addr
     x = np.arange(6.0)
     assert _buffers.addr(x[2:]) - _buffers.addr(x) == 2 * x.itemsize
+
+
+def test_stencil_layers_on_one_rank_post_no_halo_exchange(monkeypatch):
+    """One rank: the halo plans of conv and pool have nothing to exchange, so a training step neither
+    starts an exchange nor an accumulation (the step path's fixed cost), and its numbers are those of the
+    exchange path (the padded window, the gradient's owned part)."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.halo import HaloPlan
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    spec = {"input": {"channels": 2, "spatial": [6, 6]},
+            "layers": [{"name": "c", "type": "conv", "filters": 3, "kernel": 3, "padding": 1},
+                       {"name": "p", "type": "pool", "mode": "max", "kernel": 3, "stride": 1, "padding": 1},
+                       {"name": "q", "type": "pool", "mode": "avg", "kernel": 2}]}
+    rng = np.random.default_rng(3)
+    outs = {}
+    for exchange in (True, False):
+        model = Model(spec, 2, LayerContext(SingleCommunicator(), np, "float64", seed=1), {})
+        stencils = [lay for lay in model.layers if hasattr(lay, "halo")]
+        assert len(stencils) == 3 and all(lay.halo.local for lay in stencils)
+        if exchange:  # the reference: the same plans made to take the exchange path
+            for lay in stencils:
+                monkeypatch.setattr(lay.halo, "local", False)
+        else:
+            for name in ("start", "accumulate_start"):
+                monkeypatch.setattr(HaloPlan, name, lambda *a, **k: pytest.fail("halo exchange started"))
+        x = rng.standard_normal(model.input_shape) if exchange else outs[True][0]
+        y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
+        dy = DistTensor(np.ones(y.local.shape), y.global_shape, y.dist, 0)
+        dx = model.backward(dy)
+        outs[exchange] = (x, y.local.copy(), None if dx is None else dx.local.copy(),
+                          model.layers[0].w.grad.copy())
+    for a, b in zip(outs[True][1:], outs[False][1:]):
+        assert (a is None and b is None) or np.array_equal(a, b)

@@ -22,15 +22,24 @@ class Scratch:
     def __init__(self, xp=np):
         self.xp = xp
         self._bufs: dict = {}
+        # (slot, shape, dtype) -> the view handed out last time: the same request every step costs one
+        # dictionary hit; views of a slot are dropped when its buffer grows
+        self._views: dict = {}
 
     def get(self, slot: str, shape: Sequence[int], dtype):
+        key = (slot, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         dtype = np.dtype(dtype)
         need = math.prod(shape) * dtype.itemsize
         buf = self._bufs.get(slot)
         if buf is None or buf.nbytes < need:
             buf = self._bufs[slot] = None  # drop the smaller buffer before allocating the larger
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot}
             buf = self._bufs[slot] = self.xp.empty(need, dtype=np.uint8)
-        return buf[:need].view(dtype).reshape(tuple(shape))
+        view = self._views[key] = buf[:need].view(dtype).reshape(tuple(shape))
+        return view
 
 
 _THREAD = threading.local()

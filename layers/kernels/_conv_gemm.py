@@ -13,25 +13,27 @@ call to call; CuPy calls allocate them from CuPy's pool.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
 
 from ._buffers import scratch as _scratch
-from ._geometry import tap_view
+from ._geometry import column_strides, strided, tap_view
 
 
-def chunks(geo, itemsize: int, budget: int) -> list[tuple[int, int, int, int]]:
+@functools.lru_cache(maxsize=1024)
+def chunks(geo, itemsize: int, budget: int) -> tuple[tuple[int, int, int, int], ...]:
     """``(n0, n1, o0, o1)``: samples ``[n0, n1)`` and output rows ``[o0, o1)`` of each GEMM. Whole samples
     while one sample's columns fit ``budget`` bytes (as many per chunk as fit), else row blocks of one
-    sample."""
+    sample. Cached: a layer asks for the same geometry every step."""
     per_sample = geo.cg * geo.ntaps * geo.out[0] * geo.rest * itemsize
     if per_sample <= budget:
         nb = max(1, min(geo.batch, budget // max(per_sample, 1)))
-        return [(n0, min(n0 + nb, geo.batch), 0, geo.out[0]) for n0 in range(0, geo.batch, nb)]
+        return tuple((n0, min(n0 + nb, geo.batch), 0, geo.out[0]) for n0 in range(0, geo.batch, nb))
     rb = geo.rows_per_block(itemsize, budget)
-    return [(n, n + 1, o0, min(o0 + rb, geo.out[0]))
-            for n in range(geo.batch) for o0 in range(0, geo.out[0], rb)]
+    return tuple((n, n + 1, o0, min(o0 + rb, geo.out[0]))
+                 for n in range(geo.batch) for o0 in range(0, geo.out[0], rb))
 
 
 def _temp(xp, slot: str, shape, dtype):
@@ -45,12 +47,13 @@ def gather(xp, x_window, g: int, geo, blk):
     """Columns of block ``blk`` (:func:`chunks`) for group ``g``: a ``(Cg*K, nb*rows*rest)`` matrix whose
     column ``(n, o)`` holds every (channel, tap) input of output ``o`` of sample ``n0 + n``."""
     n0, n1, o0, o1 = blk
-    nsp, cg = len(geo.kernel), geo.cg
+    cg = geo.cg
     xg = x_window[n0:n1, g * cg:(g + 1) * cg]
-    view = tap_view(xp, xg, geo.kernel, geo.out, geo.stride, geo.dilation)  # (nb, Cg, *K, *O)
-    view = view[(slice(None),) * (2 + nsp) + (slice(o0, o1),)]
-    col = _temp(xp, "gemm columns", (cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:], x_window.dtype)
-    xp.copyto(col, xp.moveaxis(view, 0, 1 + nsp))
+    if o0:  # the block's first output row reads from window row o0 * stride on
+        xg = xg[:, :, o0 * geo.stride[0]:]
+    shape = (cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:]
+    col = _temp(xp, "gemm columns", shape, x_window.dtype)
+    xp.copyto(col, strided(xp, xg, shape, column_strides(xg.strides, geo.stride, geo.dilation)))
     return col.reshape(cg * geo.ntaps, -1)
 
 
@@ -91,11 +94,15 @@ def forward(xp, x_window, w, b, geo, y, budget: int):
 def backward_filter(xp, x_window, dy, geo, budget: int):
     """``(G, Fg, Cg*K)`` filter gradient: one ``dy_block @ cols.T`` per chunk and group."""
     dt = x_window.dtype
-    dw2 = xp.zeros((geo.groups, geo.fg, geo.cg * geo.ntaps), dtype=dt)
-    for blk in chunks(geo, dt.itemsize, budget):
+    dw2 = xp.empty((geo.groups, geo.fg, geo.cg * geo.ntaps), dtype=dt)
+    for i, blk in enumerate(chunks(geo, dt.itemsize, budget)):
         for g in range(geo.groups):
             col = gather(xp, x_window, g, geo, blk)
-            dw2[g] += _dy_columns(xp, dy, g, geo, blk) @ col.T
+            dyc = _dy_columns(xp, dy, g, geo, blk)
+            if i == 0:  # the first block writes the gradient, the others add to it
+                xp.matmul(dyc, col.T, out=dw2[g])
+            else:
+                dw2[g] += dyc @ col.T
     return dw2
 
 
@@ -113,10 +120,12 @@ def backward_data_col2im(xp, dy, w, geo, dx, budget: int):
             dyc = _dy_columns(xp, dy, g, geo, blk)
             dcol = _temp(xp, "gemm columns", (cg * geo.ntaps, dyc.shape[1]), dt)
             xp.matmul(w2t[g], dyc, out=dcol)
-            dcol = dcol.reshape((cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:])
+            # (nb, Cg, *K, rows, *O[1:]) like the view below (one axis move for all taps)
+            dcol = xp.moveaxis(dcol.reshape((cg,) + geo.kernel + (n1 - n0, o1 - o0) + geo.out[1:]),
+                               1 + len(geo.kernel), 0)
             view = tap_view(xp, dx[n0:n1, g * cg:(g + 1) * cg], geo.kernel, geo.out, geo.stride,
                             geo.dilation)  # (nb, Cg, *K, *O), aliasing dx
             for tap in taps:
-                idx = (slice(None), slice(None)) + tap + (slice(o0, o1),)
-                view[idx] += xp.moveaxis(dcol[(slice(None),) + tap], 1, 0)
+                idx = (slice(None), slice(None)) + tap
+                view[idx + (slice(o0, o1),)] += dcol[idx]
     return dx

@@ -51,7 +51,7 @@ from . import _conv_gemm as _gemm
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
 from ._geometry import KernelShapeError, per_dim, valid_output_shape
-from .padding import pad_spatial
+from .padding import pad_spatial, padded_shape
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
 # OpenBLAS's speed, and the buffer (reused for every block) stays in the L3
@@ -114,30 +114,59 @@ class ConvGeometry:
         out = valid_output_shape(x_shape[2:], kernel, s, d, "conv window")
         return cls(n, c, f, groups, tuple(x_shape[2:]), kernel, out, s, d)
 
-    @property
+    # derived sizes, computed on first use and kept (a geometry is made once per shape: see geometry())
+    @functools.cached_property
     def cg(self) -> int:
         return self.channels // self.groups
 
-    @property
+    @functools.cached_property
     def fg(self) -> int:
         return self.filters // self.groups
 
-    @property
+    @functools.cached_property
     def ntaps(self) -> int:
         return math.prod(self.kernel)
 
-    @property
+    @functools.cached_property
     def rest(self) -> int:
         """Outputs per row of the first spatial dimension."""
         return math.prod(self.out[1:])
 
-    @property
+    @functools.cached_property
     def out_shape(self) -> tuple[int, ...]:
         return (self.batch, self.filters) + self.out
+
+    @functools.cached_property
+    def x_shape(self) -> tuple[int, ...]:
+        """The window's shape."""
+        return (self.batch, self.channels) + self.window
+
+    def __hash__(self) -> int:
+        # geometries key the kernels' caches on every call: the fields are hashed once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.batch, self.channels, self.filters, self.groups, self.window, self.kernel,
+                      self.out, self.stride, self.dilation))
+            self.__dict__["_hash"] = h
+        return h
 
     def rows_per_block(self, itemsize: int, budget: int) -> int:
         per_row = self.cg * self.ntaps * self.rest * itemsize
         return max(1, min(self.out[0], budget // max(per_row, 1)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(x_shape: tuple, w_shape: tuple, stride, dilation) -> ConvGeometry:
+    return ConvGeometry.make(x_shape, w_shape, stride, dilation)
+
+
+def geometry(x_shape, w_shape, stride, dilation) -> ConvGeometry:
+    """:meth:`ConvGeometry.make`, cached: a layer calls its kernels with the same shapes every step, and
+    working the sizes out again costs more than a small convolution's arithmetic."""
+    if isinstance(stride, list) or isinstance(dilation, list):  # hashable for the cache
+        stride = stride if isinstance(stride, int) else tuple(stride)
+        dilation = dilation if isinstance(dilation, int) else tuple(dilation)
+    return _geometry(tuple(x_shape), tuple(w_shape), stride, dilation)
 
 
 def _budget(arr) -> int:
@@ -170,9 +199,9 @@ def _compiled(*arrays, channels: int = 0, row: int = COMPILED_MIN_ROW) -> bool:
     """Whether these arrays take the compiled kernels: built, enabled, NumPy, float32 or float64, and a
     convolution of ``channels`` input channels per group producing rows of ``row`` outputs, where the
     direct kernel is the faster one."""
-    return (_cconv is not None and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
-            and all(isinstance(a, np.ndarray) for a in arrays if a is not None)
-            and channels <= COMPILED_MAX_CHANNELS and row >= COMPILED_MIN_ROW)
+    return (channels <= COMPILED_MAX_CHANNELS and row >= COMPILED_MIN_ROW and _cconv is not None
+            and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
+            and all(isinstance(a, np.ndarray) for a in arrays if a is not None))
 
 
 def _elem_strides(a) -> tuple[int, ...] | None:
@@ -317,16 +346,22 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
     ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``. ``out`` (optional): an
     array of the output's shape and dtype to write into (every element is written), such as a block of a
     larger output; written in place where its rows are contiguous, else through a temporary."""
-    xp = array_module(x_window)
     dt = _check_dtypes(x_window, w, b)
-    geo = ConvGeometry.make(x_window.shape, w.shape, stride, dilation)
+    geo = geometry(x_window.shape, w.shape, stride, dilation)
     _check_out(out, geo.out_shape, dt, "output")
+    return _forward(x_window, w, b, geo, out)
+
+
+def _forward(x_window, w, b, geo: ConvGeometry, out):
+    """:func:`conv_forward` of checked arguments."""
+    dt = x_window.dtype
     if _compiled(x_window, w, b, out, channels=geo.cg, row=geo.out[-1]):
         if out is None or out.strides[-1] == dt.itemsize:
             return _forward_compiled(x_window, w, b, geo, out=out)
     if out is not None and not out.flags.c_contiguous:
-        out[...] = conv_forward(x_window, w, b, stride, dilation)
+        out[...] = _forward(x_window, w, b, geo, None)
         return out
+    xp = array_module(x_window)
     y = xp.empty(geo.out_shape, dtype=dt) if out is None else out
     return _gemm.forward(xp, x_window, w, b, geo, y, _budget(x_window))
 
@@ -335,7 +370,7 @@ def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
     """Gradient w.r.t. the filter, shape ``w_shape`` (``(F, C/groups, *K)``), from the window and ``dy``."""
     xp = array_module(x_window)
     _check_dtypes(x_window, dy)
-    geo = ConvGeometry.make(x_window.shape, w_shape, stride, dilation)
+    geo = geometry(x_window.shape, w_shape, stride, dilation)
     _check_dy(dy, geo)
     if _compiled(x_window, dy, channels=geo.cg, row=geo.out[-1]):
         return _backward_filter_compiled(x_window, dy, w_shape, geo)
@@ -357,7 +392,7 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     per group (col2im's GEMM covers the outputs, the flipped convolution the larger padded window).
     """
     dt = _check_dtypes(dy, w)
-    geo = ConvGeometry.make(x_window_shape, w.shape, stride, dilation)
+    geo = geometry(x_window_shape, w.shape, stride, dilation)
     _check_dy(dy, geo)
     _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
@@ -388,28 +423,41 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     return _backward_data_col2im(dy, w, geo, out)
 
 
+@functools.lru_cache(maxsize=1024)
+def _subfilter_plan(geo: ConvGeometry, phase: tuple):
+    """Index and shapes of :func:`_flipped_subfilter` for one phase (worked out once per geometry)."""
+    nsp = len(geo.kernel)
+    taps_of = (slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))
+    taps = tuple(len(range(a, k, s)) for a, k, s in zip(phase, geo.kernel, geo.stride))
+    flip = (slice(None),) * 3 + (slice(None, None, -1),) * nsp
+    return taps_of, (geo.groups, geo.fg, geo.cg) + taps, flip, (geo.channels, geo.fg) + taps
+
+
 def _flipped_subfilter(w, geo: ConvGeometry, phase):
     """The adjoint's filter for phase ``phase`` of the window: taps ``w[..., phase::stride]``, flipped, with
     input and output channels exchanged per group: ``(C, F/groups, *taps)``."""
-    nsp = len(geo.kernel)
-    sub = w[(slice(None), slice(None)) + tuple(slice(a, None, s) for a, s in zip(phase, geo.stride))]
-    taps = sub.shape[2:]
-    wt = sub.reshape((geo.groups, geo.fg, geo.cg) + taps).swapaxes(1, 2)
-    wt = wt[(slice(None),) * 3 + (slice(None, None, -1),) * nsp].reshape((geo.channels, geo.fg) + taps)
+    taps_of, grouped, flip, flipped = _subfilter_plan(geo, tuple(phase))
+    wt = w[taps_of].reshape(grouped).swapaxes(1, 2)[flip].reshape(flipped)
     return array_module(w).ascontiguousarray(wt)
+
+
+@functools.lru_cache(maxsize=1024)
+def _phase_plan(geo: ConvGeometry, phase: tuple, extent: tuple):
+    """``(pads, geometry)`` of :func:`_backward_data_phase`: the padding of ``dy`` and the stride-1
+    convolution of the padded ``dy`` with the phase's flipped sub-filter."""
+    flipped = _subfilter_plan(geo, phase)[3]
+    pads = tuple((d * (t - 1), m - o) for t, d, m, o in zip(flipped[2:], geo.dilation, extent, geo.out))
+    return pads, geometry(padded_shape(geo.out_shape, pads), flipped, 1, geo.dilation)
 
 
 def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent, out=None):
     """``dx[..., phase::stride]`` (spatial ``extent``) as a stride-1 valid convolution of padded ``dy``."""
+    pads, inner = _phase_plan(geo, tuple(phase), tuple(extent))
     wt = _flipped_subfilter(w, geo, phase)
-    pads = []
-    for t, d, m, o in zip(wt.shape[2:], geo.dilation, extent, geo.out):
-        lo = d * (t - 1)
-        pads.append((lo, m + d * (t - 1) - o - lo))
-    # scratch only for the compiled forward (the same decision conv_forward takes below)
-    dyp = (_pad_into(dy, pads) if _compiled(dy, wt, channels=geo.fg, row=extent[-1])
-           else pad_spatial(dy, pads))
-    return conv_forward(dyp, wt, None, 1, geo.dilation, out=out)
+    # NumPy: a scratch buffer (the forward below reads it and keeps nothing); CuPy: a fresh array
+    dyp = (pad_spatial(dy, pads, out=_scratch("padded dy", inner.x_shape, dy.dtype))
+           if isinstance(dy, np.ndarray) else pad_spatial(dy, pads))
+    return _forward(dyp, wt, None, inner, out)
 
 
 def _backward_data_phases_compiled(dy, w, geo: ConvGeometry, out=None):
@@ -429,7 +477,7 @@ def _backward_data_phases_compiled(dy, w, geo: ConvGeometry, out=None):
         view = dyp[(slice(None), slice(None))
                    + tuple(slice(lm - t + 1, lm + m) for lm, t, m in zip(lo, taps, extent))]
         wt = _flipped_subfilter(w, geo, phase)
-        _forward_compiled(view, wt, None, ConvGeometry.make(view.shape, wt.shape, 1, 1), out=target)
+        _forward_compiled(view, wt, None, geometry(view.shape, wt.shape, 1, 1), out=target)
     dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dy.dtype) if out is None else out
     _phases(dx, dxs, geo.stride, merge=True)
     return dx
@@ -504,6 +552,5 @@ def _check_dy(dy, geo: ConvGeometry):
 
 
 def _pad_into(dy, pads):
-    """``pad_spatial(dy, pads)`` (zeros) in a reused scratch buffer, for the compiled data gradient."""
-    shape = tuple(dy.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(dy.shape[2:], pads))
-    return pad_spatial(dy, pads, out=_scratch("padded dy", shape, dy.dtype))
+    """``pad_spatial(dy, pads)`` (zeros) in a reused scratch buffer, for the data gradient."""
+    return pad_spatial(dy, pads, out=_scratch("padded dy", padded_shape(dy.shape, pads), dy.dtype))

@@ -2,6 +2,8 @@
 single-rank use, kernels and tests; the distributed layers pad through their halo plans."""
 from __future__ import annotations
 
+import functools
+
 from lbannpy.backend import array_module
 
 from ._geometry import KernelShapeError
@@ -20,23 +22,47 @@ def _pads(pads, nsp: int) -> tuple[tuple[int, int], ...]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _pad_plan(shape: tuple, pads) -> tuple:
+    """``(padded shape, border slices, interior slices)`` of padding an array of ``shape`` by ``pads``:
+    worked out once per shape (a layer pads the same shapes every step)."""
+    pp = _pads(pads, len(shape) - 2)
+    padded = tuple(shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(shape[2:], pp))
+    borders = []
+    for d, (n, (lo, hi)) in enumerate(zip(shape[2:], pp)):
+        before = (slice(None),) * (2 + d)
+        borders += [before + (slice(0, lo),)] * (lo > 0) + [before + (slice(lo + n, None),)] * (hi > 0)
+    inner = (slice(None), slice(None)) + tuple(slice(lo, lo + n) for n, (lo, _) in zip(shape[2:], pp))
+    return padded, tuple(borders), inner
+
+
+def _hashable(pads):
+    """``pads`` as a key of :func:`_pad_plan` (lists become tuples)."""
+    try:
+        hash(pads)
+        return pads
+    except TypeError:
+        return tuple(p if isinstance(p, int) else tuple(p) for p in pads)
+
+
+def padded_shape(shape, pads) -> tuple[int, ...]:
+    """The shape of an array of ``shape`` padded by ``pads`` (as :func:`pad_spatial`)."""
+    return _pad_plan(tuple(shape), _hashable(pads))[0]
+
+
 def pad_spatial(x, pads, value=0.0, out=None):
     """``x`` (``(N, C, *spatial)``) padded by ``pads`` — an int, or one int or ``(lo, hi)`` per spatial
     dimension — filled with ``value`` (0 for convolution, ``-inf`` for max pooling); written into ``out``
     (of the padded shape) when given."""
-    xp = array_module(x)
-    pp = _pads(pads, x.ndim - 2)
-    shape = tuple(x.shape[:2]) + tuple(n + lo + hi for n, (lo, hi) in zip(x.shape[2:], pp))
+    shape, borders, inner = _pad_plan(tuple(x.shape), _hashable(pads))
     if out is None:
-        out = xp.empty(shape, dtype=x.dtype)
+        out = array_module(x).empty(shape, dtype=x.dtype)
     elif tuple(out.shape) != shape:
         raise KernelShapeError(f"pad_spatial: out has shape {tuple(out.shape)}, the padded shape is {shape}")
     # fill only the borders, so that every element is written once
-    for d, (n, (lo, hi)) in enumerate(zip(x.shape[2:], pp)):
-        before = (slice(None),) * (2 + d)
-        out[before + (slice(0, lo),)] = value
-        out[before + (slice(lo + n, None),)] = value
-    out[(slice(None), slice(None)) + tuple(slice(lo, lo + n) for n, (lo, _) in zip(x.shape[2:], pp))] = x
+    for sl in borders:
+        out[sl] = value
+    out[inner] = x
     return out
 
 

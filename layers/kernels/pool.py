@@ -10,6 +10,7 @@ over the kernel), and a NaN wins (propagates), as in PyTorch's CPU kernels.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -47,6 +48,22 @@ def _taps(kernel):
     return list(itertools.product(*(range(j) for j in kernel)))
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(window_shape: tuple, kernel, stride, dilation):
+    k, s, d, out = _geometry(window_shape, kernel, stride, dilation)
+    return k, s, d, out, tuple(_at(tap, out, s, d) for tap in _taps(k))
+
+
+def _hashable(v):
+    return v if v is None or isinstance(v, (int, tuple)) else tuple(v)
+
+
+def _plan(window_shape, kernel, stride, dilation):
+    """``(kernel, stride, dilation, output extents, the window slices of each tap)``, worked out once per
+    shape (a layer pools the same shapes every step)."""
+    return _cached_plan(tuple(window_shape), _hashable(kernel), _hashable(stride), _hashable(dilation))
+
+
 def _at(tap, out, s, d):
     return (slice(None), slice(None)) + tap_slices(tap, out, s, d)
 
@@ -67,9 +84,8 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     index into the row-major flattened kernel; pass it to :func:`max_pool_backward`). ``stride`` defaults to
     ``kernel``."""
     xp = array_module(x_window)
-    k, s, d, out = _geometry(x_window.shape, kernel, stride, dilation)
-    taps = _taps(k)
-    idx_dtype = numpy.int8 if len(taps) <= 127 else numpy.int16
+    k, s, d, out, at = _plan(x_window.shape, kernel, stride, dilation)
+    idx_dtype = numpy.int8 if len(at) <= 127 else numpy.int16
     if _compiled(x_window):
         n, c = x_window.shape[:2]
         y = numpy.empty((n, c) + tuple(out), dtype=x_window.dtype)
@@ -83,16 +99,16 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
                                _addr(y) + i * per * isz,
                                _addr(arg) + i * per * arg.itemsize, arg.itemsize)
         return y, arg
-    y = x_window[_at(taps[0], out, s, d)].copy()
-    for tap in taps[1:]:
-        xp.maximum(y, x_window[_at(tap, out, s, d)], out=y)  # NaN propagates
+    y = x_window[at[0]].copy()
+    for sl in at[1:]:
+        xp.maximum(y, x_window[sl], out=y)  # NaN propagates
     # on the host, skip the NaN pass when there is none; on a GPU asking would stall the stream every step,
     # so the NaN test always runs there (same result)
     has_nan = bool(xp.isnan(y).any()) if xp is numpy else True
     arg = xp.empty(y.shape, dtype=idx_dtype)
     # the first tap equal to the maximum (or the first NaN) wins: walk the taps backwards, last write wins
-    for t in range(len(taps) - 1, -1, -1):
-        v = x_window[_at(taps[t], out, s, d)]
+    for t in range(len(at) - 1, -1, -1):
+        v = x_window[at[t]]
         hit = v == y
         if has_nan:
             hit |= xp.isnan(v)
@@ -103,7 +119,7 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
 def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=1):
     """Gradient w.r.t. the window: each ``dy`` goes to the input its output took the maximum from."""
     xp = array_module(dy)
-    k, s, d, out = _geometry(x_window_shape, kernel, stride, dilation)
+    k, s, d, out, at = _plan(x_window_shape, kernel, stride, dilation)
     _check(dy, x_window_shape, out)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
     if _compiled(dy, argmax) and argmax.dtype in (numpy.int8, numpy.int16):
@@ -119,8 +135,8 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
                                c, *_three(out, 1), *k3, *_three(s, 1), *_three(d, 1),
                                _addr(dx[i]), dx.strides[1] // isz, *dxs)
         return dx
-    for t, tap in enumerate(_taps(k)):
-        dx[_at(tap, out, s, d)] += dy * (argmax == t)
+    for t, sl in enumerate(at):
+        dx[sl] += dy * (argmax == t)
     return dx
 
 
@@ -148,11 +164,10 @@ def _divisor(xp, valid, x_window_shape, k, s, d, out, dtype):
 def avg_pool_forward(x_window, kernel, stride=None, valid=None):
     """Mean over each window: ``(N, C, *S)`` -> ``(N, C, *O)``; see the module doc for ``valid``."""
     xp = array_module(x_window)
-    k, s, d, out = _geometry(x_window.shape, kernel, stride, 1)
-    taps = _taps(k)
-    y = x_window[_at(taps[0], out, s, d)].copy()
-    for tap in taps[1:]:
-        y += x_window[_at(tap, out, s, d)]
+    k, s, d, out, at = _plan(x_window.shape, kernel, stride, 1)
+    y = x_window[at[0]].copy()
+    for sl in at[1:]:
+        y += x_window[sl]
     y /= _divisor(xp, valid, x_window.shape, k, s, d, out, y.dtype)
     return y
 
@@ -160,12 +175,12 @@ def avg_pool_forward(x_window, kernel, stride=None, valid=None):
 def avg_pool_backward(dy, x_window_shape, kernel, stride=None, valid=None):
     """Gradient w.r.t. the window of :func:`avg_pool_forward`."""
     xp = array_module(dy)
-    k, s, d, out = _geometry(x_window_shape, kernel, stride, 1)
+    k, s, d, out, at = _plan(x_window_shape, kernel, stride, 1)
     _check(dy, x_window_shape, out)
     g = dy / _divisor(xp, valid, x_window_shape, k, s, d, out, dy.dtype)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
-    for tap in _taps(k):
-        dx[_at(tap, out, s, d)] += g
+    for sl in at:
+        dx[sl] += g
     return dx
 
 
