@@ -175,7 +175,12 @@ class Model:
         grads: dict[str, DistTensor] = {self.output.name: dy}
         self._set_input_grad(input_grad)
         first = INPUT_NAMES[0]
+        # a layer's output is read by later layers only, which have all been back-propagated when its own
+        # turn comes: from then on only the layer itself may need it (and keeps its own reference), so the
+        # forward's reference goes, and each activation is freed as soon as its last user is done
+        acts = self._acts or {}
         for layer, parents, fused_into in reversed(self._steps):
+            acts.pop(layer.name, None)
             g = grads.pop(layer.name, None)
             if g is None:
                 raise ModelError(f"layer '{layer.name}' does not reach the loss; remove it or connect it")
