@@ -25,6 +25,9 @@ class ConvKernels:
     conv_forward: Callable
     conv_backward_data: Callable
     conv_backward_filter: Callable
+    #: the kernels allocate their results themselves, so an ``out`` buffer only adds a copy (and, for a
+    #: layer's workspace, memory that stays)
+    allocates: bool = False
 
 
 def own() -> ConvKernels:
@@ -46,4 +49,5 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
             raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
                                     + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
         return own()
-    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter)
+    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter,
+                       allocates=True)
