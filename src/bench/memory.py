@@ -68,13 +68,19 @@ def _wrapped(work: str, tag: str, ranks: int, inner: list[str]) -> list[str]:
                                os.path.join(work, f"peak-{tag}"), "--", *inner]
 
 
-def measure(case: Case, ranks: int, steps: int, work: str, timeout: float) -> dict:
-    """Peak MiB of each process: ``{"lbannpy": [1 rank], "torch": [1 process], "split": [per rank]}``."""
+RUNS = ("lbannpy", "torch", "split")
+
+
+def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=RUNS) -> dict:
+    """Peak MiB of each process of ``runs``: ``{"lbannpy": [1 rank], "torch": [1 process], "split": [per
+    rank]}``."""
     spec, params, out_shape = network(case)
     data = os.path.join(work, f"{case.name}.h5")
     write_data(data, spec, out_shape, case.batch * steps)
     res = {}
     for key, n in (("lbannpy", 1), ("torch", 1), ("split", ranks)):
+        if key not in runs:
+            continue
         if key == "torch":
             job = {"zoo": case.zoo, "size": case.size, "batch": case.batch, "layout": "nchw",
                    "steps": steps, "params": params, "rendezvous": os.path.join(work, "gloo"),
@@ -89,14 +95,21 @@ def measure(case: Case, ranks: int, steps: int, work: str, timeout: float) -> di
 
 
 def report(case: Case, ranks: int, res: dict, target: float) -> list[str]:
-    one, torch, split = res["lbannpy"][0], res["torch"][0], max(res["split"])
-    per_rank = ", ".join(f"{p:.0f}" for p in res["split"])
-    return [f"{case.label}, float32, training steps, peak resident set per process (VmHWM)",
-            f"  lbannpy 1 rank            {one:8.0f} MiB",
-            f"  PyTorch 1 process         {torch:8.0f} MiB",
-            f"  lbannpy {ranks} ranks (h split)  {split:8.0f} MiB per rank (ranks: {per_rank})",
-            f"  lbannpy / PyTorch, 1 rank: {one / torch:.2f}x (target <= {TORCH_TARGET:.2f}x)",
-            f"  {ranks} ranks / 1 rank, per rank: {split / one:.2f}x (target <= {target:.2f}x)"]
+    lines = [f"{case.label}, float32, training steps, peak resident set per process (VmHWM)"]
+    one, torch = res.get("lbannpy", [0.0])[0], res.get("torch", [0.0])[0]
+    split = max(res.get("split", [0.0]))
+    if one:
+        lines.append(f"  lbannpy 1 rank            {one:8.0f} MiB")
+    if torch:
+        lines.append(f"  PyTorch 1 process         {torch:8.0f} MiB")
+    if split:
+        per_rank = ", ".join(f"{p:.0f}" for p in res["split"])
+        lines.append(f"  lbannpy {ranks} ranks (h split)  {split:8.0f} MiB per rank (ranks: {per_rank})")
+    if one and torch:
+        lines.append(f"  lbannpy / PyTorch, 1 rank: {one / torch:.2f}x (target <= {TORCH_TARGET:.2f}x)")
+    if one and split:
+        lines.append(f"  {ranks} ranks / 1 rank, per rank: {split / one:.2f}x (target <= {target:.2f}x)")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -107,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the split run")
     ap.add_argument("--steps", type=int, default=2, help="training steps of each run")
     ap.add_argument("--target", type=float, default=SPLIT_TARGET, help="the split run's target ratio")
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3000, help="seconds allowed for each run")
     ap.add_argument("--peak-worker", default=None, help=argparse.SUPPRESS)
@@ -124,7 +138,7 @@ def main(argv=None) -> int:
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-memory-")
     os.makedirs(work, exist_ok=True)
     try:
-        res = measure(case, args.ranks, args.steps, work, args.timeout)
+        res = measure(case, args.ranks, args.steps, work, args.timeout, args.runs)
     except (PeerError, OSError) as e:
         print(f"lbannpy.bench memory: {e}", file=sys.stderr)
         return 1
