@@ -132,7 +132,8 @@ class Conv(Layer):
             return y
         _, y = self.halo_forward(x, self._conv, self._window_space(x.dtype))
         self._window = None
-        self._x, self._received = x, self.halo_received
+        # evaluation has no backward: nothing is kept, so no activation outlives the pass through this layer
+        self._x, self._received = (x, self.halo_received) if self.train else (None, None)
         return y
 
     def _window_space(self, dtype):

@@ -146,6 +146,9 @@ class Model:
     def forward(self, x: DistTensor, before_layer=None) -> DistTensor:
         """Forward pass; ``before_layer(layer)`` is called just before each layer's forward (the trainer
         applies a layer's late, replicated gradient update there)."""
+        # the last pass's activations (an evaluation pass keeps them, as backward never comes) go first, so
+        # they are not alive beside this pass's
+        self._acts = None
         acts: dict[str, Any] = {n: x for n in INPUT_NAMES}
         for layer, parents, fused_into in self._steps:
             if before_layer is not None:
