@@ -365,27 +365,37 @@ class Layer:
         ``LayerContext.overlap = False`` computes the same pieces after the wait, so turning overlap off
         changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size).
         A plan with nothing to exchange (``local``: its interior is the whole output block) fills the window
-        and calls ``compute(window, None)`` at once. Returns ``(window, y)``.
+        and calls ``compute(window, None)`` at once. Returns ``(window, y)``; ``self.halo_received`` holds
+        the ghost values received (for ``self.halo.refill``; None for a local plan) until the next call.
         """
         ctx, plan = self.ctx, self.halo
         if plan.local:  # nothing to exchange (one rank, or no split the stencil crosses): no messages
             window = plan.local_window(x, window_out)
+            self.halo_received = None
             if prepare is not None:
                 prepare(window)
             return window, compute(window, None)
         t0 = ctx.timer.now()
         exchange = plan.start(ctx.comm, x, out=window_out)
+        self.halo_received = exchange.received
         window = exchange.window
         if prepare is not None:
             prepare(window)
         split = box_size(plan.interior_box) > 0
-        if split:
+        # an interior that is the whole block (no ghosts read) is computed as a fresh array, so kernels that
+        # allocate their result (ATen) do not need a second output-sized array to copy from
+        whole = split and not plan.boundary_slices
+        if split and not whole:
             y = ctx.xp.empty(self._out_block, dtype=x.dtype)
 
         def out(sl):  # the plan's output slices cover the input's channels in dim 1; the output's may differ
             return (sl[0], slice(None)) + tuple(sl[2:])
 
         def interior():
+            nonlocal y
+            if whole:
+                y = compute(window[plan.interior_window_slices], None)
+                return
             sl = out(plan.interior_slices)
             compute(window[plan.interior_window_slices], y[sl], sl)
         if split and ctx.overlap:

@@ -122,20 +122,34 @@ class Conv(Layer):
 
     def fp_compute(self, xs):
         (x,) = xs
-        # the window lives from this forward to the layer's backward, which frees it: the windows of layers
-        # already back-propagated make room for the gradients of the layers still to go (kept from step to
-        # step, they raised the peak of the full mesh1k model by 10 %). A layer reading the model input is
-        # back-propagated last, so its window is alive through every backward anyway: it keeps one buffer
-        # from step to step, which spares the page faults of a fresh one (on a 4x18x1024^2 input, 300 MB)
-        if self.keeps_window and (self._window_buf is None or self._window_buf.dtype != x.dtype):
-            self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)
-        self._window, y = self.halo_forward(x, self._conv, self._window_buf if self.keeps_window else None)
+        # No window lives from this forward to the layer's backward: it is a (padded) copy of the input
+        # block, alive anyway as the parent's output, so the layer keeps that block and the few ghost values
+        # received, and the backward rebuilds the window without communication into a workspace shared by
+        # every layer (on one sample of the full mesh1k model the kept windows were a third of the
+        # activations). A layer reading the model input is back-propagated last and its input may be the
+        # reader's buffer: it keeps its own window from step to step, which also spares the page faults of
+        # a fresh one (on a 4x18x1024^2 input, 300 MB)
+        if self.keeps_window:
+            if self._window_buf is None or self._window_buf.dtype != x.dtype:
+                self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)
+            self._window, y = self.halo_forward(x, self._conv, self._window_buf)
+            return y
+        _, y = self.halo_forward(x, self._conv, self._window_space(x.dtype))
+        self._window = None
+        # evaluation has no backward: nothing is kept, so no activation outlives the pass through this layer
+        self._x, self._received = (x, self.halo_received) if self.train else (None, None)
         return y
+
+    def _window_space(self, dtype):
+        return self.ctx.workspace("conv window", self.halo.window_shape, dtype)
 
     # -- backward --------------------------------------------------------------------------------------
     def bp_compute(self, dy):
         ctx = self.ctx
         window = self._window
+        if window is None:
+            window = self.halo.refill(self._x, self._received, self._window_space(dy.dtype))
+            self._x = self._received = None
 
         def weight_grads():
             self.w.grad += self.kern.conv_backward_filter(window, dy, self.w.value.shape, self.stride,
@@ -146,9 +160,11 @@ class Conv(Layer):
             weight_grads()
             self._window = None
             return [None]
-        # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers
+        # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers,
+        # unless the kernels allocate it anyway
+        space = None if self.kern.allocates else ctx.workspace("conv window gradient", window.shape, dy.dtype)
         dwin = self.kern.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
-                                            out=ctx.workspace("conv window gradient", window.shape, dy.dtype))
+                                            out=space)
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
         dx = self.halo_backward(dwin, weight_grads)

@@ -43,7 +43,8 @@ class LeakyReLU(Layer):
         return K.leaky_relu_forward(x, self.slope)
 
     def bp_compute(self, dy):
-        return [K.leaky_relu_backward(dy, self._x, self.slope)]
+        x, self._x = self._x, None  # the input is not kept past the backward that last needs it
+        return [K.leaky_relu_backward(dy, x, self.slope)]
 
 
 def _dropout_infer(lay: LayerArgs) -> Inferred:

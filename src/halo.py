@@ -201,7 +201,19 @@ class HaloPlan:
 
         comm.flush()  # backends that batch point-to-point operations start them now, before interior work
         return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
-                            f"halo rank {self.rank}")
+                            f"halo rank {self.rank}", received=recvbuf)
+
+    def refill(self, local, received, out):
+        """Not collective: the window of an exchange already done, rebuilt into ``out`` from the same local
+        block and the exchange's ``received`` buffer (after its ``wait()``). A layer that keeps its input
+        block (alive anyway as its parent's output) and these few ghost values keeps no window between its
+        forward and backward."""
+        check_array(out, self.window_shape, "halo refill output window", self.rank, local.dtype)
+        for sl in self.padding_slices:
+            out[sl] = 0
+        if self.owned_box is not None:
+            out[self.owned_window_slices] = local[self.owned_local_slices]
+        return unpack(received, self.recvs, out)
 
     def local_window(self, local, out=None):
         """Not collective: the window with its owned part (from ``local``, this rank's input block) and
@@ -262,12 +274,15 @@ class HaloExchange(Handle):
     """A halo exchange in flight. ``window`` is the array being filled: owned part and padding are valid
     at once (compute ``plan.interior_*`` from them), the ghost parts after ``wait()``, which returns it."""
 
-    __slots__ = ("window",)
+    __slots__ = ("window", "received")
 
-    def __init__(self, window, handles, finish, buffers, label):
+    def __init__(self, window, handles, finish, buffers, label, received=None):
         super().__init__(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                          buffers, label)
         self.window = window
+        # the ghost parts as they arrived (``plan.recv_size`` elements): with the local block they rebuild
+        # the window later without communication (:meth:`HaloPlan.refill`)
+        self.received = received
 
 
 def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_box: Box):

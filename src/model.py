@@ -146,6 +146,9 @@ class Model:
     def forward(self, x: DistTensor, before_layer=None) -> DistTensor:
         """Forward pass; ``before_layer(layer)`` is called just before each layer's forward (the trainer
         applies a layer's late, replicated gradient update there)."""
+        # the last pass's activations (an evaluation pass keeps them, as backward never comes) go first, so
+        # they are not alive beside this pass's
+        self._acts = None
         acts: dict[str, Any] = {n: x for n in INPUT_NAMES}
         for layer, parents, fused_into in self._steps:
             if before_layer is not None:
@@ -175,7 +178,12 @@ class Model:
         grads: dict[str, DistTensor] = {self.output.name: dy}
         self._set_input_grad(input_grad)
         first = INPUT_NAMES[0]
+        # a layer's output is read by later layers only, which have all been back-propagated when its own
+        # turn comes: from then on only the layer itself may need it (and keeps its own reference), so the
+        # forward's reference goes, and each activation is freed as soon as its last user is done
+        acts = self._acts or {}
         for layer, parents, fused_into in reversed(self._steps):
+            acts.pop(layer.name, None)
             g = grads.pop(layer.name, None)
             if g is None:
                 raise ModelError(f"layer '{layer.name}' does not reach the loss; remove it or connect it")

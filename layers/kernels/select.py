@@ -27,6 +27,9 @@ class ConvKernels:
     conv_forward: Callable
     conv_backward_data: Callable
     conv_backward_filter: Callable
+    #: the kernels allocate their results themselves, so an ``out`` buffer only adds a copy (and, for a
+    #: layer's workspace, memory that stays)
+    allocates: bool = False
 
 
 def own() -> ConvKernels:
@@ -48,7 +51,8 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
             raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
                                     + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
         return own()
-    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter)
+    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter,
+                       allocates=True)
 
 
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:

@@ -1,9 +1,18 @@
-"""``python -m lbannpy.bench memory``: one sample of a zoo model forward+backward, 1 rank against P ranks.
+"""``python -m lbannpy.bench memory``: peak memory of training one sample, lbannpy against PyTorch, 1 rank
+against a split sample.
 
-Runs the model (default: the full mesh-tangling 1K model, 18 × 1024², batch 1, float32) through the
-distributed layers under ``mpiexec -n 1`` and ``mpiexec -n P`` with the height split P ways, and reports
-each rank's peak resident memory (``ru_maxrss``) and the part of it the model added (peak minus the
-resident size after start-up), the time of the pass, and the ratio of the per-rank figures to 1 rank's.
+Three training runs of a zoo model (default: the full mesh-tangling 1K model, 18 × 1024², batch 1,
+float32, SGD with momentum, ``--steps`` steps), one after the other, each process on one BLAS thread:
+
+- ``python -m lbannpy.train`` on 1 rank;
+- the same network in PyTorch, one process (the module ``lbannpy.export --torch-module`` writes, as in
+  ``bench peer``; NCHW);
+- ``mpiexec -n P python -m lbannpy.train`` with every sample's height split P ways.
+
+Each process reports its own peak resident set (``VmHWM`` of ``/proc/self/status``: a fresh address space
+starts its own high-water mark, whereas ``ru_maxrss`` inherits a forking parent's). The report gives
+lbannpy's 1-rank peak against PyTorch's (target: at most 1×) and the largest per-rank peak of the split
+run against the 1-rank peak (target: at most ``--target``×, 0.55 by default).
 """
 from __future__ import annotations
 
@@ -12,92 +21,128 @@ from lbannpy.bench import describe
 import argparse
 import json
 import os
-import resource
-import shutil
-import subprocess
 import sys
-import time
+import tempfile
 
-import numpy as np
+from .peer import (Case, PeerError, _launcher, _launcher_rank, _run, lbannpy_config, network,
+                   write_data)
 
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # ru_maxrss is in KiB on Linux
-
-
-def _current_rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+# issue #18: lbannpy's 1-rank peak at most PyTorch's, a 2-way split at most 0.55x of 1 rank
+TORCH_TARGET = 1.0
+SPLIT_TARGET = 0.55
 
 
-def worker(model_name: str, size: int) -> dict:
-    from lbannpy.comm import Runtime
-    from lbannpy.layers.base import LayerContext
-    from lbannpy.model import Model
-    from lbannpy.tensor import DistTensor
-    from lbannpy.zoo import get_spec
+def peak_rss_mib() -> float:
+    """This process's peak resident set (MiB), from ``VmHWM``."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024.0
 
-    with Runtime(backend="auto") as rt:
-        comm = rt.world
-        spec = get_spec(model_name, batch_size=1, input_size=size)["model"]
-        base = _current_rss_mib()
-        ctx = LayerContext(comm, np, "float32", seed=1)
-        model = Model(spec, 1, ctx, {"default": {"h": comm.size}})
-        shape = model.input_shape
-        box = model.input_dist.box(shape, comm.rank)
-        rng = np.random.default_rng(comm.rank)
-        x = DistTensor(rng.standard_normal([b - a for a, b in box]).astype(np.float32), shape,
-                       model.input_dist, comm.rank)
-        comm.barrier()
-        t0 = time.perf_counter()
-        y = model.forward(x)
-        dy = DistTensor(np.ones_like(y.local), y.global_shape, y.dist, comm.rank)
-        model.backward(dy)
-        comm.barrier()
-        dt = time.perf_counter() - t0
-        peak = _rss_mib()
-        every = comm.allgather_obj({"rank": comm.rank, "peak_mib": peak, "model_mib": peak - base,
-                                    "seconds": dt})
-        return {"ranks": comm.size, "per_rank": every}
+
+def _peak_worker(result: str, argv: list[str]) -> int:
+    """Runs ``lbannpy.train argv`` (or, ``argv[0] == "--torch"``, the PyTorch worker of ``bench peer``) in
+    this process and writes its peak to ``result.<rank>.json``."""
+    if argv[0] == "--torch":
+        from .peer import torch_worker
+
+        code = torch_worker(json.loads(argv[1]))
+    else:
+        import lbannpy.train
+
+        code = lbannpy.train.main(argv)
+    rank, _ = _launcher_rank()
+    with open(f"{result}.{rank}.json", "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "peak_mib": peak_rss_mib(), "code": code}, f)
+    return int(code or 0)
+
+
+def _peaks(result: str, ranks: int) -> list[float]:
+    out = []
+    for rank in range(ranks):
+        with open(f"{result}.{rank}.json", encoding="utf-8") as f:
+            out.append(float(json.load(f)["peak_mib"]))
+    return out
+
+
+def _wrapped(work: str, tag: str, ranks: int, inner: list[str]) -> list[str]:
+    return _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "memory", "--peak-worker",
+                               os.path.join(work, f"peak-{tag}"), "--", *inner]
+
+
+RUNS = ("lbannpy", "torch", "split")
+
+
+def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=RUNS) -> dict:
+    """Peak MiB of each process of ``runs``: ``{"lbannpy": [1 rank], "torch": [1 process], "split": [per
+    rank]}``."""
+    spec, params, out_shape = network(case)
+    data = os.path.join(work, f"{case.name}.h5")
+    write_data(data, spec, out_shape, case.batch * steps)
+    res = {}
+    for key, n in (("lbannpy", 1), ("torch", 1), ("split", ranks)):
+        if key not in runs:
+            continue
+        if key == "torch":
+            job = {"zoo": case.zoo, "size": case.size, "batch": case.batch, "layout": "nchw",
+                   "steps": steps, "params": params, "rendezvous": os.path.join(work, "gloo"),
+                   "result": os.path.join(work, "torch")}
+            inner, what = ["--torch", json.dumps(job)], "PyTorch"
+        else:
+            config, _ = lbannpy_config(work, case, spec, data, n, "h", steps, key, timeout)
+            inner, what = [config, "--quiet"], f"lbannpy on {n} rank(s)"
+        _run(_wrapped(work, key, n, inner), timeout, f"{what}, {case.label}")
+        res[key] = _peaks(os.path.join(work, f"peak-{key}"), n)
+    return res
+
+
+def report(case: Case, ranks: int, res: dict, target: float) -> list[str]:
+    lines = [f"{case.label}, float32, training steps, peak resident set per process (VmHWM)"]
+    one, torch = res.get("lbannpy", [0.0])[0], res.get("torch", [0.0])[0]
+    split = max(res.get("split", [0.0]))
+    if one:
+        lines.append(f"  lbannpy 1 rank            {one:8.0f} MiB")
+    if torch:
+        lines.append(f"  PyTorch 1 process         {torch:8.0f} MiB")
+    if split:
+        per_rank = ", ".join(f"{p:.0f}" for p in res["split"])
+        lines.append(f"  lbannpy {ranks} ranks (h split)  {split:8.0f} MiB per rank (ranks: {per_rank})")
+    if one and torch:
+        lines.append(f"  lbannpy / PyTorch, 1 rank: {one / torch:.2f}x (target <= {TORCH_TARGET:.2f}x)")
+    if one and split:
+        lines.append(f"  {ranks} ranks / 1 rank, per rank: {split / one:.2f}x (target <= {target:.2f}x)")
+    return lines
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench memory", description=describe(__doc__))
-    ap.add_argument("--model", default="mesh1k", help="zoo model (default mesh1k)")
-    ap.add_argument("--size", type=int, default=1024, help="input side (default 1024)")
-    ap.add_argument("--ranks", type=int, default=2, help="ranks of the split run (default 2)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        res = worker(args.model, args.size)
-        if res["per_rank"][0]["rank"] == 0 and int(os.environ.get("PMI_RANK", "0")) == 0:
-            print("RESULT " + json.dumps(res), flush=True)
-        return 0
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        print("lbannpy.bench memory: needs mpiexec (pip install mpich)", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python -m lbannpy.bench memory", description=describe(__doc__),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="mesh1k", help="zoo model")
+    ap.add_argument("--size", type=int, default=1024, help="input side")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks of the split run")
+    ap.add_argument("--steps", type=int, default=2, help="training steps of each run")
+    ap.add_argument("--target", type=float, default=SPLIT_TARGET, help="the split run's target ratio")
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
+    ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
+    ap.add_argument("--timeout", type=float, default=3000, help="seconds allowed for each run")
+    ap.add_argument("--peak-worker", default=None, help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args(argv)
+    if args.peak_worker is not None:
+        return _peak_worker(args.peak_worker, rest[1:] if rest[:1] == ["--"] else rest)
+    if rest:
+        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    try:
+        import torch  # noqa: F401  (the peer)
+    except ImportError:
+        print("lbannpy.bench memory: needs PyTorch (pip install torch)", file=sys.stderr)
         return 2
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    results = {}
-    for ranks in (1, args.ranks):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "lbannpy.bench", "memory", "--worker",
-               "--model", args.model, "--size", str(args.size)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
-        if out.returncode != 0:
-            print(out.stdout[-3000:] + out.stderr[-3000:], file=sys.stderr)
-            return out.returncode
-        line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-        results[ranks] = json.loads(line[7:])
-    one = results[1]["per_rank"][0]
-    print(f"{args.model}: one sample 18×{args.size}², float32, forward+backward, height split over the ranks")
-    print(f"{'ranks':>5} {'rank':>4} {'peak MiB':>9} {'model MiB':>9} {'vs 1 rank':>9} {'seconds':>8}")
-    for ranks in (1, args.ranks):
-        for r in results[ranks]["per_rank"]:
-            print(f"{ranks:5d} {r['rank']:4d} {r['peak_mib']:9.0f} {r['model_mib']:9.0f} "
-                  f"{r['model_mib'] / one['model_mib']:9.2f} {r['seconds']:8.1f}")
-    worst = max(r["model_mib"] for r in results[args.ranks]["per_rank"]) / one["model_mib"]
-    print(f"largest per-rank model memory on {args.ranks} ranks: {worst:.2f}× the 1-rank figure "
-          f"(target <= 0.6×)")
+    case = Case(f"{args.model}-{args.size}", args.model, args.size, 1)
+    work = args.dir or tempfile.mkdtemp(prefix="lbannpy-memory-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        res = measure(case, args.ranks, args.steps, work, args.timeout, args.runs)
+    except (PeerError, OSError) as e:
+        print(f"lbannpy.bench memory: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(report(case, args.ranks, res, args.target)))
     return 0
 
 

@@ -98,10 +98,10 @@ def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, 
 KERNELS = ["auto"]  # runtime.kernels of lbannpy's runs (--kernels)
 
 
-def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
-                 tag: str, timeout: float) -> float:
-    """Median step (s) of ``[mpiexec -n ranks] python -m lbannpy.train`` on the case; ``split`` is the
-    default distribution's split dimension (``n``: data parallel, ``h``: every sample's height)."""
+def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
+                   tag: str, timeout: float) -> tuple[str, str]:
+    """The training config (``.h5``) of the case on ``ranks`` ranks and its output directory; ``split`` is
+    the default distribution's split dimension (``n``: data parallel, ``h``: every sample's height)."""
     import yaml
 
     run_dir = os.path.join(work, f"run-{tag}")
@@ -118,6 +118,14 @@ def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split
         yaml.safe_dump(cfg, f, sort_keys=False)
     config = os.path.join(work, f"{tag}.h5")
     _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", config], timeout, "config build")
+    return config, run_dir
+
+
+def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
+                 tag: str, timeout: float) -> float:
+    """Median step (s) of ``[mpiexec -n ranks] python -m lbannpy.train`` on the case (see
+    :func:`lbannpy_config`)."""
+    config, run_dir = lbannpy_config(work, case, spec, data, ranks, split, steps, tag, timeout)
     _run(_launcher(ranks) + [sys.executable, "-m", "lbannpy.train", config, "--quiet"], timeout,
          f"lbannpy {case.label} on {ranks} rank(s)")
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:

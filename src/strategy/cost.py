@@ -324,7 +324,8 @@ def layer_memory(node: Node, dist: Distribution, machine: MachineModel, reads_in
     Persistent: the output block (kept for backprop), a gathered input copy where the input's channel axis is
     replicated (conv/fc with split output channels, fc), the model input block for layers reading it, and
     weights + gradients + optimizer state of the local weight block. Transient: the error signals dL/dy and
-    dL/dx of this layer and the input block with its halo.
+    dL/dx of this layer and, for a stencil layer, the window (input block with its halo, rebuilt in the
+    backward) and its gradient.
     """
     b = machine.dtype_bytes
     out_local = max_local_shape(node.out_shape, dist)
@@ -337,10 +338,12 @@ def layer_memory(node: Node, dist: Distribution, machine: MachineModel, reads_in
         w = ceil_div(node.n_params, weight_split(node, dist)) * b
         persistent += w * (2 + optimizer_slots(optimizer))
     transient = (math.prod(out_local) + math.prod(in_local) * len(node.in_shapes)) * b
-    if node.stencil is not None and any(p > 1 for p in dist.split[2:]):
-        widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
-        padded = [e + lo + hi for e, (lo, hi) in zip(in_local, widths)]
-        transient += (math.prod(padded) - math.prod(in_local)) * b
+    if node.stencil is not None:  # the window (input block and halo) and its gradient, in the backward
+        padded = in_local
+        if any(p > 1 for p in dist.split[2:]):
+            widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
+            padded = [e + lo + hi for e, (lo, hi) in zip(in_local, widths)]
+        transient += 2 * math.prod(padded) * b
     return int(persistent), int(transient)
 
 

@@ -261,13 +261,44 @@ def strategy_memory(graph: ModelGraph, dists: Mapping[str, Distribution], machin
                     optimizer: str = "sgd") -> int:
     """Per-rank bytes of a fixed assignment, as :func:`evaluate_strategy` counts them (Σ persistent + max
     transient of :func:`lbannpy.strategy.cost.layer_memory`), without pricing any time: exact on Python
-    integers for any layer size, so a set-up can refuse a run before allocating it."""
+    integers for any layer size, so a set-up can refuse a run before allocating it. Unlike the search,
+    which prices each layer alone, it knows the neighbours: a ReLU that runs in its parent's array keeps
+    nothing of its own."""
     pers, trans = 0, 0
+    shared = _shares_parent_output(graph, dists)
     for node in graph:
         p, t = layer_memory(node, dists[node.name], machine, _reads_input(node), optimizer)
+        if node.name in shared:  # the parent's array, overwritten in place: nothing of its own is kept
+            p -= math.prod(max_local_shape(node.out_shape, dists[node.name])) * machine.dtype_bytes
         pers += p
         trans = max(trans, t)
     return pers + trans
+
+
+def _shares_parent_output(graph: ModelGraph, dists: Mapping[str, Distribution]) -> set[str]:
+    """Layers whose output is their parent's array (:meth:`lbannpy.model.Model._plan_steps`: a ReLU fused
+    into its batch-norm, or overwriting an output that only it reads and its producer does not keep)."""
+    from lbannpy.layers.registry import layer_classes
+
+    classes = layer_classes()
+    consumers: dict[str, int] = {}
+    for node in graph:
+        for p in node.parents:
+            consumers[p] = consumers.get(p, 0) + 1
+    by_name = {node.name: node for node in graph}
+    last = list(graph)[-1].name
+    out = set()
+    for node in graph:
+        if not classes[node.type].fusable_activation or len(node.parents) != 1:
+            continue
+        parent = by_name.get(node.parents[0])
+        if (parent is None or consumers.get(parent.name) != 1 or parent.name == last
+                or dists[parent.name] != dists[node.name]):
+            continue
+        pcls = classes[parent.type]
+        if pcls.fuses_relu or not pcls.output_kept:
+            out.add(node.name)
+    return out
 
 
 def _fit(d: int, ranks: int) -> int:

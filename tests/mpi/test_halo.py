@@ -111,6 +111,10 @@ def test_exchange_and_accumulate_match_the_global_reference(comm, xp, case):
             failures.append(f"{dist}: window differs in {int((win != want).sum())} elements")
         if not np.array_equal(early, want[plan.interior_window_slices]):
             failures.append(f"{dist}: interior inputs were not ready before wait()")
+        # the window rebuilt later from the block and the received ghosts alone, into a dirty buffer
+        again = xp.full(plan.window_shape, np.nan)
+        if not np.array_equal(to_numpy(plan.refill(xp.asarray(x), ex.received, again)), want):
+            failures.append(f"{dist}: the refilled window differs from the exchanged one")
         # adjoint against the global reference: the sum of every replica-0 rank's window gradient
         y = window_grad(plan, dist, comm.rank)
         gx = to_numpy(plan.accumulate_start(comm, xp.asarray(y)).wait())
