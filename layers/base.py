@@ -108,8 +108,8 @@ class LayerContext:
         self._partitions: dict = {}  # partition key -> communicator
         self._tags = 100
         self._workspace = Scratch(xp)
-        # the conv kernel set of the run (runtime.kernels; None: lbannpy's own) and, per (local input shape,
-        # local output shape), the set a calibration found faster there (kernels/select.kernel_table)
+        # the conv kernel set of the run (runtime.kernels; None: lbannpy's own) and, per (layer type, local
+        # input shape, local output shape), the set a calibration found faster there (select.kernel_table)
         self.conv_kernels = None
         self.conv_kernel_table: dict = {}
 

@@ -111,9 +111,9 @@ class Conv(Layer):
             from .kernels.select import own
 
             ctx, rank = self.ctx, self.ctx.rank
-            shapes = (tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
-                      tuple(self.out_dist.local_shape(self.out_shape, rank)))
-            k = self._kern = ctx.conv_kernel_table.get(shapes) or ctx.conv_kernels or own()
+            key = ("conv", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
+                   tuple(self.out_dist.local_shape(self.out_shape, rank)))
+            k = self._kern = ctx.conv_kernel_table.get(key) or ctx.conv_kernels or own()
         return k
 
     def _conv(self, xwin, out=None, index=None):

@@ -289,10 +289,10 @@ class _Reader:
                                  for k in ("fwd_s", "bwd_data_s", "bwd_weights_s"))
                 if "fwd_s" not in row:
                     raise KeyError("fwd_s")
-                if "kernel" in row:
-                    if row["kernel"] not in KERNEL_SETS or row["type"] != "conv":
-                        raise ValueError(f"kernel must be one of {', '.join(KERNEL_SETS)}, on a conv row, "
-                                         f"got {row['kernel']!r} on {row['type']!r}")
+                if "kernel" in row:  # read for the layer types that have kernel sets (convolutions)
+                    if row["kernel"] not in KERNEL_SETS:
+                        raise ValueError(f"kernel must be one of {', '.join(KERNEL_SETS)}, got "
+                                         f"{row['kernel']!r}")
                     kernels[key[:3]] = row["kernel"]
             except (KeyError, TypeError, ValueError) as exc:
                 raise self.fail(f"{what} needs type, in, out, fwd_s (and bwd_data_s, bwd_weights_s, split, "

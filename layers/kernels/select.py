@@ -56,7 +56,7 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
 
 
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
-    """``{(local input shape, local output shape): kernels}`` of the conv shapes ``machine`` (a
+    """``{(layer type, local input shape, local output shape): kernels}`` of the shapes ``machine`` (a
     :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto``. A shape
     whose set cannot run here (ATen without torch) is left to the rule of :func:`conv_kernels`."""
     if choice != "auto" or not getattr(machine, "kernels", None):
@@ -65,5 +65,4 @@ def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
     aten_set = conv_kernels("auto", device)
     if aten_set.name == "aten":
         sets["aten"] = aten_set
-    return {(key[1], key[2]): sets[name] for key, name in machine.kernels.items()
-            if key[0] == "conv" and name in sets}
+    return {key: sets[name] for key, name in machine.kernels.items() if name in sets}
