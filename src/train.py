@@ -69,7 +69,9 @@ def _main(args) -> int:
                                          WriteFailed, agree_on_error, user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.hostmem import keep_freed_blocks
 
+    keep_freed_blocks()  # freed step buffers are reused without page faults (see lbannpy.hostmem)
     # the config decides the backend; reading it needs no communicator (every rank reads the same file)
     try:
         cfg = load_config(args.config)
