@@ -81,7 +81,7 @@ def test_every_schema_default_is_listed_and_filled():
 def test_data_defaults():
     cfg = normalize(dict(MINIMAL, data={"train": {"path": "d.h5"}}))
     assert cfg["data"] == {"train": {"path": "d.h5", "inputs": "inputs", "labels": "labels", "shuffle": True},
-                           "prefetch": 2}
+                           "prefetch": 2, "preload": "auto"}
 
 
 def test_steps_replaces_epochs_default():

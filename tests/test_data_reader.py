@@ -80,12 +80,14 @@ def assemble(readers, batches, x_shape, y_shape):
     return x, y
 
 
+@pytest.mark.parametrize("preload", ["never", "always"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_union_of_rank_blocks_is_the_shuffled_global_batch(case, mesh_file, file_arrays):
+def test_union_of_rank_blocks_is_the_shuffled_global_batch(case, preload, mesh_file, file_arrays):
     xs, ys = file_arrays
     dist = case.dist()
     readers = [HDF5Reader(mesh_file, dist=dist, rank=r, batch_size=case.batch, seed=4, prefetch=False,
-                          piece_bytes=case.piece_bytes) for r in range(dist.ranks)]
+                          piece_bytes=case.piece_bytes, preload=preload) for r in range(dist.ranks)]
+    assert all(r.preloaded == (preload == "always") for r in readers)
     try:
         steps = readers[0].steps_per_epoch
         assert steps == N_SAMPLES // case.batch
@@ -121,13 +123,14 @@ def test_shuffle_differs_between_epochs_and_not_between_ranks():
     assert np.array_equal(orders[0], want)
 
 
-def test_label_dist_takes_the_labels_box(mesh_file, file_arrays):
+@pytest.mark.parametrize("preload", ["never", "always"])
+def test_label_dist_takes_the_labels_box(mesh_file, file_arrays, preload):
     # inputs split over samples, labels compared with a spatially split output: each rank gets its label box
     _, ys = file_arrays
     dist = Distribution.make(4, ranks=4, n=4)
     ldist = Distribution.make(4, ranks=4, n=2, w=2)
     readers = [HDF5Reader(mesh_file, dist=dist, label_dist=ldist, rank=r, batch_size=4, seed=0,
-                          prefetch=False) for r in range(4)]
+                          prefetch=False, preload=preload) for r in range(4)]
     batches = [r.next() for r in readers]
     ids = readers[0].batch_ids(0, 0)
     y = np.full((4, SIZE, SIZE), 255, np.uint8)
@@ -140,11 +143,13 @@ def test_label_dist_takes_the_labels_box(mesh_file, file_arrays):
         r.close()
 
 
-def test_class_labels(blobs_file):
+@pytest.mark.parametrize("preload", ["never", "always"])
+def test_class_labels(blobs_file, preload):
     with h5py.File(blobs_file, "r") as fh:
         xs, ys = fh["inputs"][...], fh["labels"][...]
     dist = Distribution.make(4, ranks=2, n=2)
-    readers = [HDF5Reader(blobs_file, dist=dist, rank=r, batch_size=4, seed=2) for r in range(2)]
+    readers = [HDF5Reader(blobs_file, dist=dist, rank=r, batch_size=4, seed=2, preload=preload)
+               for r in range(2)]
     for _ in range(3):
         batches = [r.next() for r in readers]
         ids = readers[0].batch_ids(batches[0].epoch, batches[0].step)
@@ -330,3 +335,67 @@ def test_reader_refuses_bad_settings(mesh_file):
         HDF5Reader(mesh_file, batch_size=1, indices=[0, 7])
     with pytest.raises(DataError, match="expects 18"):
         HDF5Reader(mesh_file, batch_size=1, expected_channels=18)
+
+
+def test_preloaded_reader_reads_the_file_once_and_starts_no_thread(mesh_file, file_arrays, monkeypatch):
+    xs, ys = file_arrays
+    dist = Distribution.make(4, ranks=2, h=2)
+    reads = []
+    real = h5py.Dataset.read_direct
+
+    def counted(ds, *a, **k):
+        reads.append(ds.name)
+        return real(ds, *a, **k)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", counted)
+    threads = threading.active_count()
+    with HDF5Reader(mesh_file, dist=dist, rank=1, batch_size=2, seed=3, prefetch=True,
+                    preload="always") as r:
+        at_setup = len(reads)
+        assert at_setup == 2  # the inputs and the pixel labels of all 7 samples: one run each
+        assert r.preloaded and not r.prefetch and r.io_stats()["preloaded"] is True
+        (h0, h1), (w0, w1) = r.box[2], r.box[3]
+        for _ in range(7):  # two epochs and more
+            b = r.next()
+            ids = r.batch_ids(b.epoch, b.step)
+            assert np.array_equal(b.inputs, xs[ids][:, :, h0:h1, w0:w1])
+            assert np.array_equal(b.labels, ys[ids][:, h0:h1, w0:w1])
+            assert threading.active_count() == threads
+        assert len(reads) == at_setup
+
+
+def test_preload_auto_follows_the_size_of_a_ranks_part(mesh_file, monkeypatch):
+    import lbannpy.data.reader as reader_mod
+
+    dist = Distribution.make(4, ranks=2, h=2)
+    with HDF5Reader(mesh_file, dist=dist, rank=0, batch_size=2, preload="auto") as r:
+        assert r.preloaded  # 7 samples of 5 x 10 x 20 float32 and uint8 labels: far below the limit
+        # every rank decides on the largest rank's part, so ranks of an uneven split agree
+        assert r.store_bytes == N_SAMPLES * (CHANNELS * 10 * SIZE * 4 + 10 * SIZE)
+        small = r.store_bytes - 1
+    monkeypatch.setattr(reader_mod, "preloads", lambda mode, nbytes: __import__(
+        "lbannpy.data.dataset", fromlist=["x"]).preloads(mode, nbytes) and nbytes <= small)
+    with HDF5Reader(mesh_file, dist=dist, rank=0, batch_size=2, preload="auto") as r:
+        assert not r.preloaded and r.prefetch
+    with pytest.raises(DataError, match="data.preload"):
+        HDF5Reader(mesh_file, dist=dist, rank=0, batch_size=2, preload="yes")
+
+
+def test_preload_decision_threshold():
+    from lbannpy.data.dataset import PRELOAD_AUTO_BYTES, preloads
+
+    assert preloads("auto", PRELOAD_AUTO_BYTES) and not preloads("auto", PRELOAD_AUTO_BYTES + 1)
+    assert preloads("always", 10**15) and not preloads("never", 1)
+
+
+def test_preloaded_reader_still_sees_a_changed_file(tmp_path):
+    path = str(tmp_path / "m.h5")
+    write_mesh(path, MeshParams(size=8, samples=4, seed=1, channels=2))
+    with HDF5Reader(path, batch_size=2, seed=0, preload="always") as r:
+        r.next(), r.next()  # epoch 0
+        write_mesh(path + ".new", MeshParams(size=8, samples=4, seed=2, channels=2))
+        import os
+
+        os.replace(path + ".new", path)
+        with pytest.raises(DataError, match="changed while training"):
+            r.next()  # the first batch of epoch 1 checks the file, as a streaming reader does

@@ -78,8 +78,12 @@ def test_the_parts_of_the_estimate(tmp_path):
     est = M.estimate(cfg, 2)
     # sample ids: indices, permutation and order (int64) and the int64 class labels of 32 samples
     assert est.index_bytes == 4 * 8 * 32
-    # batch buffers: prefetch depth 2 + one in use + one read, of a half batch (n split over 2 ranks)
-    assert est.batch_bytes == 4 * (2 * 3 * 8 * 8 * 4 + 2 * 8)
+    # preloaded (data.preload: auto, a small set): the rank's box of all 32 samples and one block in use
+    assert est.batch_bytes == 32 * 3 * 8 * 8 * 4 + (2 * 3 * 8 * 8 * 4 + 2 * 8)
+    # streamed: prefetch depth 2 + one in use + one read, of a half batch (n split over 2 ranks)
+    streamed = validate(dict(_spec(tmp_path, filters=4, n=32), data=dict(
+        _spec(tmp_path, filters=4, n=32)["data"], preload="never")), ranks=2)
+    assert M.estimate(streamed, 2).batch_bytes == 4 * (2 * 3 * 8 * 8 * 4 + 2 * 8)
     assert est.total_bytes == est.runtime_bytes + est.model_bytes + est.batch_bytes + est.index_bytes
     # twice the batch: every activation doubles, the weights do not
     cfg2 = validate(dict(_spec(tmp_path, filters=4, n=32), trainer={"batch_size": 8, "steps": 2}), ranks=2)

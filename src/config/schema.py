@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from lbannpy.data.dataset import PRELOAD_AUTO_BYTES, PRELOAD_CHOICES
 from lbannpy.layers.registry import INPUT_NAMES, LayerSpec, RegistryView, layer_specs, loss_specs
 
 from .errors import ConfigError, did_you_mean, join_path
@@ -142,7 +143,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             Key("path", Str(), UNSET, "HDF5 file with the same dataset names as train"),
             Key("fraction", Float(0.0, 1.0, True, True), UNSET, "share of training samples held out"),
         ), (OneOf(("path", "fraction"), required=True),), optional=True),
-        Key("prefetch", Int(0), 2, "batches read ahead"),
+        Key("prefetch", Int(0), 2, "batches read ahead (a background thread; unused when preloaded)"),
+        Key("preload", Str(PRELOAD_CHOICES), "auto",
+            "keep each rank's part of the data in memory, read once at start (no reads while training): "
+            f"always, never, or auto (when a rank's part is at most {PRELOAD_AUTO_BYTES >> 20} MiB)"),
     ), optional=True),
     Section("trainer", "the training loop", (
         Key("batch_size", _POS, 1, "global mini-batch size (samples per optimizer step)"),

@@ -2,6 +2,7 @@
 sample order of an epoch, the train/validation split and the contiguous read runs of a batch."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -216,3 +217,26 @@ def read_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 # --------------------------------------------------------------------------------------------------------
 # the reader
+
+
+# ``data.preload``: keep a rank's part of a data set in memory, read once at set-up
+PRELOAD_CHOICES = ("auto", "always", "never")
+PRELOAD_AUTO_BYTES = 512 << 20   # auto preloads a rank's part up to this size
+
+
+def preloads(mode: str, store_bytes: int) -> bool:
+    """Whether a reader whose in-memory copy would take ``store_bytes`` preloads under ``mode``."""
+    if mode not in PRELOAD_CHOICES:
+        raise DataError(f"data.preload: {mode!r} is not one of {', '.join(PRELOAD_CHOICES)}")
+    return mode == "always" or (mode == "auto" and store_bytes <= PRELOAD_AUTO_BYTES)
+
+
+def store_bytes(num_samples: int, input_sample: Sequence[int], input_itemsize: int,
+                label_sample: Sequence[int], label_itemsize: int) -> int:
+    """Bytes of a preloaded store of ``num_samples`` samples: this rank's box of every sample's inputs
+    (``input_sample``: the box without its sample dimension) and per-pixel labels (``label_sample``; empty
+    for class labels, which every reader holds whole anyway)."""
+    per = math.prod(input_sample) * input_itemsize
+    if len(label_sample):
+        per += math.prod(label_sample) * label_itemsize
+    return int(num_samples) * per

@@ -24,6 +24,15 @@ h5py selections with a list of indices must be increasing; a shuffled batch is n
 rank's sample ids and issues one ``read_direct`` per maximal run of ids that are consecutive both in the
 file and in the batch, each into its final slot of the output buffer (no gather copy afterwards).
 
+Preload
+-------
+With ``preload`` (``data.preload``: ``always``; ``auto`` where this rank's part of the set is at most
+:data:`~lbannpy.data.dataset.PRELOAD_AUTO_BYTES`) the reader reads its box of every sample of ``indices``
+once, at set-up, in as few large reads as the file allows, and serves every batch from memory (a gather, in
+the caller's thread): no HDF5 read and no prefetch thread while training, so nothing holds the GIL beside
+the compute. The file is still checked once per epoch (it must stay the file the run names: a resume reads
+it again). LBANN calls this the preloaded data store.
+
 Prefetch
 --------
 With ``prefetch=True`` a background thread reads the following batches into a bounded queue (``depth``,
@@ -47,7 +56,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..dist import Distribution, DistributionError, shape_str
-from .dataset import DataError, epoch_order, read_runs, validate_dataset
+from ..strategy.cost import max_local_shape
+from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
 from .integrity import FileIdentity, check_identity, check_labels
 from .prefetch import _STOP, _Failure, _Prefetcher
 
@@ -90,6 +100,7 @@ class HDF5Reader:
     num_classes : when given, every block's labels are checked against ``[0, num_classes)`` as read (before
         any down-sampling); a bad label raises :class:`DataError` naming the sample, pixel and value.
     name : how messages name the data set (e.g. ``data.train``); default the path.
+    preload : ``auto``, ``always`` or ``never``: keep this rank's part of the set in memory (see Preload).
 
     The file's identity (size, modification time, inode, device) is recorded when it is opened and compared
     with a fresh ``os.stat`` at the first read of every epoch and after a failed read: a file truncated or
@@ -101,7 +112,8 @@ class HDF5Reader:
                  shuffle: bool = True, indices: Sequence[int] | None = None, prefetch: bool = True,
                  label_dist: Distribution | None = None, depth: int = 2, comm=None,
                  expected_channels: int | None = None, expected_spatial: Sequence[int] | None = None,
-                 piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = ""):
+                 piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = "",
+                 preload: str = "never"):
         self.path = str(path)
         self.name = name or self.path
         self.num_classes = None if num_classes is None else int(num_classes)
@@ -117,6 +129,8 @@ class HDF5Reader:
         self._comm = comm
         self._fh = None
         self._pf: _Prefetcher | None = None
+        self._store: tuple[np.ndarray, np.ndarray | None] | None = None  # preloaded inputs, pixel labels
+        self.preload_mode = preload
         self._epoch = 0
         self._step = 0
         self.wait_times: list[float] = []
@@ -131,6 +145,8 @@ class HDF5Reader:
                 raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but "
                                 f"runs on rank {comm.rank} of a communicator of {comm.size}")
             self._file()
+            if self.preloaded:
+                self._load_store()
         except (DataError, DistributionError, OSError) as exc:
             error = exc
         self._agree(error)
@@ -196,17 +212,35 @@ class HDF5Reader:
             raise DataError(f"{self.path}: batch size {self.batch_size} exceeds the {len(self.indices)} "
                             f"samples available; lower trainer.batch_size")
 
+        self._decide_preload(lshape)
         # refuse blocks that cannot fit before anything is allocated: depth queued + one in use + one read
         block = math.prod(self.local_shape) * info.input_dtype.itemsize
         block += math.prod(self.label_local_shape) * info.label_dtype.itemsize
         need = block * ((self.depth + 2) if self.prefetch else 1)
+        need += self.store_bytes if self.preloaded else 0
         avail = _physical_memory()
+        if avail and need > avail and self.preloaded:
+            raise DataError(
+                f"rank {self.rank}: preloading its part of {self.path} takes "
+                f"{self.store_bytes / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
+                f"set data.preload: never (or auto)")
         if avail and need > avail:
             raise DataError(
                 f"rank {self.rank}: a block of the mini-batch from {self.path} is {block / 2**30:.2f} GiB "
                 f"(local shape {shape_str(self.local_shape)}, {info.input_dtype}); with prefetch depth "
                 f"{self.depth} it needs {need / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
                 f"split the samples over more ranks, lower the batch size or the prefetch depth")
+
+    def _decide_preload(self, label_shape) -> None:
+        """Preload or not: decided on the largest rank's part, so every rank decides the same."""
+        info = self.info
+        big = max_local_shape(self.global_shape, self.dist)
+        big_labels = max_local_shape(label_shape, self.label_dist)[2:] if info.per_pixel else ()
+        self.store_bytes = store_bytes(len(self.indices), big[1:], info.input_dtype.itemsize, big_labels,
+                                       info.label_dtype.itemsize)
+        self.preloaded = preloads(self.preload_mode, self.store_bytes)
+        if self.preloaded:
+            self.prefetch = False  # batches come from memory: nothing to read ahead
 
     def _agree(self, error):
         """Raise the same error on every rank when any rank failed (collective over ``comm`` when given)."""
@@ -291,7 +325,27 @@ class HDF5Reader:
         dt = time.perf_counter() - t0
         return Batch(x, y, epoch, step, mine.copy(), read_s=dt)
 
+    def _load_store(self) -> None:
+        """Read this rank's box of every sample of ``indices`` into memory (see Preload)."""
+        ids = np.sort(self.indices)
+        self._row = np.full(self.info.num_samples, -1, dtype=np.int64)
+        self._row[ids] = np.arange(ids.size)
+        x = np.empty((ids.size,) + self.local_shape[1:], dtype=self.info.input_dtype)
+        for f0, d0, k in read_runs(ids):
+            self._read_run(self._dx, x, f0, d0, k, self.box[1:])
+        y = None
+        if self.info.per_pixel:
+            y = np.empty((ids.size,) + self.label_local_shape[1:], dtype=self.info.label_dtype)
+            for f0, d0, k in read_runs(ids):
+                self._read_run(self._dy, y, f0, d0, k, self.label_box[1:])
+        self._store = (x, y)
+
     def _read_block(self, mine: np.ndarray, lids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._store is not None:  # preloaded: a gather from memory
+            x_all, y_all = self._store
+            x = x_all[self._row[mine]]
+            y = y_all[self._row[lids]] if y_all is not None else self._class_labels[lids]
+            return x, y
         x = np.empty(self.local_shape, dtype=self.info.input_dtype)
         for f0, d0, k in read_runs(mine):
             self._read_run(self._dx, x, f0, d0, k, self.box[1:])
@@ -419,7 +473,7 @@ class HDF5Reader:
         w = np.asarray(self.wait_times, dtype=np.float64)
         r = np.asarray(self.read_times, dtype=np.float64)
         n = int(w.size)
-        return {"steps": n, "prefetch": self.prefetch,
+        return {"steps": n, "prefetch": self.prefetch, "preloaded": self.preloaded,
                 "wait_s_total": float(w.sum()), "wait_s_mean": float(w.mean()) if n else 0.0,
                 "wait_s_max": float(w.max()) if n else 0.0,
                 "read_s_mean": float(r.mean()) if n else 0.0,
@@ -436,6 +490,7 @@ class HDF5Reader:
         try:
             self._stop_prefetch()
         finally:
+            self._store = None
             fh, self._fh = self._fh, None
             if fh is not None:
                 fh.close()

@@ -5,7 +5,8 @@ The model's part is the cost model's own accounting (:func:`lbannpy.strategy.pla
 optimizer state — plus the largest transient bytes — error signals, halo buffers), under the
 distributions the run will use: ``parallel.default`` and ``parallel.layers`` as the trainer applies them,
 or the planner's choice for ``strategy: auto``. The data's part is what the reader holds: the prefetched
-blocks of the mini-batch (depth queued + one in use + one being read), one block of the validation reader,
+blocks of the mini-batch (depth queued + one in use + one being read) or, preloaded (``data.preload``), its
+box of every sample and one block, one block of the validation reader,
 and the sample ids (``indices``, an epoch's permutation and its order: three int64 arrays of the training
 samples) and the class labels it reads whole. A constant covers the process itself (:data:`RUNTIME_BYTES`).
 
@@ -124,6 +125,7 @@ def data_sizes(path: str, inputs: str, labels: str) -> DataSizes:
 
 def data_memory(cfg: dict, input_shape, input_dist, base_dir: str | None = None) -> tuple[int, int]:
     """(batch buffer bytes, sample-id and label bytes) of one rank's readers; (0, 0) without data."""
+    from ..data.dataset import preloads, store_bytes
     from .cost import max_local_shape
 
     data = cfg.get("data")
@@ -140,10 +142,16 @@ def data_memory(cfg: dict, input_shape, input_dist, base_dir: str | None = None)
     if val.get("path"):
         files.append((full(val["path"]), 1))
     batch = index = 0
+    mode = data.get("preload", "auto")
     for i, (path, blocks) in enumerate(files):
         s = data_sizes(path, train["inputs"], train["labels"])
         label_local = (local[0],) + tuple(-(-e // p) for e, p in zip(s.label_shape, input_dist.parts[2:]))
         block = math.prod(local) * s.input_itemsize + math.prod(label_local) * s.label_itemsize
+        # a preloaded reader holds its box of every sample (the readers of a held-out fraction share them)
+        store = store_bytes(s.num_samples, local[1:], s.input_itemsize, label_local[1:], s.label_itemsize)
+        if preloads(mode, store):
+            blocks = 1
+            batch += store
         batch += block * blocks
         readers = 2 if i == 0 and val.get("fraction") else 1  # a held-out fraction: a 2nd reader of the file
         index += INDEX_ARRAYS * 8 * s.num_samples
