@@ -116,12 +116,33 @@ class Conv(Layer):
             k = self._kern = ctx.conv_kernel_table.get(key) or ctx.conv_kernels or own()
         return k
 
+    @property
+    def kernel_pads(self):
+        """The padding the kernels apply themselves (a tuple per spatial dimension), or None: where nothing
+        is exchanged (no spatial split), the padding is symmetric and the kernel set pads (ATen), the layer
+        hands its input block straight to the kernels, with no window built or kept, and gets the input
+        gradient back without a window gradient to crop (the padded window exists only inside the kernel,
+        as in PyTorch)."""
+        kern = self.kern
+        cached = self.__dict__.get("_pads")
+        if cached is None or cached[0] is not kern:  # worked out once per kernel set
+            sp = self.stencil.dims[2:]
+            ok = (kern.pads and self.halo.local and all(p == 1 for p in self.in_dists[0].split[2:])
+                  and all(w.pad_lo == w.pad_hi for w in sp))
+            cached = self._pads = (kern, tuple(w.pad_lo for w in sp) if ok else None)
+        return cached[1]
+
     def _conv(self, xwin, out=None, index=None):
         return self.kern.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
                               self.stride, self.dilation, out=out)
 
     def fp_compute(self, xs):
         (x,) = xs
+        if self.kernel_pads is not None:
+            self._window = None
+            self._x = x if self.train else None
+            return self.kern.conv_forward(x, self.w.value, None if self.b is None else self.b.value,
+                                          self.stride, self.dilation, padding=self.kernel_pads)
         # No window lives from this forward to the layer's backward: it is a (padded) copy of the input
         # block, alive anyway as the parent's output, so the layer keeps that block and the few ghost values
         # received, and the backward rebuilds the window without communication into a workspace shared by
@@ -146,14 +167,19 @@ class Conv(Layer):
     # -- backward --------------------------------------------------------------------------------------
     def bp_compute(self, dy):
         ctx = self.ctx
+        pads = self.kernel_pads
         window = self._window
-        if window is None:
+        if pads is not None:  # the input block itself, padded inside the kernels
+            window, self._x = self._x, None
+        elif window is None:
             window = self.halo.refill(self._x, self._received, self._window_space(dy.dtype))
             self._x = self._received = None
 
+        padded = {} if pads is None else {"padding": pads}
+
         def weight_grads():
             self.w.grad += self.kern.conv_backward_filter(window, dy, self.w.value.shape, self.stride,
-                                                          self.dilation)
+                                                          self.dilation, **padded)
             if self.b is not None:
                 self.b.grad += K.conv_backward_bias(dy)
         if not self.needs_input_grad:  # the model input: only the weight gradient
@@ -164,9 +190,12 @@ class Conv(Layer):
         # unless the kernels allocate it anyway
         space = None if self.kern.allocates else ctx.workspace("conv window gradient", window.shape, dy.dtype)
         dwin = self.kern.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
-                                            out=space)
+                                            out=space, **padded)
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
+        if pads is not None:  # already the input gradient
+            weight_grads()
+            return [dwin]
         dx = self.halo_backward(dwin, weight_grads)
         self._window = None
         return [dx]

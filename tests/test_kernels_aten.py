@@ -49,6 +49,26 @@ def test_aten_equals_own_in_float64(shape):
     assert got.shape == w.shape and np.abs(got - dw).max() <= 1e-10 * max(np.abs(dw).max(), 1)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:6] + SHAPES[9:11], ids=lambda s: f"{len(s[2])}d-{s[4]}k{s[5]}s")
+def test_aten_padding_equals_own_on_the_padded_window(shape):
+    from lbannpy.layers.kernels import crop_spatial, pad_spatial
+
+    x, w, b, s, d = _case(shape, np.float64, seed=2)
+    p = (shape[4] // 2) * d
+    pads = [(p, p)] * (x.ndim - 2)
+    win = pad_spatial(x, pads)
+    y = own.conv_forward(win, w, b, s, d)
+    got = aten.conv_forward(x, w, b, s, d, padding=p)
+    assert got.shape == y.shape and np.abs(got - y).max() <= 1e-10 * max(np.abs(y).max(), 1)
+    dy = np.random.default_rng(3).standard_normal(y.shape)
+    dx = crop_spatial(own.conv_backward_data(dy, w, win.shape, s, d), pads)
+    got = aten.conv_backward_data(dy, w, x.shape, s, d, padding=p)
+    assert got.shape == x.shape and np.abs(got - dx).max() <= 1e-10 * max(np.abs(dx).max(), 1)
+    dw = own.conv_backward_filter(win, dy, w.shape, s, d)
+    got = aten.conv_backward_filter(x, dy, w.shape, s, d, padding=p)
+    assert np.abs(got - dw).max() <= 1e-10 * max(np.abs(dw).max(), 1)
+
+
 def test_float32_zero_copy_and_out_buffers():
     x, w, b, s, d = _case((2, 3, (13, 13), 4, 3, 1, 1), np.float32)
     assert aten._t(x).data_ptr() == x.ctypes.data  # the input is wrapped, not copied
@@ -120,5 +140,28 @@ def test_training_with_own_and_aten_kernels_agrees(tmp_path):
     assert_same_weights(run("aten64", "aten", "float64"), own64, 1e-10, "aten vs own, float64")
     assert_same_weights(run("aten64-h2", "aten", "float64", 2, {"default": {"h": 2}}), own64, 1e-10,
                         "aten split over height on 2 ranks vs own on 1, float64")
+    # samples or filters split: nothing to exchange, so the layers hand ATen their blocks unpadded (it pads);
+    # filters split also sums the partial input gradients of the filter groups
+    for split in ({"n": 2}, {"c": 2}):
+        tag = "aten64-" + "".join(f"{k}{v}" for k, v in split.items())
+        assert_same_weights(run(tag, "aten", "float64", 2, {"default": split}), own64, 1e-10,
+                            f"aten on 2 ranks split {split} vs own on 1, float64")
     assert_same_weights(run("aten32", "aten", "float32"), run("own32", "own", "float32"), 1e-4,
                         "aten vs own, float32")
+
+
+@pytest.mark.skipif(not aten.available(), reason="needs torch")
+def test_unsplit_layers_hand_aten_their_blocks_and_aten_pads():
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.kernels.select import conv_kernels
+    from lbannpy.model import Model
+
+    spec = {"name": "m", "input": {"channels": 3, "spatial": [12, 12]}, "layers": LAYERS,
+            "loss": "cross_entropy"}
+    for choice, want in (("aten", {"c1": (1, 1), "c2": (1, 1), "c3": (2, 2)}), ("own", {})):
+        ctx = LayerContext(SingleCommunicator(), np, "float64", seed=0)
+        ctx.conv_kernels = conv_kernels(choice)
+        model = Model(spec, 4, ctx, {})
+        got = {lay.name: lay.kernel_pads for lay in model.layers if hasattr(lay, "kernel_pads")}
+        assert {k: v for k, v in got.items() if v is not None} == want, got

@@ -30,6 +30,9 @@ class ConvKernels:
     #: the kernels allocate their results themselves, so an ``out`` buffer only adds a copy (and, for a
     #: layer's workspace, memory that stays)
     allocates: bool = False
+    #: the kernels take ``padding=`` (per spatial dimension, both sides) and pad inside, so a layer with
+    #: nothing to exchange hands them its input block instead of a padded window (:attr:`Conv.kernel_pads`)
+    pads: bool = False
 
 
 def own() -> ConvKernels:
@@ -52,7 +55,7 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
                                     + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
         return own()
     return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter,
-                       allocates=True)
+                       allocates=True, pads=True)
 
 
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
