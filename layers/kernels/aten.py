@@ -9,6 +9,7 @@ the surrounding CuPy work without a host synchronisation. Torch is imported on f
 """
 from __future__ import annotations
 
+import functools
 import os
 
 _torch = None
@@ -94,6 +95,8 @@ def _call(like, fn, *args):
 # much as a small convolution): convolution, and convolution_backward with an output mask, which computes
 # only the gradients asked for
 _CONV = _CONV_BWD = None
+_ZEROS = {1: [0], 2: [0, 0], 3: [0, 0, 0]}  # output padding: none
+_DATA, _FILTER = [True, False, False], [False, True, False]  # which gradients convolution_backward computes
 
 
 def _ops():
@@ -104,8 +107,26 @@ def _ops():
     return _CONV, _CONV_BWD
 
 
+@functools.lru_cache(maxsize=256)
 def _geom(stride, dilation, nd, padding=0):
+    """The operator's stride, padding and dilation lists (a layer asks with the same values every step)."""
     return list(_tuple(stride, nd)), list(_tuple(padding, nd)), list(_tuple(dilation, nd))
+
+
+_SHAPED: dict = {}
+
+
+def _shaped(like, shape):
+    """A tensor of ``shape`` with ``like``'s dtype and device that owns one element (stride 0): the operator
+    reads only the shape of the argument whose gradient is not asked for (as ``torch.nn.grad`` does). Kept
+    per shape: it is never written."""
+    key = (tuple(int(s) for s in shape), like.dtype, like.device)
+    t = _SHAPED.get(key)
+    if t is None:
+        if len(_SHAPED) > 256:
+            _SHAPED.clear()
+        t = _SHAPED[key] = like.new_empty(1).expand(key[0])
+    return t
 
 
 def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0):
@@ -114,27 +135,28 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0)
     conv, _ = _ops()
     nd = x_window.ndim - 2
     s, p, d = _geom(stride, dilation, nd, padding)
-    y = _call(x_window, conv, _t(x_window), _t(w), None if b is None else _t(b), s, p, d, False, [0] * nd, 1)
+    tb = None if b is None else _t(b)
+    y = _call(x_window, conv, _t(x_window), _t(w), tb, s, p, d, False, _ZEROS[nd], 1)
     return _back(y, x_window, out)
 
 
-def _backward(dy, x, w, stride, dilation, mask, padding):
+def _backward(dy, tdy, x, w, stride, dilation, mask, padding):
     _, bwd = _ops()
-    nd = dy.ndim - 2
+    nd = tdy.ndim - 2
     s, p, d = _geom(stride, dilation, nd, padding)
-    return _call(dy, bwd, _t(dy), x, w, None, s, p, d, False, [0] * nd, 1, mask)
+    return _call(dy, bwd, tdy, x, w, None, s, p, d, False, _ZEROS[nd], 1, mask)
 
 
 def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None, padding=0):
     """Gradient w.r.t. the window, of shape ``x_window_shape``."""
     # the operator reads only the input's shape when the filter gradient is not asked for (as torch.nn.grad)
-    x = _t(dy).new_empty(1).expand(tuple(int(s) for s in x_window_shape))
-    dx = _backward(dy, x, _t(w), stride, dilation, [True, False, False], padding)[0]
+    tdy = _t(dy)
+    dx = _backward(dy, tdy, _shaped(tdy, x_window_shape), _t(w), stride, dilation, _DATA, padding)[0]
     return _back(dx, dy, out)
 
 
 def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1, padding=0):
     """Gradient w.r.t. the filter, of shape ``w_shape``."""
-    w = _t(dy).new_empty(1).expand(tuple(int(s) for s in w_shape))
-    dw = _backward(dy, _t(x_window), w, stride, dilation, [False, True, False], padding)[1]
+    tdy = _t(dy)
+    dw = _backward(dy, tdy, _t(x_window), _shaped(tdy, w_shape), stride, dilation, _FILTER, padding)[1]
     return _back(dw, dy)

@@ -46,14 +46,19 @@ def _chain(kind: str, k: int) -> list[dict]:
     return layers
 
 
+KERNELS = ["own"]  # the conv kernel set (--kernels); own: the framework's cost, not torch's per-call cost
+
+
 def _stepper(model_spec: dict, batch: int, fuse: bool):
     """A closure running one forward and backward of the model (float32, one rank), and its layer count."""
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.kernels.select import conv_kernels
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 
     ctx = LayerContext(SingleCommunicator(), np, "float32", seed=0, fuse=fuse)
+    ctx.conv_kernels = conv_kernels(KERNELS[0])
     model = Model(model_spec, batch, ctx, {})
     rng = np.random.default_rng(0)
     x = rng.standard_normal(model.input_shape).astype(np.float32)
@@ -99,8 +104,11 @@ def model_step(zoo: str, size: int, batch: int, steps: int, rounds: int, fuse: b
 
 
 def report(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, size: int) -> list[str]:
+    from lbannpy.layers.kernels.select import conv_kernels
+
     lines = [f"per-layer fixed cost, forward + backward, 1 rank, float32, input 1x4x4x4, chains of 1 and {k} "
-             f"(target {TARGET_US:.0f} us per layer{'' if fuse else ', fusion off'})",
+             f"(target {TARGET_US:.0f} us per layer{'' if fuse else ', fusion off'}; conv kernels "
+             f"{conv_kernels(KERNELS[0]).name})",
              f"{'layer':<16} {'us/layer':>9}  target"]
     for kind in kinds:
         us = per_layer_us(kind, k, steps, rounds, fuse)
@@ -125,7 +133,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fuse", action="store_true", help="every layer on its own (no fusion)")
     ap.add_argument("--model", default="mesh_tiny", help="zoo model of the step line (default mesh_tiny)")
     ap.add_argument("--size", type=int, default=16, help="its input size (default 16)")
+    ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="own",
+                    help="conv kernel set, as runtime.kernels (default own: lbannpy's fixed cost; ATen adds "
+                         "torch's own per-call cost, about 15-30 us per convolution call at these sizes)")
     args = ap.parse_args(argv)
+    KERNELS[0] = args.kernels
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in LINKS]
     if unknown:
