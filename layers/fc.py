@@ -104,7 +104,7 @@ class FullyConnected(Layer):
         self._gx = self._gdy = None
         x = hx.wait().reshape(-1, nx)
         dy = hdy.wait().reshape(-1, ndy)
-        self.w.grad[...] = K.fc_backward_filter(x, dy)
+        K.fc_backward_filter(x, dy, out=self.w.grad)
         if self.b is not None:
             self.b.grad[...] = K.fc_backward_bias(dy)
         return self.params
@@ -134,7 +134,9 @@ class FullyConnected(Layer):
         if self.replicated:
             self._gdy = self._post_gather(dy)  # dW for the whole batch in replicated_grads()
         else:
-            self.w.grad += K.fc_backward_filter(self._x, dy)
+            # the product goes to a reused workspace (a weight-sized temporary is fresh pages every step)
+            space = self.ctx.workspace("fc filter gradient", self.w.grad.shape, dy.dtype)
+            self.w.grad += K.fc_backward_filter(self._x, dy, out=space)
             if self.b is not None:
                 self.b.grad += K.fc_backward_bias(dy)
         self._x = None

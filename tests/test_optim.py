@@ -60,6 +60,39 @@ def test_optimizer_matches_torch(case):
         np.testing.assert_allclose(p.value, tw.detach().numpy(), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=[c.name for c in CASES[:3]])
+def test_large_parameters_are_updated_in_pieces_bit_for_bit(case, monkeypatch):
+    # a parameter larger than a piece (plus a ragged end): the same float32 bits as one whole-array update
+    import lbannpy.optim as optim
+
+    rng = np.random.default_rng(1)
+    shape = (3, optim.PIECE // 2 + 7)
+    w0 = rng.standard_normal(shape).astype(np.float32)
+    grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    d = Distribution.whole(2, 1)
+    out = []
+    for piece in (optim.PIECE, 10**12):  # in pieces, then whole
+        monkeypatch.setattr(optim, "PIECE", piece)
+        p = Param("w", shape, tuple((0, n) for n in shape), w0.copy(), np.zeros_like(w0), d, ())
+        opt = make_optimizer(case.config(), [p], total_steps=10)
+        for g in grads:
+            opt.zero_grad()
+            p.grad += g
+            opt.step()
+        out.append(p.value)
+    assert out[0].dtype == np.float32 and np.array_equal(out[0], out[1])
+
+
+def test_gradient_sum_of_squares_in_float64_pieces():
+    from lbannpy.training.gradsync import PIECE, sum_squares
+
+    g = np.random.default_rng(2).standard_normal(3 * PIECE + 5).astype(np.float32) * 1e3
+    want = float(np.dot(g.astype(np.float64), g.astype(np.float64)))
+    assert sum_squares(np, g.reshape(5, -1) if g.size % 5 == 0 else g) == pytest.approx(want, rel=1e-13)
+    small = g[:10]
+    assert float(sum_squares(np, small)) == float(np.dot(small.astype(np.float64), small.astype(np.float64)))
+
+
 def test_schedules():
     assert learning_rate(0.1, 5, 100, None) == 0.1
     warm = {"type": "none", "warmup_steps": 4}

@@ -3,6 +3,8 @@
 ``x``, ``W`` and ``y`` each rank holds."""
 from __future__ import annotations
 
+from lbannpy.backend import array_module
+
 
 def fc_forward(x, w, b=None):
     y = x @ w.T
@@ -16,9 +18,12 @@ def fc_backward_data(dy, w):
     return dy @ w
 
 
-def fc_backward_filter(x, dy):
-    """``dW = dy^T @ x`` (summed over the local samples; the caller reduces over sample groups)."""
-    return dy.T @ x
+def fc_backward_filter(x, dy, out=None):
+    """``dW = dy^T @ x`` (summed over the local samples; the caller reduces over sample groups), into
+    ``out`` when given."""
+    if out is None:
+        return dy.T @ x
+    return array_module(dy).matmul(dy.T, x, out=out)
 
 
 def fc_backward_bias(dy):
