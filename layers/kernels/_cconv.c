@@ -165,8 +165,8 @@ py_phase_rows(PyObject *self, PyObject *args)
  *     whose taps are 1 or 2 elements apart run on vectors, a row's last vector spilling into the next one;
  * maxpool_bwd(itemsize, dy, arg, argsize, n, c, o0, o1, o2, k0, k1, k2, t0, t1, t2, d0, d1, d2, dx,
  *             w0, w1, w2, direct):
- *     dx (C-contiguous, (n, c, w0, w1, w2)) gets each dy at the winner of its output. direct=0: dx is
- *     zeroed by the caller and each dy is added at its winner (overlapping windows accumulate, in the
+ *     dx (C-contiguous, (n, c, w0, w1, w2), uninitialised) gets each dy at the winner of its output.
+ *     direct=0: dx is zeroed and each dy is added at its winner (overlapping windows accumulate, in the
  *     order of the earlier tap-by-tap kernel: within a row, later outputs first); direct=1 (windows tile
  *     dx exactly: kernel == stride, no dilation, w == o*t): every element is written, 0 + dy or 0. */
 #define POOL_ROW 512 /* outputs of a row whose overlapping taps are added in reverse order */
@@ -195,10 +195,36 @@ typedef int8_t pb4 __attribute__((vector_size(4)));
 typedef int8_t pb4u __attribute__((vector_size(4), aligned(1), may_alias));
 typedef int16_t ph4 __attribute__((vector_size(8)));
 typedef int16_t ph4u __attribute__((vector_size(8), aligned(2), may_alias));
-static const pi8 PEVEN_f32 = {0, 2, 4, 6, 8, 10, 12, 14};
+typedef int32_t pi4 __attribute__((vector_size(16)));
+/* winning taps between the lane width and int8/int16, through int16 (and int32) lanes: GCC 12 turns a
+ * direct int32 <-> int8 conversion into one lane at a time */
+#define POOL_AI inline __attribute__((always_inline))
+static POOL_AI ph8 pool_i16_f32(pi8 w) { return __builtin_convertvector(w, ph8); }
+static POOL_AI pb8 pool_i8_f32(pi8 w) { return __builtin_convertvector(pool_i16_f32(w), pb8); }
+static POOL_AI pi8 pool_w16_f32(const int16_t *p) { return __builtin_convertvector(*(const ph8u *)p, pi8); }
+static POOL_AI pi8 pool_w8_f32(const int8_t *p)
+{
+    return __builtin_convertvector(__builtin_convertvector(*(const pb8u *)p, ph8), pi8);
+}
+static POOL_AI ph4 pool_i16_f64(pl4 w) { return __builtin_convertvector(__builtin_convertvector(w, pi4), ph4); }
+static POOL_AI pb4 pool_i8_f64(pl4 w) { return __builtin_convertvector(pool_i16_f64(w), pb4); }
+static POOL_AI pl4 pool_w16_f64(const int16_t *p)
+{
+    return __builtin_convertvector(__builtin_convertvector(*(const ph4u *)p, pi4), pl4);
+}
+static POOL_AI pl4 pool_w8_f64(const int8_t *p)
+{
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(*(const pb4u *)p, ph4), pi4),
+                                   pl4);
+}
+/* the even (odd: + 1) elements of two vectors, shuffled within 16-byte halves (one instruction), which
+ * leaves the outputs in the order POUT puts right */
+static const pi8 PEVEN_f32 = {0, 2, 8, 10, 4, 6, 12, 14};
+static const pi8 POUT_f32 = {0, 1, 4, 5, 2, 3, 6, 7};
 static const pi8 PZLO_f32 = {0, 8, 1, 9, 2, 10, 3, 11};
 static const pi8 PZHI_f32 = {4, 12, 5, 13, 6, 14, 7, 15};
-static const pl4 PEVEN_f64 = {0, 2, 4, 6};
+static const pl4 PEVEN_f64 = {0, 4, 2, 6};
+static const pl4 POUT_f64 = {0, 2, 1, 3};
 static const pl4 PZLO_f64 = {0, 4, 1, 5};
 static const pl4 PZHI_f64 = {2, 6, 3, 7};
 
@@ -221,6 +247,7 @@ pool_offsets(const pgeom *g)
 /* SFX: type suffix; T: element; VF/VFU: a 32-byte vector of T (aligned/unaligned); VI: the integer vector
  * of the same lane width; VB/VBU, VH/VHU: int8 and int16 vectors of L lanes */
 #define MAXPOOL_KERNELS(SFX, T, VF, VFU, VI, VB, VBU, VH, VHU, L)                                         \
+    /* p[0], p[step], ..., L lanes (step 2: in the order of PEVEN) */                                     \
     static inline __attribute__((always_inline)) VF pool_load_##SFX(const T *p, const Py_ssize_t step)     \
     {                                                                                                      \
         if (step == 1)                                                                                     \
@@ -229,7 +256,7 @@ pool_offsets(const pgeom *g)
     }                                                                                                      \
     static inline __attribute__((always_inline)) void pool_take_##SFX(VF v, int t, VF *best, VI *w)        \
     {                                                                                                      \
-        VI take = (*best == *best) & ((v != v) | (v > *best));                                             \
+        VI take = (*best == *best) & ~(v <= *best); /* best is no NaN, and v is greater or NaN */           \
         *best = (VF)POOL_SEL(VI, take, v, *best);                                                          \
         *w = (take & ((VI){0} + t)) | (*w & ~take);                                                        \
     }                                                                                                      \
@@ -254,11 +281,15 @@ pool_offsets(const pgeom *g)
             for (Py_ssize_t t = 1; t < nt; t++)                                                            \
                 pool_take_##SFX(pool_load_##SFX(p + off[t], step), (int)t, &best, &w);                     \
         }                                                                                                  \
+        if (step == 2) { /* lanes back in order */                                                         \
+            best = __builtin_shuffle(best, POUT_##SFX);                                                    \
+            w = __builtin_shuffle(w, POUT_##SFX);                                                          \
+        }                                                                                                  \
         *(VFU *)y = best;                                                                                  \
         if (asz == 1)                                                                                      \
-            *(VBU *)arg = __builtin_convertvector(w, VB);                                                  \
+            *(VBU *)arg = pool_i8_##SFX(w);                                                                \
         else                                                                                               \
-            *(VHU *)arg = __builtin_convertvector(w, VH);                                                  \
+            *(VHU *)arg = pool_i16_##SFX(w);                                                               \
     }                                                                                                      \
     static inline __attribute__((always_inline)) void pool_fwd_one_##SFX(                                 \
         const T *p, const Py_ssize_t *off, Py_ssize_t nt, T *y, void *arg, int asz, Py_ssize_t n)          \
@@ -303,22 +334,38 @@ pool_offsets(const pgeom *g)
                             pool_fwd_one_##SFX(x + r + l * step, off, nt, y, arg, asz, n + l);             \
                     }                                                                                      \
     }                                                                                                      \
+    /* zeroes dx as it goes, in memory order, up to the end of the last row an output row adds to */       \
     POOL_CLONES static void maxpool_scatter_##SFX(const T *dy, const void *arg, int asz, const pgeom *g,   \
-                                             const Py_ssize_t *off, T *dx)                                 \
+                                                  const Py_ssize_t *off, T *dx)                            \
     {                                                                                                      \
         const Py_ssize_t o2 = g->o[2], step = g->t[2] * g->s[2];                                           \
+        const Py_ssize_t reach = (g->k[0] - 1) * g->d[0] * g->s[0] + (g->k[1] - 1) * g->d[1] * g->s[1]     \
+                                 + g->s[1];                                                                \
+        T *zeroed = dx;                                                                                    \
         Py_ssize_t n = 0;                                                                                  \
         for (Py_ssize_t ps = 0; ps < g->n; ps++)                                                           \
             for (Py_ssize_t pc = 0; pc < g->c; pc++)                                                       \
                 for (Py_ssize_t i = 0; i < g->o[0]; i++)                                                   \
                     for (Py_ssize_t j = 0; j < g->o[1]; j++, n += o2) {                                    \
-                        T *row = dx + ps * g->sn + pc * g->sc + i * g->t[0] * g->s[0] + j * g->t[1] * g->s[1]; \
+                        T *row = dx + ps * g->sn + pc * g->sc + i * g->t[0] * g->s[0]                      \
+                                 + j * g->t[1] * g->s[1];                                                  \
+                        if (row + reach > zeroed) {                                                        \
+                            memset(zeroed, 0, (size_t)(row + reach - zeroed) * sizeof(T));                 \
+                            zeroed = row + reach;                                                          \
+                        }                                                                                  \
                         for (Py_ssize_t l0 = 0; l0 < o2; l0 += POOL_ROW) {                                 \
                             Py_ssize_t m = o2 - l0 < POOL_ROW ? o2 - l0 : POOL_ROW;                        \
-                            for (Py_ssize_t l = l0 + m - 1; l >= l0; l--)                                  \
-                                row[l * step + off[POOL_WIN(arg, asz, n + l)]] += dy[n + l];               \
+                            const int8_t *w8 = (const int8_t *)arg + n;                                    \
+                            const int16_t *w16 = (const int16_t *)arg + n;                                 \
+                            if (asz == 1)                                                                  \
+                                for (Py_ssize_t l = l0 + m - 1; l >= l0; l--)                              \
+                                    row[l * step + off[w8[l]]] += dy[n + l];                               \
+                            else                                                                           \
+                                for (Py_ssize_t l = l0 + m - 1; l >= l0; l--)                              \
+                                    row[l * step + off[w16[l]]] += dy[n + l];                              \
                         }                                                                                  \
                     }                                                                                      \
+        memset(zeroed, 0, (size_t)(dx + g->n * g->sn - zeroed) * sizeof(T));                               \
     }                                                                                                      \
     /* one row of dx whose windows tile it (kernel k2 == stride): taps tb.. of the outputs g[0..o2) */     \
     static inline __attribute__((always_inline)) void pool_put_row_##SFX(                                 \
@@ -329,8 +376,8 @@ pool_offsets(const pgeom *g)
         if (k2 == 2)                                                                                       \
             for (; l < nvec; l += L) {                                                                     \
                 VF v = *(const VFU *)(g + l) + (T)0;                                                       \
-                VI w = asz == 1 ? __builtin_convertvector(*(const VBU *)((const int8_t *)arg + n + l), VI) \
-                                : __builtin_convertvector(*(const VHU *)((const int16_t *)arg + n + l), VI); \
+                VI w = asz == 1 ? pool_w8_##SFX((const int8_t *)arg + n + l)                               \
+                                : pool_w16_##SFX((const int16_t *)arg + n + l);                            \
                 VF e0 = (VF)((VI)v & (w == tb)), e1 = (VF)((VI)v & (w == tb + 1));                         \
                 *(VFU *)(row + 2 * l) = __builtin_shuffle(e0, e1, PZLO_##SFX);                             \
                 *(VFU *)(row + 2 * l + L) = __builtin_shuffle(e0, e1, PZHI_##SFX);                         \

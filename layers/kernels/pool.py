@@ -128,8 +128,8 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
 @functools.lru_cache(maxsize=1024)
 def _bwd_args(x_window_shape, kernel, stride, dilation):
     """The compiled backward's geometry arguments (samples, channels, outputs, kernel, stride, dilation,
-    then after dx's address its spatial extents and whether the windows tile it exactly, so that every
-    element is written directly instead of accumulated into zeros)."""
+    then after dx its spatial extents and whether the windows tile it exactly, so that every element is
+    written directly instead of accumulated into zeros)."""
     k, s, d, out, _ = _plan(x_window_shape, kernel, stride, dilation)
     k3, s3, d3, w3 = _three(k, 1), _three(s, 1), _three(d, 1), _three(x_window_shape[2:], 1)
     tiles = all(kk == ss and (kk == 1 or dd == 1) and ww == oo * ss
@@ -143,7 +143,7 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
         geo, tail, out = _bwd_args(tuple(x_window_shape), _hashable(kernel), _hashable(stride),
                                    _hashable(dilation))
         _check(dy, x_window_shape, out)
-        dx = (numpy.empty if tail[-1] else numpy.zeros)(tuple(x_window_shape), dtype=dy.dtype)
+        dx = numpy.empty(tuple(x_window_shape), dtype=dy.dtype)  # written whole (zeroed as it goes)
         dy_c, arg_c = numpy.ascontiguousarray(dy), numpy.ascontiguousarray(argmax)
         _cconv.maxpool_bwd(dy.itemsize, dy_c, arg_c, arg_c.itemsize, *geo, dx, *tail)
         return dx
