@@ -367,42 +367,48 @@ pool_offsets(const pgeom *g)
                     }                                                                                      \
         memset(zeroed, 0, (size_t)(dx + g->n * g->sn - zeroed) * sizeof(T));                               \
     }                                                                                                      \
-    /* one row of dx whose windows tile it (kernel k2 == stride): taps tb.. of the outputs g[0..o2) */     \
-    static inline __attribute__((always_inline)) void pool_put_row_##SFX(                                 \
+    /* the k1 rows of dx (w2 apart) of one output row, whose windows tile them (kernel k2 == stride): taps \
+       tb.. of the outputs g[0..o2). Vectors (nvec outputs may use them) from the last: a row's last one   \
+       spills into the next row, whose first is written after it */                                        \
+    static inline __attribute__((always_inline)) void pool_put_rows_##SFX(                                 \
         const T *g, const void *arg, int asz, Py_ssize_t n, Py_ssize_t nvec, Py_ssize_t o2, Py_ssize_t k2, \
-        int32_t tb, T *row)                                                                                \
+        Py_ssize_t k1, Py_ssize_t w2, int32_t tb, T *row)                                                  \
     {                                                                                                      \
-        Py_ssize_t l = 0;                                                                                  \
-        if (k2 == 2)                                                                                       \
-            for (; l < nvec; l += L) {                                                                     \
-                VF v = *(const VFU *)(g + l) + (T)0;                                                       \
-                VI w = asz == 1 ? pool_w8_##SFX((const int8_t *)arg + n + l)                               \
-                                : pool_w16_##SFX((const int16_t *)arg + n + l);                            \
-                VF e0 = (VF)((VI)v & (w == tb)), e1 = (VF)((VI)v & (w == tb + 1));                         \
-                *(VFU *)(row + 2 * l) = __builtin_shuffle(e0, e1, PZLO_##SFX);                             \
-                *(VFU *)(row + 2 * l + L) = __builtin_shuffle(e0, e1, PZHI_##SFX);                         \
+        Py_ssize_t lv = k2 == 2 ? (nvec + L - 1) / L * L : 0;                                              \
+        for (Py_ssize_t l = lv - L; l >= 0; l -= L) {                                                      \
+            VF v = *(const VFU *)(g + l) + (T)0;                                                           \
+            VI w = asz == 1 ? pool_w8_##SFX((const int8_t *)arg + n + l)                                   \
+                            : pool_w16_##SFX((const int16_t *)arg + n + l);                                \
+            for (Py_ssize_t b = 0; b < k1; b++) {                                                          \
+                int32_t t = tb + 2 * (int32_t)b;                                                           \
+                VF e0 = (VF)((VI)v & (w == t)), e1 = (VF)((VI)v & (w == t + 1));                           \
+                *(VFU *)(row + b * w2 + 2 * l) = __builtin_shuffle(e0, e1, PZLO_##SFX);                    \
+                *(VFU *)(row + b * w2 + 2 * l + L) = __builtin_shuffle(e0, e1, PZHI_##SFX);                \
             }                                                                                              \
-        for (; l < o2; l++) {                                                                              \
-            int32_t w = POOL_WIN(arg, asz, n + l) - tb;                                                    \
-            for (Py_ssize_t e = 0; e < k2; e++)                                                            \
-                row[l * k2 + e] = w == e ? g[l] + (T)0 : (T)0;                                             \
         }                                                                                                  \
+        for (Py_ssize_t b = 0; b < k1; b++)                                                                \
+            for (Py_ssize_t l = lv; l < o2; l++) {                                                         \
+                int32_t w = POOL_WIN(arg, asz, n + l) - tb - (int32_t)(b * k2);                            \
+                for (Py_ssize_t e = 0; e < k2; e++)                                                        \
+                    row[b * w2 + l * k2 + e] = w == e ? g[l] + (T)0 : (T)0;                                \
+            }                                                                                              \
     }                                                                                                      \
-    POOL_CLONES static void maxpool_put_##SFX(const T *dy, const void *arg, int asz, const pgeom *g, T *dx)     \
+    POOL_CLONES static void maxpool_put_##SFX(const T *dy, const void *arg, int asz, const pgeom *g,       \
+                                              T *dx)                                                       \
     {                                                                                                      \
-        const Py_ssize_t o2 = g->o[2], k2 = g->k[2], w2 = o2 * k2;                 \
-        const Py_ssize_t total = g->n * g->c * g->o[0] * g->o[1] * o2, end = total * g->k[0] * g->k[1] * k2; \
-        Py_ssize_t n = 0, at = 0; /* dx is written in memory order: a row's last vector spills forward */ \
-        for (Py_ssize_t p = 0; p < g->n * g->c * g->o[0]; p++, n += g->o[1] * o2)                         \
+        const Py_ssize_t o2 = g->o[2], k2 = g->k[2], k1 = g->k[1], w2 = o2 * k2;                           \
+        const Py_ssize_t total = g->n * g->c * g->o[0] * g->o[1] * o2, end = total * g->k[0] * k1 * k2;    \
+        Py_ssize_t n = 0, at = 0; /* dx is written in memory order */                                      \
+        for (Py_ssize_t p = 0; p < g->n * g->c * g->o[0]; p++, n += g->o[1] * o2)                          \
             for (Py_ssize_t a = 0; a < g->k[0]; a++)                                                       \
-                for (Py_ssize_t j = 0; j < g->o[1]; j++)                                                   \
-                    for (Py_ssize_t b = 0; b < g->k[1]; b++, at += w2) {                                   \
-                        Py_ssize_t nj = n + j * o2, nvec = o2; /* vectors that stay inside dy and dx */    \
-                        while (nvec > 0 && (nj + nvec - 1 + L > total || at + 2 * (nvec - 1 + L) > end))   \
-                            nvec -= nvec > L ? L : 1;                                                      \
-                        pool_put_row_##SFX(dy + nj, arg, asz, nj, nvec, o2, k2,                            \
-                                           (int32_t)((a * g->k[1] + b) * k2), dx + at);                    \
-                    }                                                                                      \
+                for (Py_ssize_t j = 0; j < g->o[1]; j++, at += k1 * w2) {                                  \
+                    Py_ssize_t nj = n + j * o2, nvec = o2; /* vectors that stay inside dy and dx */        \
+                    while (nvec > 0 && (nj + nvec - 1 + L > total                                          \
+                                        || at + (k1 - 1) * w2 + 2 * (nvec - 1 + L) > end))                 \
+                        nvec -= nvec > L ? L : 1;                                                          \
+                    pool_put_rows_##SFX(dy + nj, arg, asz, nj, nvec, o2, k2, k1, w2,                       \
+                                        (int32_t)(a * k1 * k2), dx + at);                                  \
+                }                                                                                          \
     }
 MAXPOOL_KERNELS(f32, float, pf8, pf8u, pi8, pb8, pb8u, ph8, ph8u, 8)
 MAXPOOL_KERNELS(f64, double, pd4, pd4u, pl4, pb4, pb4u, ph4, ph4u, 4)
