@@ -20,7 +20,6 @@ import numpy
 from lbannpy.backend import array_module
 
 from ._geometry import KernelShapeError, per_dim, tap_slices, valid_output_shape
-from ._buffers import addr as _addr
 
 try:  # the compiled kernels (built by pip install where a C compiler is present; see _cconv.c)
     from . import _cconv
@@ -68,10 +67,10 @@ def _at(tap, out, s, d):
     return (slice(None), slice(None)) + tap_slices(tap, out, s, d)
 
 
-def _compiled(*arrays) -> bool:
-    return (USE_COMPILED and all(isinstance(a, numpy.ndarray) for a in arrays)
-            and arrays[0].dtype in (numpy.float32, numpy.float64)
-            and all(st >= 0 and st % a.itemsize == 0 for a in arrays for st in a.strides))
+def _compiled(a) -> bool:
+    """A NumPy float32/float64 array, with the compiled kernels in use (``dtype.char``: comparing dtypes
+    costs a microsecond, as much as pooling a small layer)."""
+    return USE_COMPILED and isinstance(a, numpy.ndarray) and a.dtype.char in "fd"
 
 
 def _three(vals, fill):
@@ -79,26 +78,36 @@ def _three(vals, fill):
     return (fill,) * (3 - len(vals)) + tuple(vals)
 
 
+@functools.lru_cache(maxsize=1024)
+def _fwd_args(shape, strides, isz, kernel, stride, dilation):
+    """The compiled forward's geometry arguments after the input, for one input layout: the samples and
+    channels, each with its own stride (a strided view needs no merging), then the spatial strides,
+    outputs, kernel, stride and dilation padded to three dimensions; with the output shape and index type.
+    None where the kernel cannot walk the strides (negative, or not whole elements)."""
+    k, s, d, out, at = _plan(shape, kernel, stride, dilation)
+    if any(st < 0 or st % isz for st in strides):
+        return None
+    el = [st // isz for st in strides]
+    geo = (shape[0], el[0], shape[1], el[1], *_three(el[2:], 0), *_three(out, 1), *_three(k, 1),
+           *_three(s, 1), *_three(d, 1))
+    return geo, tuple(shape[:2]) + tuple(out), numpy.int8 if len(at) <= 127 else numpy.int16
+
+
 def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     """``(N, C, *S)`` -> ``(y, argmax)``: the maxima ``(N, C, *O)`` and the winning tap of each (an integer
     index into the row-major flattened kernel; pass it to :func:`max_pool_backward`). ``stride`` defaults to
     ``kernel``."""
+    fa = _compiled(x_window) and _fwd_args(x_window.shape, x_window.strides, x_window.itemsize,
+                                           _hashable(kernel), _hashable(stride), _hashable(dilation))
+    if fa:  # one call for the whole batch
+        geo, yshape, idx_dtype = fa
+        y = numpy.empty(yshape, dtype=x_window.dtype)
+        arg = numpy.empty(yshape, dtype=idx_dtype)
+        _cconv.maxpool_fwd(x_window.itemsize, x_window, *geo, y, arg, arg.itemsize)
+        return y, arg
     xp = array_module(x_window)
     k, s, d, out, at = _plan(x_window.shape, kernel, stride, dilation)
     idx_dtype = numpy.int8 if len(at) <= 127 else numpy.int16
-    if _compiled(x_window):
-        n, c = x_window.shape[:2]
-        y = numpy.empty((n, c) + tuple(out), dtype=x_window.dtype)
-        arg = numpy.empty(y.shape, dtype=idx_dtype)
-        isz = x_window.itemsize
-        xs = _three([st // isz for st in x_window.strides[2:]], 0)
-        per = math.prod(out) * c
-        for i in range(n):  # one call per sample: planes are its channels
-            _cconv.maxpool_fwd(isz, _addr(x_window[i]), c, x_window.strides[1] // isz,
-                               *xs, *_three(out, 1), *_three(k, 1), *_three(s, 1), *_three(d, 1),
-                               _addr(y) + i * per * isz,
-                               _addr(arg) + i * per * arg.itemsize, arg.itemsize)
-        return y, arg
     y = x_window[at[0]].copy()
     for sl in at[1:]:
         xp.maximum(y, x_window[sl], out=y)  # NaN propagates
@@ -116,25 +125,32 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     return y, arg
 
 
+@functools.lru_cache(maxsize=1024)
+def _bwd_args(x_window_shape, kernel, stride, dilation):
+    """The compiled backward's geometry arguments (samples, channels, outputs, kernel, stride, dilation,
+    then after dx its spatial extents and whether the windows tile it exactly, so that every element is
+    written directly instead of accumulated into zeros)."""
+    k, s, d, out, _ = _plan(x_window_shape, kernel, stride, dilation)
+    k3, s3, d3, w3 = _three(k, 1), _three(s, 1), _three(d, 1), _three(x_window_shape[2:], 1)
+    tiles = all(kk == ss and (kk == 1 or dd == 1) and ww == oo * ss
+                for kk, ss, dd, ww, oo in zip(k3, s3, d3, w3, _three(out, 1)))
+    return (*x_window_shape[:2], *_three(out, 1), *k3, *s3, *d3), (*w3, int(tiles)), tuple(out)
+
+
 def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=1):
     """Gradient w.r.t. the window: each ``dy`` goes to the input its output took the maximum from."""
+    if _compiled(dy) and isinstance(argmax, numpy.ndarray) and argmax.dtype.char in "bh":
+        geo, tail, out = _bwd_args(tuple(x_window_shape), _hashable(kernel), _hashable(stride),
+                                   _hashable(dilation))
+        _check(dy, x_window_shape, out)
+        dx = numpy.empty(tuple(x_window_shape), dtype=dy.dtype)  # written whole (zeroed as it goes)
+        dy_c, arg_c = numpy.ascontiguousarray(dy), numpy.ascontiguousarray(argmax)
+        _cconv.maxpool_bwd(dy.itemsize, dy_c, arg_c, arg_c.itemsize, *geo, dx, *tail)
+        return dx
     xp = array_module(dy)
     k, s, d, out, at = _plan(x_window_shape, kernel, stride, dilation)
     _check(dy, x_window_shape, out)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
-    if _compiled(dy, argmax) and argmax.dtype in (numpy.int8, numpy.int16):
-        dy_c, arg_c = numpy.ascontiguousarray(dy), numpy.ascontiguousarray(argmax)
-        isz = dy.itemsize
-        n, c = dy.shape[:2]
-        per = math.prod(out) * c
-        k3 = _three(k, 1)
-        dxs = _three([st // isz for st in dx.strides[2:]], 0)
-        for i in range(n):
-            _cconv.maxpool_bwd(isz, _addr(dy_c) + i * per * isz,
-                               _addr(arg_c) + i * per * arg_c.itemsize, arg_c.itemsize,
-                               c, *_three(out, 1), *k3, *_three(s, 1), *_three(d, 1),
-                               _addr(dx[i]), dx.strides[1] // isz, *dxs)
-        return dx
     for t, sl in enumerate(at):
         dx[sl] += dy * (argmax == t)
     return dx
