@@ -222,6 +222,7 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(np.frombuffer(a.tobytes(), np.uint8), np.frombuffer(b.tobytes(), np.uint8))
 
 
+@pytest.mark.parametrize("max_pool_path", ["compiled"], indirect=True)  # it compares the two paths itself
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=_geometry_id)
 def test_compiled_max_pool_is_the_numpy_path_bit_for_bit(geom, dtype, monkeypatch, max_pool_path):
@@ -229,8 +230,6 @@ def test_compiled_max_pool_is_the_numpy_path_bit_for_bit(geom, dtype, monkeypatc
     same gradient, for every layout the compiled kernel walks (one call for all samples and channels).
     The maximum of +0 and -0 is the first one, as in PyTorch (the NumPy path's ``maximum`` may give the
     other zero, so its maxima are compared by value)."""
-    if max_pool_path == "numpy":
-        pytest.skip("compares the two paths")
     k, s, d, sp = geom
     rng = np.random.default_rng(len(sp) * 100 + sp[-1])
     for kind in ("random", "ties", "nan"):
