@@ -226,17 +226,23 @@ COMM_MODES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def sync_ref(work):
+    """The final weights of the single-rank 3-step run that every gradient sync mode must end with (one
+    run for all the rank counts: it does not depend on them)."""
+    train(1, spec(work, "cls", 3, {}, tag="sync-ref"))
+    return final_params(work / "sync-ref" / "ckpt")
+
+
 @pytest.mark.parametrize("ranks,parallel", [
     (2, {"default": {"n": 2}}),
     (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}),
     (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 4}}}),
 ], ids=["2-sample", "2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
-def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
+def test_gradient_sync_modes_give_the_same_weights(work, sync_ref, ranks, parallel):
     """Blocking sync, overlapped buckets of several sizes and the two-chunk mode end with the weights of
     the single-rank run (float64, 1e-10); the summary reports buckets and the hidden fraction."""
-    ref = spec(work, "cls", 3, {}, tag="sync-ref")
-    train(1, ref)
-    want = final_params(work / "sync-ref" / "ckpt")
+    want = sync_ref
     for name, comm in COMM_MODES:
         tag = f"sync-{ranks}-{name}"
         train(ranks, spec(work, "cls", 3, parallel, tag=tag, comm=comm))
