@@ -127,11 +127,13 @@ def test_resume_equals_uninterrupted_run(work):
     train(2, full)
     want = final_params(work / "full" / "ckpt")
     want_rows = metrics(work / "full" / "out")
+    # the interrupted run: stops after 3 steps with a checkpoint; each resume below starts from a copy of
+    # its checkpoint and output directories (resume allows other directories without notice)
+    train(2, spec(work, "cls", 3, par, tag="resume-first"))
     for ranks_after, par_after, tag in [(2, par, "resume-same"), (1, {}, "resume-1rank"),
                                         (4, {"default": {"n": 2, "w": 2}}, "resume-4ranks")]:
-        first = spec(work, "cls", 3, par, tag=tag)
-        train(2, first)  # stops after 3 steps with a checkpoint
-        second = spec(work, "cls", 6, par_after, tag=tag)  # same checkpoint and output directories
+        shutil.copytree(work / "resume-first", work / tag)
+        second = spec(work, "cls", 6, par_after, tag=tag)  # the copied checkpoint and output directories
         train(ranks_after, second, "--resume")
         assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{tag}")
         rows = metrics(work / tag / "out")
