@@ -127,11 +127,13 @@ def test_resume_equals_uninterrupted_run(work):
     train(2, full)
     want = final_params(work / "full" / "ckpt")
     want_rows = metrics(work / "full" / "out")
+    # the interrupted run: stops after 3 steps with a checkpoint; each resume below starts from a copy of
+    # its checkpoint and output directories (resume allows other directories without notice)
+    train(2, spec(work, "cls", 3, par, tag="resume-first"))
     for ranks_after, par_after, tag in [(2, par, "resume-same"), (1, {}, "resume-1rank"),
                                         (4, {"default": {"n": 2, "w": 2}}, "resume-4ranks")]:
-        first = spec(work, "cls", 3, par, tag=tag)
-        train(2, first)  # stops after 3 steps with a checkpoint
-        second = spec(work, "cls", 6, par_after, tag=tag)  # same checkpoint and output directories
+        shutil.copytree(work / "resume-first", work / tag)
+        second = spec(work, "cls", 6, par_after, tag=tag)  # the copied checkpoint and output directories
         train(ranks_after, second, "--resume")
         assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{tag}")
         rows = metrics(work / tag / "out")
@@ -226,17 +228,23 @@ COMM_MODES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def sync_ref(work):
+    """The final weights of the single-rank 3-step run that every gradient sync mode must end with (one
+    run for all the rank counts: it does not depend on them)."""
+    train(1, spec(work, "cls", 3, {}, tag="sync-ref"))
+    return final_params(work / "sync-ref" / "ckpt")
+
+
 @pytest.mark.parametrize("ranks,parallel", [
     (2, {"default": {"n": 2}}),
     (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}),
     (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 4}}}),
 ], ids=["2-sample", "2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
-def test_gradient_sync_modes_give_the_same_weights(work, ranks, parallel):
+def test_gradient_sync_modes_give_the_same_weights(work, sync_ref, ranks, parallel):
     """Blocking sync, overlapped buckets of several sizes and the two-chunk mode end with the weights of
     the single-rank run (float64, 1e-10); the summary reports buckets and the hidden fraction."""
-    ref = spec(work, "cls", 3, {}, tag="sync-ref")
-    train(1, ref)
-    want = final_params(work / "sync-ref" / "ckpt")
+    want = sync_ref
     for name, comm in COMM_MODES:
         tag = f"sync-{ranks}-{name}"
         train(ranks, spec(work, "cls", 3, parallel, tag=tag, comm=comm))

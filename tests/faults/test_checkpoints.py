@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 
 import h5py
 import pytest
@@ -44,12 +45,24 @@ def _changed(cfg: dict, change: dict) -> dict:
     return cfg
 
 
-def _first_run(tmp_path, **sections) -> dict:
-    util.make_data(tmp_path / "data.h5")
-    cfg = util.spec(tmp_path, trainer={"steps": 4}, checkpoint={"every_steps": 2}, **sections)
-    job = util.run(tmp_path, cfg, ranks=2, timeout=90)
+@pytest.fixture(scope="module")
+def first_run_dir(tmp_path_factory):
+    """One 4-step run with checkpoints at steps 2 and 4 (data, checkpoints, outputs), shared by the tests
+    that resume from it: each works on its own copy (:func:`_first_run`)."""
+    d = tmp_path_factory.mktemp("first-run")
+    util.make_data(d / "data.h5")
+    cfg = util.spec(d, trainer={"steps": 4}, checkpoint={"every_steps": 2})
+    job = util.run(d, cfg, ranks=2, timeout=90)
     assert job.rank_codes() == [0, 0], job.err[-3000:]
-    return cfg
+    return d
+
+
+def _first_run(tmp_path, first_run_dir) -> dict:
+    """The shared first run copied into ``tmp_path``, and its config there. Only data paths, output and
+    checkpoint directories differ from the run that wrote it, which resume allows without notice."""
+    shutil.copytree(first_run_dir, tmp_path, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("pid.*", "rc.*", "*.yaml", "rank.py"))
+    return util.spec(tmp_path, trainer={"steps": 4}, checkpoint={"every_steps": 2})
 
 
 def _checkpoints(ck) -> list[str]:
@@ -57,8 +70,8 @@ def _checkpoints(ck) -> list[str]:
 
 
 @pytest.mark.parametrize("case", sorted(CHANGES))
-def test_resume_refuses_a_changed_computation(tmp_path, case):
-    cfg = _first_run(tmp_path)
+def test_resume_refuses_a_changed_computation(tmp_path, first_run_dir, case):
+    cfg = _first_run(tmp_path, first_run_dir)
     before = {p: os.stat(p).st_mtime_ns for p in (tmp_path / "ck").rglob("*")}
     change, named = CHANGES[case]
     resumed = _changed(cfg, change)
@@ -72,8 +85,8 @@ def test_resume_refuses_a_changed_computation(tmp_path, case):
     assert {p: os.stat(p).st_mtime_ns for p in (tmp_path / "ck").rglob("*")} == before  # nothing touched
 
 
-def test_resume_force_continues_with_a_note(tmp_path):
-    cfg = _first_run(tmp_path)
+def test_resume_force_continues_with_a_note(tmp_path, first_run_dir):
+    cfg = _first_run(tmp_path, first_run_dir)
     resumed = _changed(cfg, {"optimizer.momentum": 0.9})
     resumed["trainer"]["steps"] = 6
     job = util.run(tmp_path, resumed, ranks=2, args=("--resume", "--force"), timeout=60)
@@ -102,8 +115,8 @@ def _drop_reader_meta(ckdir):
 
 
 @pytest.mark.parametrize("damage", ["zeroed-tail", "no-reader-meta"])
-def test_damaged_newest_checkpoint_falls_back_with_a_note(tmp_path, damage):
-    cfg = _first_run(tmp_path)
+def test_damaged_newest_checkpoint_falls_back_with_a_note(tmp_path, first_run_dir, damage):
+    cfg = _first_run(tmp_path, first_run_dir)
     ck = tmp_path / "ck"
     assert _checkpoints(ck) == ["ckpt-00000002", "ckpt-00000004"]
     newest = ck / "ckpt-00000004"

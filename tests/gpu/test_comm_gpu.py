@@ -105,16 +105,53 @@ def _mutations() -> list[str]:
 MUTATIONS = _mutations()
 
 
+@pytest.fixture(scope="module")
+def mutation_outcomes() -> dict:
+    """``{mutation: ("rows", [each rank's verdict]) or ("died", the job's output)}`` for every mutation.
+
+    The mutations run in as few jobs as possible (an interpreter and MPI start-up each saves minutes): a job
+    takes them in order, and before each one runs the unmutated methods as a control that must pass on
+    every rank, so each mutation starts from a state shown clean. A job that dies in a mutation (a stand-in
+    error escaping a collective aborts it) gives that mutation its verdict and the next job goes on after
+    it; a control that fails after a mutation (the state it left) ends the job and the next job starts
+    fresh at the mutation the control was for."""
+    outcomes: dict = {}
+    todo = list(MUTATIONS)
+    while todo:
+        r = launch("mutations", 2, *todo, env={"LBANNPY_STANDIN_NCCL_TIMEOUT": "3"},
+                   timeout=120 + 15 * len(todo))
+        where = Path(r.args_dir)
+        done = 0
+        while done < len(todo):
+            rows = [json.loads(f.read_text()) for f in sorted(where.glob(f"m{done}.rank*.json"))]
+            if len(rows) != 2:
+                break
+            outcomes[todo[done]] = ("rows", sorted(rows, key=lambda row: row["rank"]))
+            done += 1
+        if done == len(todo):
+            assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+            break
+        output = r.stderr + r.stdout
+        if (where / f"started.{done}").exists():  # the job ended inside this mutation
+            outcomes[todo[done]] = ("died", output)
+            todo = todo[done + 1:]
+        else:  # the control before it failed or died: only a control after an earlier mutation may
+            assert done > 0, (f"the unmutated methods failed in a fresh job (rc {r.returncode}):\n"
+                              f"{output[-6000:]}")
+            todo = todo[done:]
+    return outcomes
+
+
 @needs
+@pytest.mark.timeout(900)  # the first test runs every mutation (mutation_outcomes)
 @pytest.mark.parametrize("mutation", MUTATIONS)
-def test_a_wrong_argument_order_fails(mutation):
+def test_a_wrong_argument_order_fails(mutation_outcomes, mutation):
     """Negative control: swap two arguments of one NCCL call made by comm/nccl.py (``name:i:j``)."""
-    r = launch("methods", 2, mutation, env={"LBANNPY_STANDIN_NCCL_TIMEOUT": "3"})
-    if r.returncode == 0:  # caught if the stand-in refused the call or a result differs
-        rows = results(r)
-        assert any(row["failed"] for row in rows), rows
+    kind, got = mutation_outcomes[mutation]
+    if kind == "rows":  # caught if the stand-in refused the call or a result differs
+        assert any(row["failed"] for row in got), got
     else:  # ... or the job died (a stand-in error escaping a collective aborts it)
-        assert "Traceback" in r.stderr + r.stdout or "Abort" in r.stderr + r.stdout, r.stderr[-3000:]
+        assert "Traceback" in got or "Abort" in got, got[-3000:]
 
 
 @needs
@@ -193,10 +230,10 @@ def _methods(out: dict, mutation: str | None) -> None:  # pragma: no cover - run
     from lbannpy.comm import make_communicator
     from lbannpy.comm import nccl as nccl_backend
 
+    orig = nccl_backend.NCCLCommunicator._nccl_call
     if mutation:
         name, i, j = mutation.split(":")
         i, j = int(i), int(j)
-        orig = nccl_backend.NCCLCommunicator._nccl_call
 
         def swapped(self, what, fn, *args):
             if getattr(fn, "__name__", "") == name:
@@ -205,6 +242,37 @@ def _methods(out: dict, mutation: str | None) -> None:  # pragma: no cover - run
             return orig(self, what, fn, *args)
 
         nccl_backend.NCCLCommunicator._nccl_call = swapped
+    try:
+        _check_methods(out, cupy, np, make_communicator)
+    finally:
+        nccl_backend.NCCLCommunicator._nccl_call = orig
+
+
+def _mutation_batch(out: dict, mutations: list[str]) -> None:  # pragma: no cover - runs under mpiexec
+    """Each mutation in turn, after a control (the unmutated methods) that passed on every rank; writes
+    ``m<i>.rank<R>.json`` per mutation and, on rank 0, ``started.<i>`` as mutation ``i`` starts. Stops
+    (for a fresh job to go on) when a control fails."""
+    from mpi4py import MPI
+
+    from cupy.cuda import nccl as standin_nccl
+
+    where = Path(os.environ["LBANNPY_TEST_RESULTS"])
+    world = MPI.COMM_WORLD
+    for k, mutation in enumerate(mutations):
+        standin_nccl._group.update(depth=0, ops=[])  # a group a failed call left open is not carried over
+        control: dict = {}
+        _methods(control, None)
+        if not all(world.allgather(not control["failed"] and control["checked"] >= 12)):
+            break
+        if world.rank == 0:
+            (where / f"started.{k}").touch()
+        row = {"rank": world.rank}
+        _methods(row, mutation)
+        (where / f"m{k}.rank{world.rank}.json").write_text(json.dumps(row))
+    out["ok"] = True
+
+
+def _check_methods(out: dict, cupy, np, make_communicator) -> None:  # pragma: no cover - under mpiexec
     gpu = make_communicator("nccl", device="gpu")
     host = make_communicator("mpi")
     p, me = gpu.size, gpu.rank
@@ -387,6 +455,8 @@ if __name__ == "__main__":
         _devices(result)
     elif case == "methods":
         _methods(result, sys.argv[2] if len(sys.argv) > 2 else None)
+    elif case == "mutations":
+        _mutation_batch(result, sys.argv[2:])
     elif case == "waits":
         _waits(result)
     elif case == "mpi_race":
