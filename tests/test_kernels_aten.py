@@ -150,7 +150,6 @@ def test_training_with_own_and_aten_kernels_agrees(tmp_path):
                         "aten vs own, float32")
 
 
-@pytest.mark.skipif(not aten.available(), reason="needs torch")
 def test_unsplit_layers_hand_aten_their_blocks_and_aten_pads():
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext

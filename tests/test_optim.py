@@ -84,7 +84,8 @@ def test_large_parameters_are_updated_in_pieces_bit_for_bit(case, monkeypatch):
 
 
 def test_gradient_sum_of_squares_in_float64_pieces():
-    from lbannpy.training.gradsync import PIECE, sum_squares
+    from lbannpy.optim import PIECE
+    from lbannpy.training.gradsync import sum_squares
 
     g = np.random.default_rng(2).standard_normal(3 * PIECE + 5).astype(np.float32) * 1e3
     want = float(np.dot(g.astype(np.float64), g.astype(np.float64)))

@@ -117,13 +117,12 @@ class GradSync:
         return out
 
 
-PIECE = 1 << 16  # elements converted to float64 at a time on the host
-
-
 def sum_squares(xp, a):
     """Σ a², accumulated in float64. On the host in pieces converted into one reused float64 buffer (a
     whole-array float64 copy of a large float32 gradient is fresh pages every step: on AlexNet's 57 M
     parameters, more time than the optimizer step); on a device whole (its memory pool reuses the copy)."""
+    from lbannpy.optim import PIECE  # one piece size for every host pass over parameters
+
     flat = a.reshape(-1)
     if xp.__name__ != "numpy" or flat.dtype == xp.float64 or flat.size <= PIECE:
         g = flat.astype(xp.float64, copy=False)
