@@ -119,17 +119,21 @@ class Conv(Layer):
     @property
     def kernel_pads(self):
         """The padding the kernels apply themselves (a tuple per spatial dimension), or None: where nothing
-        is exchanged (no spatial split), the padding is symmetric and the kernel set pads (ATen), the layer
-        hands its input block straight to the kernels, with no window built or kept, and gets the input
-        gradient back without a window gradient to crop (the padded window exists only inside the kernel,
-        as in PyTorch)."""
+        is exchanged (no spatial split), the padding is symmetric and the kernel set pads this convolution
+        (ATen: always; lbannpy's own: on its small one-call path), the layer hands its input block straight
+        to the kernels, with no window built or kept, and gets the input gradient back without a window
+        gradient to crop (the padded window exists only inside the kernel, as in PyTorch)."""
         kern = self.kern
         cached = self.__dict__.get("_pads")
         if cached is None or cached[0] is not kern:  # worked out once per kernel set
             sp = self.stencil.dims[2:]
+            pads = tuple(w.pad_lo for w in sp)
             ok = (kern.pads and self.halo.local and all(p == 1 for p in self.in_dists[0].split[2:])
                   and all(w.pad_lo == w.pad_hi for w in sp))
-            cached = self._pads = (kern, tuple(w.pad_lo for w in sp) if ok else None)
+            if ok and callable(kern.pads):  # the set pads some convolutions only
+                local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
+                ok = kern.pads(local, self.w.value.shape, self.stride, self.dilation, pads, self.ctx.xp)
+            cached = self._pads = (kern, pads if ok else None)
         return cached[1]
 
     def _conv(self, xwin, out=None, index=None):

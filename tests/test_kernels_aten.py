@@ -150,15 +150,21 @@ def test_training_with_own_and_aten_kernels_agrees(tmp_path):
                         "aten vs own, float32")
 
 
-def test_unsplit_layers_hand_aten_their_blocks_and_aten_pads():
+def test_unsplit_layers_hand_their_blocks_to_kernels_that_pad(monkeypatch):
+    """ATen pads every unsplit layer's convolution; lbannpy's own kernels those small enough for their
+    one-call path (``_conv_small.MAX_MACS``), and no other."""
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.kernels import _conv_small
     from lbannpy.layers.kernels.select import conv_kernels
     from lbannpy.model import Model
 
     spec = {"name": "m", "input": {"channels": 3, "spatial": [12, 12]}, "layers": LAYERS,
             "loss": "cross_entropy"}
-    for choice, want in (("aten", {"c1": (1, 1), "c2": (1, 1), "c3": (2, 2)}), ("own", {})):
+    every = {"c1": (1, 1), "c2": (1, 1), "c3": (2, 2)}
+    for choice, most, want in (("aten", None, every), ("own", 0, {}), ("own", 1 << 40, every)):
+        if most is not None:
+            monkeypatch.setattr(_conv_small, "MAX_MACS", most)
         ctx = LayerContext(SingleCommunicator(), np, "float64", seed=0)
         ctx.conv_kernels = conv_kernels(choice)
         model = Model(spec, 4, ctx, {})

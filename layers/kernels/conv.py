@@ -26,6 +26,9 @@ per stride phase of the window with the matching sub-filter (column stride 2: bo
 call, written interleaved; otherwise into a phase array merged into ``dx`` afterwards). Stride and
 dilation both > 1 take the NumPy col2im path below.
 
+Small path (NumPy float32/float64, at most ``_conv_small.MAX_MACS`` multiply-adds per pass): one compiled
+call per pass, padding applied inside, so an unsplit layer needs no window (``_conv_small.py``).
+
 NumPy / CuPy path (the array module is taken from the arguments; see _conv_gemm.py): the columns of a
 chunk of samples (``Cg*prod(kernel)`` x ``samples*outputs``, as many whole samples as fit a column budget,
 row blocks of one sample where a single sample does not) are gathered at once from a strided view of the
@@ -39,19 +42,19 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from lbannpy.backend import array_module, is_gpu_array
 
 from . import _conv_gemm as _gemm
+from . import _conv_small as _small
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
-from ._geometry import KernelShapeError, per_dim, valid_output_shape
-from .padding import pad_spatial, padded_shape
+from ._conv_geometry import ConvGeometry, geometry, padded_geometry
+from ._geometry import KernelShapeError
+from .padding import crop_spatial, pad_into_scratch, padded_shape
 
 # bytes of gathered columns per GEMM on the CPU: skinny GEMMs (F = 16) need >= ~4096 columns to reach
 # OpenBLAS's speed, and the buffer (reused for every block) stays in the L3
@@ -75,98 +78,6 @@ except ImportError:  # pragma: no cover - depends on the install
 # NumPy arrays of float32/float64 go through the compiled kernels when they are built, unless
 # LBANNPY_CONV_KERNEL=numpy; tests switch this flag to check both paths against PyTorch
 USE_COMPILED = _cconv is not None and os.environ.get("LBANNPY_CONV_KERNEL", "") != "numpy"
-
-
-@dataclass(frozen=True)
-class ConvGeometry:
-    """Sizes of one local convolution (all derived from the window and filter shapes)."""
-
-    batch: int
-    channels: int
-    filters: int
-    groups: int
-    window: tuple[int, ...]
-    kernel: tuple[int, ...]
-    out: tuple[int, ...]
-    stride: tuple[int, ...]
-    dilation: tuple[int, ...]
-
-    @classmethod
-    def make(cls, x_shape, w_shape, stride, dilation) -> "ConvGeometry":
-        x_shape, w_shape = tuple(x_shape), tuple(w_shape)
-        if len(x_shape) not in (3, 4, 5) or len(w_shape) != len(x_shape):
-            raise KernelShapeError(
-                f"conv: window {x_shape} and filter {w_shape} must both be (N, C, *spatial) / "
-                f"(F, C/groups, *kernel) with 1 to 3 spatial dimensions")
-        nsp = len(x_shape) - 2
-        n, c = x_shape[:2]
-        f, cg = w_shape[:2]
-        if cg < 1 or c % cg:
-            raise KernelShapeError(
-                f"conv: window has {c} channels but the filter {w_shape} expects a multiple of {cg} "
-                f"(C/groups); pass a filter shaped (F, C/groups, *kernel)")
-        groups = c // cg
-        if f % groups:
-            raise KernelShapeError(f"conv: {f} filters cannot be split into {groups} groups")
-        kernel = tuple(w_shape[2:])
-        s = per_dim(stride, nsp, "stride")
-        d = per_dim(dilation, nsp, "dilation")
-        out = valid_output_shape(x_shape[2:], kernel, s, d, "conv window")
-        return cls(n, c, f, groups, tuple(x_shape[2:]), kernel, out, s, d)
-
-    # derived sizes, computed on first use and kept (a geometry is made once per shape: see geometry())
-    @functools.cached_property
-    def cg(self) -> int:
-        return self.channels // self.groups
-
-    @functools.cached_property
-    def fg(self) -> int:
-        return self.filters // self.groups
-
-    @functools.cached_property
-    def ntaps(self) -> int:
-        return math.prod(self.kernel)
-
-    @functools.cached_property
-    def rest(self) -> int:
-        """Outputs per row of the first spatial dimension."""
-        return math.prod(self.out[1:])
-
-    @functools.cached_property
-    def out_shape(self) -> tuple[int, ...]:
-        return (self.batch, self.filters) + self.out
-
-    @functools.cached_property
-    def x_shape(self) -> tuple[int, ...]:
-        """The window's shape."""
-        return (self.batch, self.channels) + self.window
-
-    def __hash__(self) -> int:
-        # geometries key the kernels' caches on every call: the fields are hashed once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.batch, self.channels, self.filters, self.groups, self.window, self.kernel,
-                      self.out, self.stride, self.dilation))
-            self.__dict__["_hash"] = h
-        return h
-
-    def rows_per_block(self, itemsize: int, budget: int) -> int:
-        per_row = self.cg * self.ntaps * self.rest * itemsize
-        return max(1, min(self.out[0], budget // max(per_row, 1)))
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(x_shape: tuple, w_shape: tuple, stride, dilation) -> ConvGeometry:
-    return ConvGeometry.make(x_shape, w_shape, stride, dilation)
-
-
-def geometry(x_shape, w_shape, stride, dilation) -> ConvGeometry:
-    """:meth:`ConvGeometry.make`, cached: a layer calls its kernels with the same shapes every step, and
-    working the sizes out again costs more than a small convolution's arithmetic."""
-    if isinstance(stride, list) or isinstance(dilation, list):  # hashable for the cache
-        stride = stride if isinstance(stride, int) else tuple(stride)
-        dilation = dilation if isinstance(dilation, int) else tuple(dilation)
-    return _geometry(tuple(x_shape), tuple(w_shape), stride, dilation)
 
 
 def _budget(arr) -> int:
@@ -341,20 +252,37 @@ def _backward_filter_compiled(x_window, dy, w_shape, geo: ConvGeometry):
     return dw2.reshape(tuple(w_shape))
 
 
-def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None):
+def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0):
     """Valid convolution of a padded window: ``(N, C, *S)`` with ``(F, C/groups, *K)`` -> ``(N, F, *O)``,
     ``O = (S - dilation*(K-1) - 1) // stride + 1``; ``b`` is ``(F,)`` or ``None``. ``out`` (optional): an
     array of the output's shape and dtype to write into (every element is written), such as a block of a
-    larger output; written in place where its rows are contiguous, else through a temporary."""
+    larger output; written in place where its rows are contiguous, else through a temporary. ``padding``
+    (an int or one per spatial dimension, both sides): ``x_window`` is the input block, padded here."""
     dt = _check_dtypes(x_window, w, b)
-    geo = geometry(x_window.shape, w.shape, stride, dilation)
+    geo, pads = padded_geometry(x_window.shape, w.shape, stride, dilation, padding)
     _check_out(out, geo.out_shape, dt, "output")
+    if pads is not None:
+        if _small_ok(geo, x_window, w, b, out):
+            return _small.forward(x_window, w, b, geo, pads, out)
+        x_window = pad_into_scratch(x_window, pads, "padded input")
     return _forward(x_window, w, b, geo, out)
+
+
+def _small_ok(geo: ConvGeometry, *arrays) -> bool:
+    """Whether these arrays take the small compiled path (:mod:`._conv_small`)."""
+    if not (USE_COMPILED and _small.fits(geo)) or arrays[0].dtype.char not in "fd":
+        return False
+    for a in arrays:
+        if a is not None and not isinstance(a, np.ndarray):
+            return False
+    return True
 
 
 def _forward(x_window, w, b, geo: ConvGeometry, out):
     """:func:`conv_forward` of checked arguments."""
     dt = x_window.dtype
+    if _small_ok(geo, x_window, w, b, out):
+        return _small.forward(x_window, w, b, geo, None, out)
     if _compiled(x_window, w, b, out, channels=geo.cg, row=geo.out[-1]):
         if out is None or out.strides[-1] == dt.itemsize:
             return _forward_compiled(x_window, w, b, geo, out=out)
@@ -366,22 +294,28 @@ def _forward(x_window, w, b, geo: ConvGeometry, out):
     return _gemm.forward(xp, x_window, w, b, geo, y, _budget(x_window))
 
 
-def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1):
-    """Gradient w.r.t. the filter, shape ``w_shape`` (``(F, C/groups, *K)``), from the window and ``dy``."""
+def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1, padding=0):
+    """Gradient w.r.t. the filter, shape ``w_shape`` (``(F, C/groups, *K)``), from the window and ``dy``
+    (``padding``: as for :func:`conv_forward`)."""
     xp = array_module(x_window)
     _check_dtypes(x_window, dy)
-    geo = geometry(x_window.shape, w_shape, stride, dilation)
+    geo, pads = padded_geometry(x_window.shape, w_shape, stride, dilation, padding)
     _check_dy(dy, geo)
+    if _small_ok(geo, x_window, dy):
+        return _small.backward_filter(x_window, dy, geo, pads, w_shape)
+    if pads is not None:
+        x_window = pad_into_scratch(x_window, pads, "padded input")
     if _compiled(x_window, dy, channels=geo.cg, row=geo.out[-1]):
         return _backward_filter_compiled(x_window, dy, w_shape, geo)
     return _gemm.backward_filter(xp, x_window, dy, geo, _budget(x_window)).reshape(tuple(w_shape))
 
 
-def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
+def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None, padding=0):
     """Gradient w.r.t. the window (shape ``x_window_shape``, padding and halo included): the caller
     halo-accumulates it, or crops the padding (:func:`crop_spatial`) on a single rank. ``out``
     (optional): a C-contiguous array of the window's shape and dtype to write into (a reused workspace
-    spares the page faults of a fresh window-sized array on every call).
+    spares the page faults of a fresh window-sized array on every call). With ``padding`` (as for
+    :func:`conv_forward`) ``x_window_shape`` is the input block's and so is the gradient returned.
 
     With stride 1 this is a valid convolution of ``dy`` zero-padded by ``dilation*(kernel-1)`` with the
     flipped, transposed filter; with stride ``s`` and dilation 1 each of the ``s**nsp`` phases of the window
@@ -392,9 +326,13 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
     per group (col2im's GEMM covers the outputs, the flipped convolution the larger padded window).
     """
     dt = _check_dtypes(dy, w)
-    geo = geometry(x_window_shape, w.shape, stride, dilation)
+    geo, pads = padded_geometry(x_window_shape, w.shape, stride, dilation, padding)
+    if pads is not None:
+        return _backward_data_padded(dy, w, tuple(x_window_shape), geo, out, pads)
     _check_dy(dy, geo)
     _check_out(out, (geo.batch, geo.channels) + tuple(geo.window), dt, "window gradient", contiguous=True)
+    if _small_ok(geo, dy, w, out):
+        return _small.backward_data(dy, w, geo, None, out)
     # the adjoint is a convolution of Fg input channels producing rows as wide as the window
     compiled = _compiled(dy, w, out, channels=geo.fg, row=geo.window[-1])
     ratio, cg, fg = GATHER_DATA_GRAD_MAX_RATIO, geo.cg, geo.fg
@@ -421,6 +359,21 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None):
             dx[sl] = _backward_data_phase(dy, w, geo, phase, extent)
         return dx
     return _backward_data_col2im(dy, w, geo, out)
+
+
+def _backward_data_padded(dy, w, x_shape, geo, out, pads):
+    """:func:`conv_backward_data` of an input block padded by ``pads`` inside: the small path writes the
+    block's gradient directly, else the window's gradient (a scratch buffer on the host) is cropped."""
+    _check_dy(dy, geo)
+    _check_out(out, x_shape, dy.dtype, "input gradient", contiguous=True)
+    if _small_ok(geo, dy, w, out):
+        return _small.backward_data(dy, w, geo, pads, out)
+    space = _scratch("padded input gradient", geo.x_shape, dy.dtype) if isinstance(dy, np.ndarray) else None
+    inner = crop_spatial(conv_backward_data(dy, w, geo.x_shape, geo.stride, geo.dilation, out=space), pads)
+    if out is None:
+        return inner.copy()
+    out[...] = inner
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -455,8 +408,7 @@ def _backward_data_phase(dy, w, geo: ConvGeometry, phase, extent, out=None):
     pads, inner = _phase_plan(geo, tuple(phase), tuple(extent))
     wt = _flipped_subfilter(w, geo, phase)
     # NumPy: a scratch buffer (the forward below reads it and keeps nothing); CuPy: a fresh array
-    dyp = (pad_spatial(dy, pads, out=_scratch("padded dy", inner.x_shape, dy.dtype))
-           if isinstance(dy, np.ndarray) else pad_spatial(dy, pads))
+    dyp = pad_into_scratch(dy, pads, "padded dy")
     return _forward(dyp, wt, None, inner, out)
 
 
@@ -465,7 +417,7 @@ def _backward_data_phases_compiled(dy, w, geo: ConvGeometry, out=None):
     convolution written into the phase layout ``(N, C, *stride, *Q)``, merged into ``dx`` in one pass."""
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
     lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
-    dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
+    dyp = pad_into_scratch(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)), "padded dy")
     dxs = _scratch("gradient phases", (geo.batch, geo.channels) + geo.stride + q, dy.dtype)
     for phase in itertools.product(*(range(s) for s in geo.stride)):
         taps = tuple(max(0, -(-(k - a) // s)) for k, a, s in zip(geo.kernel, phase, geo.stride))
@@ -491,7 +443,7 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
     isz, cg, fg = dt.itemsize, geo.cg, geo.fg
     q = tuple(-(-n // s) for n, s in zip(geo.window, geo.stride))
     lo = tuple(-(-k // s) - 1 for k, s in zip(geo.kernel, geo.stride))  # phase 0 has the most taps
-    dyp = _pad_into(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)))
+    dyp = pad_into_scratch(dy, tuple((a, qd - o) for a, qd, o in zip(lo, q, geo.out)), "padded dy")
     dx = np.empty((geo.batch, geo.channels) + geo.window, dtype=dt) if out is None else out
     est = _elem_strides(dyp)
     for a in itertools.product(*(range(s) for s in geo.stride[:-1])):
@@ -549,8 +501,3 @@ def _check_dy(dy, geo: ConvGeometry):
         raise KernelShapeError(
             f"conv: dy has shape {tuple(dy.shape)} but a window {(geo.batch, geo.channels) + geo.window} "
             f"with kernel {geo.kernel}, stride {geo.stride}, dilation {geo.dilation} gives {geo.out_shape}")
-
-
-def _pad_into(dy, pads):
-    """``pad_spatial(dy, pads)`` (zeros) in a reused scratch buffer, for the data gradient."""
-    return pad_spatial(dy, pads, out=_scratch("padded dy", padded_shape(dy.shape, pads), dy.dtype))

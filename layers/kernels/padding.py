@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from lbannpy.backend import array_module
 
+from ._buffers import scratch as _scratch
 from ._geometry import KernelShapeError
 
 
@@ -71,3 +74,23 @@ def crop_spatial(x_window, pads):
     pp = _pads(pads, x_window.ndim - 2)
     return x_window[(slice(None), slice(None))
                     + tuple(slice(lo, n - hi) for n, (lo, hi) in zip(x_window.shape[2:], pp))]
+
+
+def symmetric_pads(padding, nsp: int) -> tuple[int, ...] | None:
+    """``padding`` (an int or one per spatial dimension) as a tuple; ``None`` where it is all zero."""
+    return _symmetric(tuple(padding) if isinstance(padding, list) else padding, nsp)
+
+
+@functools.lru_cache(maxsize=256)
+def _symmetric(padding, nsp: int) -> tuple[int, ...] | None:
+    p = (int(padding),) * nsp if isinstance(padding, int) else tuple(int(v) for v in padding)
+    if len(p) != nsp or min(p) < 0:
+        raise KernelShapeError(f"padding {padding!r}: one value >= 0 per spatial dimension ({nsp})")
+    return p if any(p) else None
+
+
+def pad_into_scratch(x, pads, slot: str):
+    """``x`` zero-padded by ``pads`` on both sides: in a reused scratch buffer for NumPy arrays."""
+    if not isinstance(x, np.ndarray):
+        return pad_spatial(x, pads)
+    return pad_spatial(x, pads, out=_scratch(slot, padded_shape(x.shape, pads), x.dtype))

@@ -25,6 +25,10 @@ try:  # the compiled kernels (built by pip install where a C compiler is present
     from . import _cconv
 except ImportError:  # pragma: no cover - exercised on installs without a compiler
     _cconv = None
+try:  # average pooling (see _csmall.c)
+    from . import _csmall
+except ImportError:  # pragma: no cover - exercised on installs without a compiler
+    _csmall = None
 
 # max pooling of NumPy float32/float64 arrays runs in one compiled pass (maximum and winning tap together)
 # where the extension is built; LBANNPY_CONV_KERNEL=numpy selects the NumPy path for every kernel
@@ -177,8 +181,27 @@ def _divisor(xp, valid, x_window_shape, k, s, d, out, dtype):
     return count
 
 
+@functools.lru_cache(maxsize=1024)
+def _avg_args(window_shape: tuple, kernel, stride):
+    """The compiled average pooling's arguments after the arrays: the divisor, the planes (samples x
+    channels), the window's and the outputs' extents, kernel, stride, dilation 1 (three dimensions each);
+    with the output shape."""
+    k, s, _, out, _ = _plan(window_shape, kernel, stride, 1)
+    return ((float(math.prod(k)), window_shape[0] * window_shape[1], *_three(window_shape[2:], 1),
+             *_three(out, 1), *_three(k, 1), *_three(s, 1), 1, 1, 1), tuple(window_shape[:2]) + tuple(out))
+
+
+def _avg_compiled(a, valid) -> bool:
+    return valid is None and _csmall is not None and _compiled(a)
+
+
 def avg_pool_forward(x_window, kernel, stride=None, valid=None):
     """Mean over each window: ``(N, C, *S)`` -> ``(N, C, *O)``; see the module doc for ``valid``."""
+    if _avg_compiled(x_window, valid):  # one call, the NumPy path's arithmetic in its order
+        args, yshape = _avg_args(tuple(x_window.shape), _hashable(kernel), _hashable(stride))
+        y = numpy.empty(yshape, dtype=x_window.dtype)
+        _csmall.avg_fwd(x_window.itemsize, numpy.ascontiguousarray(x_window), y, *args)
+        return y
     xp = array_module(x_window)
     k, s, d, out, at = _plan(x_window.shape, kernel, stride, 1)
     y = x_window[at[0]].copy()
@@ -190,6 +213,12 @@ def avg_pool_forward(x_window, kernel, stride=None, valid=None):
 
 def avg_pool_backward(dy, x_window_shape, kernel, stride=None, valid=None):
     """Gradient w.r.t. the window of :func:`avg_pool_forward`."""
+    if _avg_compiled(dy, valid):
+        args, yshape = _avg_args(tuple(x_window_shape), _hashable(kernel), _hashable(stride))
+        _check(dy, x_window_shape, yshape[2:])
+        dx = numpy.empty(tuple(x_window_shape), dtype=dy.dtype)  # zeroed by the kernel
+        _csmall.avg_bwd(dy.itemsize, numpy.ascontiguousarray(dy), dx, *args)
+        return dx
     xp = array_module(dy)
     k, s, d, out, at = _plan(x_window_shape, kernel, stride, 1)
     _check(dy, x_window_shape, out)

@@ -31,14 +31,29 @@ class ConvKernels:
     #: layer's workspace, memory that stays)
     allocates: bool = False
     #: the kernels take ``padding=`` (per spatial dimension, both sides) and pad inside, so a layer with
-    #: nothing to exchange hands them its input block instead of a padded window (:attr:`Conv.kernel_pads`)
-    pads: bool = False
+    #: nothing to exchange hands them its input block instead of a padded window (:attr:`Conv.kernel_pads`):
+    #: always (True), or where ``pads(local input shape, filter shape, stride, dilation, padding, xp)`` holds
+    pads: bool | Callable = False
 
 
 def own() -> ConvKernels:
     from . import conv
 
-    return ConvKernels("own", conv.conv_forward, conv.conv_backward_data, conv.conv_backward_filter)
+    return ConvKernels("own", conv.conv_forward, conv.conv_backward_data, conv.conv_backward_filter,
+                       pads=_own_pads)
+
+
+def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
+    """lbannpy's kernels pad inside where each pass is one compiled call (:mod:`._conv_small`: host arrays,
+    few multiply-adds); elsewhere the layer's window is as cheap, and it is what the halo exchange fills."""
+    from . import conv
+    from .padding import padded_shape, symmetric_pads
+
+    if getattr(xp, "__name__", "") != "numpy" or not conv.USE_COMPILED:
+        return False
+    pads = symmetric_pads(padding, len(x_shape) - 2)
+    shape = tuple(x_shape) if pads is None else padded_shape(tuple(x_shape), pads)
+    return conv._small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
 
 
 def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:

@@ -322,8 +322,10 @@ KERNELS = ["own"]  # the conv kernel set of --models (--kernels)
 
 def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
     """``({op: callable}, (x, w, b, dy))``: the forward, the data and the filter gradient of kernel set
-    ``ks`` (a :class:`~lbannpy.layers.kernels.select.ConvKernels`) at ``shape``, called as the conv layer
-    calls them (padded window in, window gradient into a reused buffer, cropped), and their arrays."""
+    ``ks`` (a :class:`~lbannpy.layers.kernels.select.ConvKernels`) at ``shape``, called as an unsplit conv
+    layer on one rank calls them: the input block and its padding where the set pads this convolution
+    itself (:attr:`~lbannpy.layers.conv.Conv.kernel_pads`), else the padded window in and the window gradient
+    (into a reused buffer unless the set allocates its results) cropped; and their arrays."""
     import numpy as np
 
     from lbannpy.layers import kernels as K
@@ -336,7 +338,16 @@ def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
     xw = K.pad_spatial(x, pads)
     s, d = shape.stride, shape.dilation
     dy = rng.standard_normal(K.conv_forward(xw, w, b, s, d).shape).astype(dtype)
-    dwindow = np.empty_like(xw)  # the layer's window-gradient workspace, reused
+    inside = ks.pads(x.shape, w.shape, s, d, shape.pad, np) if callable(ks.pads) else ks.pads
+    if inside:
+        p, dx_space = tuple(shape.pad), None if ks.allocates else np.empty_like(x)
+        return {
+            "forward": lambda: ks.conv_forward(x, w, b, s, d, padding=p),
+            "data grad": lambda: ks.conv_backward_data(dy, w, x.shape, s, d, out=dx_space, padding=p),
+            "filter grad": lambda: (ks.conv_backward_filter(x, dy, w.shape, s, d, padding=p),
+                                    K.conv_backward_bias(dy)),
+        }, (x, w, b, dy)
+    dwindow = None if ks.allocates else np.empty_like(xw)  # the layer's window-gradient workspace, reused
     ops = {
         "forward": lambda: ks.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
         "data grad": lambda: np.ascontiguousarray(K.crop_spatial(
