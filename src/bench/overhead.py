@@ -3,10 +3,11 @@
 Each layer type runs as a chain of ``k`` layers on a tiny input (1 sample, 4 channels, 4x4), where the
 arithmetic is negligible, on one rank: forward and backward through :class:`lbannpy.model.Model`, as the
 trainer steps. The cost per layer is the slope between a chain of 1 and a chain of ``k``
-(``(t_k - t_1) / (k - 1)``), so the model's own per-step cost is not charged to the layers. A batch-norm
-followed by a ReLU is one pair (fused by the model when nothing else reads the batch-norm). The step line
-is a whole model's forward and backward (mesh_tiny at 16², batch 1, float32) and its time per layer, where
-the arithmetic of its convolutions is included.
+(``(t_k - t_1) / (k - 1)``, both timed in every round, the median over rounds), so the model's own
+per-step cost is not charged to the layers. A batch-norm followed by a ReLU is one pair (fused by the
+model when nothing else reads the batch-norm). The step line is a whole model's forward and backward
+(mesh_tiny at 16², batch 1, float32) and its time per layer, where the arithmetic of its convolutions is
+included.
 
 Times are medians over rounds of ``steps`` steps; per layer in microseconds, against the target.
 """
@@ -71,27 +72,36 @@ def _stepper(model_spec: dict, batch: int, fuse: bool):
     return step, len(model.layers)
 
 
+def _round(step, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
 def _time(step, steps: int, rounds: int) -> float:
     """Median seconds per step over ``rounds`` rounds of ``steps`` steps (after a warm-up round)."""
     for _ in range(max(steps // 4, 2)):
         step()
-    per = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        per.append((time.perf_counter() - t0) / steps)
-    return float(np.median(per))
+    return float(np.median([_round(step, steps) for _ in range(rounds)]))
 
 
 def per_layer_us(kind: str, k: int, steps: int, rounds: int, fuse: bool = True) -> float:
-    """Fixed cost of one layer (one link) of ``kind`` in microseconds per step, forward and backward."""
-    ts = []
+    """Fixed cost of one layer (one link) of ``kind`` in microseconds per step, forward and backward: the
+    median over rounds of the slope between the two chains, timed one after the other in each round (a
+    machine whose speed drifts slows both alike)."""
+    pair = []
     for n in (1, k):
         spec = {"input": {"channels": 4, "spatial": [4, 4]}, "layers": _chain(kind, n)}
         step, _ = _stepper(spec, 1, fuse)
-        ts.append(_time(step, steps, rounds))
-    return (ts[1] - ts[0]) / (k - 1) * 1e6
+        for _ in range(max(steps // 4, 2)):
+            step()
+        pair.append(step)
+    slopes = []
+    for _ in range(rounds):
+        t1, tk = _round(pair[0], steps), _round(pair[1], steps)
+        slopes.append((tk - t1) / (k - 1))
+    return float(np.median(slopes)) * 1e6
 
 
 def model_step(zoo: str, size: int, batch: int, steps: int, rounds: int, fuse: bool = True):
