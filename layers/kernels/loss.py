@@ -126,9 +126,20 @@ def iou_counts(logits, labels, num_classes=None):
     k = logits.shape[1] if num_classes is None else int(num_classes)
     pred = predictions(logits).ravel().astype(xp.int64)
     lab = labels.ravel().astype(xp.int64)
-    conf = xp.bincount(lab * k + pred, minlength=k * k).reshape(k, k)  # rows: label, columns: prediction
+    conf = _counts(xp, lab * k + pred, k * k).reshape(k, k)  # rows: label, columns: prediction
     tp = xp.diagonal(conf).copy()
     return tp, conf.sum(axis=0) - tp, conf.sum(axis=1) - tp
+
+
+def _counts(xp, idx, size: int):
+    """``bincount(idx, minlength=size)`` of indices known to lie in ``[0, size)``. CuPy's bincount reads the
+    indices' range on the host (a wait for the device every step, seen on a real GPU); on the device the
+    counts are an atomic scatter-add instead (``uint64``: a type CUDA's atomicAdd takes)."""
+    if xp is numpy:
+        return numpy.bincount(idx, minlength=size)
+    counts = xp.zeros(size, dtype=xp.uint64)
+    xp.add.at(counts, idx, xp.ones(idx.shape, dtype=xp.uint64))
+    return counts.astype(xp.int64)
 
 
 def iou(tp, fp, fn):

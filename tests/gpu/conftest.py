@@ -86,12 +86,24 @@ def results(proc: subprocess.CompletedProcess, ranks: int) -> list[dict]:
     return sorted(rows, key=lambda row: row["rank"])
 
 
+def skip_unless_gpus(config, ranks: int) -> None:
+    """On real GPUs (``LBANNPY_GPU=real``), skip a test whose job needs more GPUs than the node has (NCCL and
+    the runtime give every rank its own device)."""
+    have = getattr(config, "_lbannpy_real_gpus", None)
+    if REAL and have is not None and have < ranks:
+        pytest.skip(f"LBANNPY_GPU=real: {ranks} ranks need {ranks} GPUs, this node has {have}")
+
+
 @pytest.fixture
-def gpu_run():
+def gpu_run(request):
     """``gpu_run(cmd, env=None, timeout=240, check=True)``: run a command (an ``mpiexec`` job) with the
-    workers' environment (:func:`worker_env`); fails with its output when it fails and ``check``."""
+    workers' environment (:func:`worker_env`); fails with its output when it fails and ``check``. A job of
+    ``runtime.device=gpu`` on more ranks than the node has GPUs is skipped (:func:`skip_unless_gpus`)."""
     def go(cmd, env: dict | None = None, timeout: float = 240, check: bool = True):
         assert MPIEXEC, "mpiexec not found (pip install mpich)"
+        words = [str(c) for c in cmd]
+        if words[:1] == ["mpiexec"] and "-n" in words and "runtime.device=gpu" in words:
+            skip_unless_gpus(request.config, int(words[words.index("-n") + 1]))
         if not REAL:
             assert (STANDIN / "cupy").is_dir(), f"the CUDA stand-in is missing: {STANDIN}/cupy"
         cmd = [MPIEXEC if c == "mpiexec" else str(c) for c in cmd]
@@ -114,9 +126,7 @@ def gpu_launch(request):
         assert (STANDIN / "cupy").is_dir(), f"the CUDA stand-in is missing: {STANDIN}/cupy"
 
     def launch(script, case: str, ranks: int, *args: str, env: dict | None = None, timeout: float = 240):
-        have = getattr(request.config, "_lbannpy_real_gpus", None)
-        if REAL and have is not None and have < ranks:
-            pytest.skip(f"LBANNPY_GPU=real: {ranks} ranks need {ranks} GPUs, this node has {have}")
+        skip_unless_gpus(request.config, ranks)
         cmd = [MPIEXEC, "-n", str(ranks), sys.executable, str(script), case, *map(str, args)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(env),
                               cwd=str(ROOT))

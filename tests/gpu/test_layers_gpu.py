@@ -123,9 +123,10 @@ def _logits_and_labels(kind, comm, xp, ctx):
 def _case_loss(comm, host, cupy, out):
     import numpy as np
 
-    from cupy import _standin as probe  # the stand-in's host-sync counter
     from lbannpy.layers.base import LayerContext
     from lbannpy.layers.loss import Loss
+
+    probe = _sync_probe(cupy)
 
     out["kinds"] = {}
     for kind in ("cross_entropy", "pixel_cross_entropy"):
@@ -140,8 +141,13 @@ def _case_loss(comm, host, cupy, out):
                 loss = Loss(kind, ctx, model.output.out_shape, model.output.out_dist, lshape)
                 box = loss.label_box()
                 mine = labels[tuple(slice(a, b) for a, b in box)]
+                # the trainer's labels reach the loss on the device, uploaded a step ahead from page-locked
+                # memory (DeviceUploader): an upload from pageable memory here would wait for the device
+                step_labels = xp.asarray(mine)
+                loss.forward_stats(logits, step_labels)  # first pass: kernels compiled (set-up)
+                loss.backward()
                 probe.reset_host_syncs()
-                stats = loss.forward_stats(logits, mine)
+                stats = loss.forward_stats(logits, step_labels)
                 g = loss.backward()
                 sites = probe.host_syncs()
                 probe.reset_host_syncs()
@@ -168,12 +174,12 @@ def _case_loss(comm, host, cupy, out):
 def _case_syncs(comm, host, cupy, out):
     import numpy as np
 
-    from cupy import _standin as probe  # the stand-in's host-sync counter
     from layer_cases import Case, global_data
     from lbannpy.layers.base import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 
+    probe = _sync_probe(cupy)
     p = comm.size
     layers = {
         "batchnorm-group": ({"name": "b", "type": "batchnorm"}, {"default": {"h": p}}),
@@ -211,6 +217,56 @@ def _case_syncs(comm, host, cupy, out):
             import traceback
 
             r["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
+
+
+def _sync_probe(cupy):
+    """The host-synchronisation counter: the stand-in's (every call site that waits for the device), or on
+    real CuPy :class:`_SpinProbe`."""
+    try:
+        from cupy import _standin
+    except ImportError:
+        return _SpinProbe(cupy)
+    return _standin
+
+
+class _SpinProbe:
+    """Host synchronisations on a real GPU, by timing: ``reset_host_syncs`` queues a kernel that spins for
+    ``SPIN`` seconds on the current stream, then the code under test runs; if the spin is still running
+    when it returns, the host never waited for the device (any wait, a copy to the host, a stream, event or
+    device synchronisation, would have waited for the spin). ``host_syncs`` is then empty, else one entry
+    (which cannot tell how many waits there were, only that there was one)."""
+
+    SPIN = 2.0
+    SOURCE = r"""extern "C" __global__ void spin(unsigned long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    }"""
+
+    def __init__(self, cupy):
+        self.cp = cupy
+        self.kernel = cupy.RawKernel(self.SOURCE, "spin")
+        self.done = self.t0 = None
+
+    def reset_host_syncs(self):
+        import time
+
+        stream = self.cp.cuda.get_current_stream()
+        stream.synchronize()
+        self.kernel((1,), (1,), (self.cp.uint64(int(self.SPIN * 1e9)),))
+        self.done = self.cp.cuda.Event(disable_timing=True)
+        self.done.record(stream)
+        self.t0 = time.perf_counter()
+
+    def host_syncs(self):
+        import time
+
+        waited, took = self.done.done, time.perf_counter() - self.t0
+        self.done.synchronize()
+        if not waited:
+            return {}
+        return {f"the device's work had finished when the host returned after {took:.2f} s (spin "
+                f"{self.SPIN} s): the host waited for it": 1}
 
 
 def _total(syncs) -> int:

@@ -284,8 +284,17 @@ def asarray(a, dtype=None, order=None):
     src = _np.asarray(a, dtype=dtype, order=order)
     out = ndarray(src.shape, src.dtype)
     out._a[...] = src
+    # CUDA: a copy from pageable host memory to the device synchronises the stream before it starts (the
+    # host waits for the device); seen on a real GPU, where uploading a batch's labels here stalled the step
+    _standin.count_sync("upload from pageable host memory")
     _standin.launch(cuda.get_current_stream(), writes=[out._alloc], what="cupy.asarray (upload)")
     return out
+
+
+def bincount(x, weights=None, minlength=0):
+    # CuPy sizes the result from the input's maximum (and checks its minimum), read on the host
+    _standin.count_sync("cupy.bincount reads its input's range")
+    return _call(_np.bincount, (x,), {"weights": weights, "minlength": minlength}, "cupy.bincount")
 
 
 def array(a, dtype=None, copy=True, order="K", ndmin=0):
@@ -373,7 +382,11 @@ def __getattr__(name):
     if isinstance(obj, _np.ufunc):
         def uf(*args, **kwargs):
             return _call(obj, args, kwargs, f"cupy.{name}")
-        uf.__name__ = name
+
+        def at(a, indices, b=None):  # in place on ``a`` (CuPy >= 12: an atomic scatter)
+            extra = () if b is None else (b,)
+            _call(lambda i, *v, out: obj.at(out, i, *v), (indices,) + extra, {"out": a}, f"cupy.{name}.at")
+        uf.__name__, uf.at = name, at
         return uf
 
     def fn(*args, **kwargs):
