@@ -283,84 +283,65 @@ parse(PyObject *args, int *isz, PyObject **a, sgeom *g)
     const Py_ssize_t S = (g).s[0] * (g).s[1] * (g).s[2], O = (g).o[0] * (g).o[1] * (g).o[2];               \
     const Py_ssize_t W = (g).f * ((g).c / (g).groups) * (g).k[0] * (g).k[1] * (g).k[2]
 
+enum { FWD, DGRAD, WGRAD };
+
+/* one pass: operands (fwd: x, w, b or None, y; dgrad: dy, w, None, dx; wgrad: x, dy, None, dw), the last
+ * written, the third optional */
 static PyObject *
-py_fwd(PyObject *self, PyObject *args)
-{ /* (x, w, b or None, y) */
+small_pass(PyObject *args, int kind)
+{
+    static const char *names[3][4] = {{"input", "filter", "bias", "output"},
+                                      {"output gradient", "filter", "unused", "input gradient"},
+                                      {"input", "output gradient", "unused", "filter gradient"}};
     int isz;
     PyObject *a[4];
     sgeom g;
-    void *x, *w, *b, *y;
+    void *p[4];
     if (parse(args, &isz, a, &g))
         return NULL;
     SIZES(g);
-    if (array(a[0], 0, isz, g.n * g.c * S, "input", 0, &x) || array(a[1], 0, isz, W, "filter", 0, &w)
-        || array(a[2], 0, isz, g.f, "bias", 1, &b) || array(a[3], 1, isz, g.n * g.f * O, "output", 0, &y))
-        return NULL;
+    const Py_ssize_t X = g.n * g.c * S, Y = g.n * g.f * O;
+    const Py_ssize_t count[3][4] = {{X, W, g.f, Y}, {Y, W, 0, X}, {X, Y, 0, W}};
+    for (int i = 0; i < 4; i++)
+        if (array(a[i], i == 3, isz, count[kind][i], names[kind][i], i == 2, &p[i]))
+            return NULL;
     spans sp;
     if (spans_make(&sp, &g))
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    if (isz == 4)
-        fwd_f32(x, w, b, y, &g, &sp);
+    if (kind == FWD && isz == 4)
+        fwd_f32(p[0], p[1], p[2], p[3], &g, &sp);
+    else if (kind == FWD)
+        fwd_f64(p[0], p[1], p[2], p[3], &g, &sp);
+    else if (kind == DGRAD && isz == 4)
+        dgrad_f32(p[0], p[1], p[3], &g, &sp);
+    else if (kind == DGRAD)
+        dgrad_f64(p[0], p[1], p[3], &g, &sp);
+    else if (isz == 4)
+        wgrad_f32(p[0], p[1], p[3], &g, &sp);
     else
-        fwd_f64(x, w, b, y, &g, &sp);
+        wgrad_f64(p[0], p[1], p[3], &g, &sp);
     Py_END_ALLOW_THREADS
     spans_free(&sp);
     Py_RETURN_NONE;
+}
+
+static PyObject *
+py_fwd(PyObject *self, PyObject *args)
+{
+    return small_pass(args, FWD);
 }
 
 static PyObject *
 py_dgrad(PyObject *self, PyObject *args)
-{ /* (dy, w, None, dx) */
-    int isz;
-    PyObject *a[4];
-    sgeom g;
-    void *dy, *w, *unused, *dx;
-    if (parse(args, &isz, a, &g))
-        return NULL;
-    SIZES(g);
-    if (array(a[0], 0, isz, g.n * g.f * O, "output gradient", 0, &dy) || array(a[1], 0, isz, W, "filter", 0, &w)
-        || array(a[2], 0, isz, 0, "unused", 1, &unused)
-        || array(a[3], 1, isz, g.n * g.c * S, "input gradient", 0, &dx))
-        return NULL;
-    spans sp;
-    if (spans_make(&sp, &g))
-        return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    if (isz == 4)
-        dgrad_f32(dy, w, dx, &g, &sp);
-    else
-        dgrad_f64(dy, w, dx, &g, &sp);
-    Py_END_ALLOW_THREADS
-    spans_free(&sp);
-    Py_RETURN_NONE;
+{
+    return small_pass(args, DGRAD);
 }
 
 static PyObject *
 py_wgrad(PyObject *self, PyObject *args)
-{ /* (x, dy, None, dw) */
-    int isz;
-    PyObject *a[4];
-    sgeom g;
-    void *x, *dy, *unused, *dw;
-    if (parse(args, &isz, a, &g))
-        return NULL;
-    SIZES(g);
-    if (array(a[0], 0, isz, g.n * g.c * S, "input", 0, &x)
-        || array(a[1], 0, isz, g.n * g.f * O, "output gradient", 0, &dy)
-        || array(a[2], 0, isz, 0, "unused", 1, &unused) || array(a[3], 1, isz, W, "filter gradient", 0, &dw))
-        return NULL;
-    spans sp;
-    if (spans_make(&sp, &g))
-        return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    if (isz == 4)
-        wgrad_f32(x, dy, dw, &g, &sp);
-    else
-        wgrad_f64(x, dy, dw, &g, &sp);
-    Py_END_ALLOW_THREADS
-    spans_free(&sp);
-    Py_RETURN_NONE;
+{
+    return small_pass(args, WGRAD);
 }
 
 /* (isz, src, dst, divisor, planes, s0..2, o0..2, k0..2, t0..2, d0..2), fwd: src the window, dst the
