@@ -27,7 +27,6 @@ from lbannpy.config.types import REQUIRED, Bool, Key, Padding, PerDim, Int
 from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 
-from . import kernels as K
 from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
 
@@ -182,10 +181,11 @@ class Conv(Layer):
         padded = {} if pads is None else {"padding": pads}
 
         def weight_grads():
-            self.w.grad += self.kern.conv_backward_filter(window, dy, self.w.value.shape, self.stride,
-                                                          self.dilation, **padded)
-            if self.b is not None:
-                self.b.grad += K.conv_backward_bias(dy)
+            dw, db = self.kern.conv_backward_params(window, dy, self.w.value, self.b is not None, self.stride,
+                                                    self.dilation, **padded)
+            self.w.grad += dw
+            if db is not None:
+                self.b.grad += db
         if not self.needs_input_grad:  # the model input: only the weight gradient
             weight_grads()
             self._window = None
@@ -193,8 +193,8 @@ class Conv(Layer):
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers,
         # unless the kernels allocate it anyway
         space = None if self.kern.allocates else ctx.workspace("conv window gradient", window.shape, dy.dtype)
-        dwin = self.kern.conv_backward_data(dy, self.w.value, window.shape, self.stride, self.dilation,
-                                            out=space, **padded)
+        dwin = self.kern.conv_backward_input(dy, self.w.value, window, self.stride, self.dilation,
+                                             out=space, **padded)
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
         if pads is not None:  # already the input gradient

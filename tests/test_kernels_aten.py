@@ -69,6 +69,29 @@ def test_aten_padding_equals_own_on_the_padded_window(shape):
     assert np.abs(got - dw).max() <= 1e-10 * max(np.abs(dw).max(), 1)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:4] + SHAPES[6:10],
+                         ids=lambda s: f"{len(s[2])}d-{s[3]}f{s[4]}k{s[5]}s")
+@pytest.mark.parametrize("bias", [True, False])
+def test_filter_and_bias_gradients_in_one_call_equal_own_and_pytorch(shape, bias):
+    """Each set's ``conv_backward_params`` (what the layer calls, filter in hand): ATen's one operator call
+    against lbannpy's filter gradient and bias sum, and both against PyTorch's autograd, padded or not."""
+    x, w, b, s, d = _case(shape, np.float64, seed=4)
+    p = (shape[4] // 2) * d
+    xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[x.ndim - 3]
+    yt = conv(xt, wt, bt, s, p, d)
+    dy = np.random.default_rng(5).standard_normal(tuple(yt.shape))
+    dw_ref, db_ref = (g.numpy() for g in torch.autograd.grad(yt, (wt, bt), torch.from_numpy(dy)))
+    for ks in (conv_kernels("own"), conv_kernels("aten")):
+        dw, db = ks.conv_backward_params(x, dy, w, bias, s, d, padding=p)
+        tol = 1e-10 * max(np.abs(dw_ref).max(), 1)
+        assert dw.shape == w.shape and np.abs(dw - dw_ref).max() <= tol, ks.name
+        if bias:
+            assert db.shape == b.shape and np.abs(db - db_ref).max() <= 1e-10 * max(np.abs(db_ref).max(), 1)
+        else:
+            assert db is None
+
+
 def test_float32_zero_copy_and_out_buffers():
     x, w, b, s, d = _case((2, 3, (13, 13), 4, 3, 1, 1), np.float32)
     assert aten._t(x).data_ptr() == x.ctypes.data  # the input is wrapped, not copied

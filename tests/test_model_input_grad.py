@@ -32,17 +32,20 @@ def test_training_backward_skips_the_input_gradient(kind, monkeypatch):
         x = np.random.default_rng(0).standard_normal(model.input_shape)
         y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
         dy = DistTensor(np.random.default_rng(1).standard_normal(y.local.shape), y.global_shape, y.dist, 0)
-        for name in ("conv_backward_data", "fc_backward_data"):
-            orig = getattr(K, name)
-            monkeypatch.setattr(K, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+        # the package's names and the conv module's (which the own kernel set calls)
+        for mod, name in ((K, "conv_backward_data"), (K.conv, "conv_backward_data"), (K, "fc_backward_data")):
+            orig = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
         dx = model.backward(dy, input_grad=input_grad)
         monkeypatch.undo()
         assert (dx is None) == (not input_grad)
         grads[input_grad] = {p.name: p.grad.copy() for p in model.params}
+        first = "conv_backward_data" if kind == "conv" else "fc_backward_data"
         if not input_grad:
-            first = "conv_backward_data" if kind == "conv" else "fc_backward_data"
             # only f1 (not the first layer) computed a data gradient
             assert calls.count(first) == (0 if kind == "conv" else 1), calls
+        else:  # the counting sees the first layer's data gradient when it is asked for
+            assert calls.count(first) == (1 if kind == "conv" else 2), calls
         calls.clear()
     for name, g in grads[True].items():
         np.testing.assert_array_equal(grads[False][name], g)

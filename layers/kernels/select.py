@@ -21,12 +21,16 @@ class KernelChoiceError(ValueError):
 
 @dataclass(frozen=True)
 class ConvKernels:
-    """The three convolution kernels of one set (the bias gradient is a sum: always lbannpy's)."""
+    """The convolution kernels of one set."""
 
     name: str
+    #: ``(x_window, w, b, stride, dilation, padding=0) -> y``
     conv_forward: Callable
-    conv_backward_data: Callable
-    conv_backward_filter: Callable
+    #: ``(dy, w, x_window, stride, dilation, out=None, padding=0) -> dx_window``: given the input itself
+    conv_backward_input: Callable
+    #: ``(x_window, dy, w, bias: bool, stride, dilation, padding=0) -> (dw, db or None)``: given the filter
+    #: itself, and the bias gradient from the same pass over ``dy`` where the set can
+    conv_backward_params: Callable
     #: the kernels allocate their results themselves, so an ``out`` buffer only adds a copy (and, for a
     #: layer's workspace, memory that stays)
     allocates: bool = False
@@ -39,8 +43,20 @@ class ConvKernels:
 def own() -> ConvKernels:
     from . import conv
 
-    return ConvKernels("own", conv.conv_forward, conv.conv_backward_data, conv.conv_backward_filter,
-                       pads=_own_pads)
+    return ConvKernels("own", conv.conv_forward, _own_backward_input, _own_backward_params, pads=_own_pads)
+
+
+def _own_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
+    from . import conv
+
+    return conv.conv_backward_data(dy, w, x_window.shape, stride, dilation, out=out, padding=padding)
+
+
+def _own_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padding=0):
+    from . import conv
+
+    dw = conv.conv_backward_filter(x_window, dy, w.shape, stride, dilation, padding=padding)
+    return dw, (conv.conv_backward_bias(dy) if bias else None)
 
 
 def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
@@ -69,7 +85,7 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
             raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
                                     + (" with CUDA" if device == "gpu" else "") + "; use own or auto")
         return own()
-    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_data, aten.conv_backward_filter,
+    return ConvKernels("aten", aten.conv_forward, aten.conv_backward_input, aten.conv_backward_params,
                        allocates=True, pads=True)
 
 

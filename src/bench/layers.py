@@ -343,16 +343,15 @@ def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
         p, dx_space = tuple(shape.pad), None if ks.allocates else np.empty_like(x)
         return {
             "forward": lambda: ks.conv_forward(x, w, b, s, d, padding=p),
-            "data grad": lambda: ks.conv_backward_data(dy, w, x.shape, s, d, out=dx_space, padding=p),
-            "filter grad": lambda: (ks.conv_backward_filter(x, dy, w.shape, s, d, padding=p),
-                                    K.conv_backward_bias(dy)),
+            "data grad": lambda: ks.conv_backward_input(dy, w, x, s, d, out=dx_space, padding=p),
+            "filter grad": lambda: ks.conv_backward_params(x, dy, w, True, s, d, padding=p),
         }, (x, w, b, dy)
     dwindow = None if ks.allocates else np.empty_like(xw)  # the layer's window-gradient workspace, reused
     ops = {
         "forward": lambda: ks.conv_forward(K.pad_spatial(x, pads), w, b, s, d),
         "data grad": lambda: np.ascontiguousarray(K.crop_spatial(
-            ks.conv_backward_data(dy, w, xw.shape, s, d, out=dwindow), pads)),
-        "filter grad": lambda: (ks.conv_backward_filter(xw, dy, w.shape, s, d), K.conv_backward_bias(dy)),
+            ks.conv_backward_input(dy, w, xw, s, d, out=dwindow), pads)),
+        "filter grad": lambda: ks.conv_backward_params(xw, dy, w, True, s, d),
     }
     return ops, (x, w, b, dy)
 
