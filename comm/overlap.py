@@ -278,6 +278,8 @@ class OverlapEngine:
 
     def _post(self, bucket: Bucket) -> None:
         for p, off, view in zip(bucket.params, bucket.offsets, bucket.views):
+            if getattr(p, "stale", False):  # no contribution this step (see Param.settle)
+                p.settle()
             if p.grad is not view:  # rebound elsewhere: copy in (and out in finish)
                 bucket.buffer[off:off + p.grad.size] = p.grad.reshape(-1)
         if bucket.ready is not None:  # the gradients are final once the compute stream gets here

@@ -166,6 +166,12 @@ class Param:
 
     ``grad`` after backward is a local partial sum; it must be summed over ``reduce_dims`` of ``dist``
     (the layer's distribution the partial sums follow), i.e. over ``dist.block_group(rank, reduce_dims)``.
+
+    A ``lazy`` parameter's layer adds its gradient through :meth:`accumulate` / :meth:`grad_into` only; the
+    optimizer then marks ``grad`` ``stale`` between steps instead of writing zeros over it, and the first
+    contribution of a step overwrites it (a weight-sized pass saved per step, two for a fully-connected layer
+    whose product is written straight into ``grad``). Whoever reads ``grad`` after backward (the overlap
+    engine, the optimizer) calls :meth:`settle` first, which zeroes a gradient that got no contribution.
     """
 
     name: str
@@ -175,10 +181,34 @@ class Param:
     grad: Any
     dist: Distribution
     reduce_dims: tuple
+    lazy: bool = False
+    stale: bool = False
 
     @property
     def size(self) -> int:
         return int(math.prod(box_shape(self.box)))
+
+    def accumulate(self, g) -> None:
+        """Add one contribution ``g`` to ``grad`` (written over it when ``grad`` is stale)."""
+        if self.stale:
+            self.grad[...] = g
+            self.stale = False
+        else:
+            self.grad += g
+
+    def grad_into(self):
+        """``grad`` when this step's first contribution may be written straight into it (it then counts
+        as made), else None (add into it)."""
+        if self.stale:
+            self.stale = False
+            return self.grad
+        return None
+
+    def settle(self) -> None:
+        """Before ``grad`` is read: a stale gradient (no contribution this step) becomes zeros."""
+        if self.stale:
+            self.grad[...] = 0
+            self.stale = False
 
 
 def stable_seed(*parts) -> int:
@@ -287,8 +317,9 @@ class Layer:
 
     # -- parameters ------------------------------------------------------------------------------------
     def new_param(self, pname: str, global_shape: tuple, init: np.ndarray | None, box: Box | None,
-                  dist: Distribution, reduce_dims: Sequence[str]) -> Param:
-        """A parameter initialised identically on all ranks (global values, then this rank's ``box``)."""
+                  dist: Distribution, reduce_dims: Sequence[str], lazy: bool = False) -> Param:
+        """A parameter initialised identically on all ranks (global values, then this rank's ``box``);
+        ``lazy``: see :class:`Param` (its layer adds gradients only through ``accumulate``/``grad_into``)."""
         global_shape = tuple(int(s) for s in global_shape)
         box = box or tuple((0, s) for s in global_shape)
         full = np.zeros(global_shape) if init is None else init
@@ -296,7 +327,7 @@ class Layer:
         xp = self.ctx.xp
         value = xp.asarray(np.ascontiguousarray(piece), dtype=self.ctx.dtype)
         p = Param(f"{self.name}.{pname}", global_shape, box, value, xp.zeros_like(value), dist,
-                  tuple(reduce_dims))
+                  tuple(reduce_dims), lazy)
         self.params.append(p)
         return p
 

@@ -95,8 +95,8 @@ class Conv(Layer):
         fbox = dist.box(self.out_shape, self.ctx.rank)[1]
         reduce_dims = [d for d in dist.dim_names if d != "c"]
         self.w = self.new_param("weight", wshape, w0, (fbox,) + tuple((0, s) for s in wshape[1:]),
-                                dist, reduce_dims)
-        self.b = (self.new_param("bias", (self.filters,), None, (fbox,), dist, reduce_dims)
+                                dist, reduce_dims, lazy=True)
+        self.b = (self.new_param("bias", (self.filters,), None, (fbox,), dist, reduce_dims, lazy=True)
                   if self.use_bias else None)
         self.cgroup = self.ctx.grid_comm(self.in_dists[0], ["c"]) if cdeg > 1 else None
 
@@ -183,9 +183,9 @@ class Conv(Layer):
         def weight_grads():
             dw, db = self.kern.conv_backward_params(window, dy, self.w.value, self.b is not None, self.stride,
                                                     self.dilation, **padded)
-            self.w.grad += dw
+            self.w.accumulate(dw)
             if db is not None:
-                self.b.grad += db
+                self.b.accumulate(db)
         if not self.needs_input_grad:  # the model input: only the weight gradient
             weight_grads()
             self._window = None

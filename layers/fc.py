@@ -71,8 +71,9 @@ class FullyConnected(Layer):
         w0 = self.rng("weight").standard_normal((units, self.features)) * math.sqrt(2.0 / self.features)
         cbox = dist.box(self.out_shape, self.ctx.rank)[1]
         self.w = self.new_param("weight", (units, self.features), w0, (cbox, (0, self.features)), dist,
-                                ("n",))
-        self.b = self.new_param("bias", (units,), None, (cbox,), dist, ("n",)) if self.use_bias else None
+                                ("n",), lazy=True)
+        self.b = (self.new_param("bias", (units,), None, (cbox,), dist, ("n",), lazy=True) if self.use_bias
+                  else None)
         self.row = self.ctx.grid_comm(self.in_dists[0], ["c"]) if pr > 1 else None
         self.gather = None  # the sample-group communicator, once replicated gradients are enabled
         self._gx = self._gdy = None
@@ -105,8 +106,10 @@ class FullyConnected(Layer):
         x = hx.wait().reshape(-1, nx)
         dy = hdy.wait().reshape(-1, ndy)
         K.fc_backward_filter(x, dy, out=self.w.grad)
+        self.w.stale = False
         if self.b is not None:
             self.b.grad[...] = K.fc_backward_bias(dy)
+            self.b.stale = False
         return self.params
 
     @property
@@ -134,10 +137,13 @@ class FullyConnected(Layer):
         if self.replicated:
             self._gdy = self._post_gather(dy)  # dW for the whole batch in replicated_grads()
         else:
-            # the product goes to a reused workspace (a weight-sized temporary is fresh pages every step)
-            space = self.ctx.workspace("fc filter gradient", self.w.grad.shape, dy.dtype)
-            self.w.grad += K.fc_backward_filter(self._x, dy, out=space)
+            into = self.w.grad_into()
+            if into is not None:  # the step's first contribution: the product straight into the gradient
+                K.fc_backward_filter(self._x, dy, out=into)
+            else:  # added through a reused workspace (a weight-sized temporary is fresh pages every step)
+                space = self.ctx.workspace("fc filter gradient", self.w.grad.shape, dy.dtype)
+                self.w.grad += K.fc_backward_filter(self._x, dy, out=space)
             if self.b is not None:
-                self.b.grad += K.fc_backward_bias(dy)
+                self.b.accumulate(K.fc_backward_bias(dy))
         self._x = None
         return [None if dx is None else dx.reshape(self._xshape)]

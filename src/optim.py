@@ -76,6 +76,7 @@ class Optimizer:
         t = self.t if t is None else int(t)
         lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
         for p in params:
+            p.settle()
             g = p.grad
             if self.weight_decay:
                 g = g + self.weight_decay * p.value
@@ -85,8 +86,13 @@ class Optimizer:
         self.t += 1
 
     def zero_grad(self) -> None:
+        """Every gradient to zeros; a lazy parameter's is only marked stale (its layer's first contribution
+        overwrites it, and :meth:`lbannpy.layers.base.Param.settle` zeroes it where none comes)."""
         for p in self.params:
-            p.grad[...] = 0
+            if getattr(p, "lazy", False):
+                p.stale = True
+            else:
+                p.grad[...] = 0
 
 
 class SGD(Optimizer):

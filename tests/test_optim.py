@@ -108,3 +108,54 @@ def test_schedules():
     assert got == pytest.approx(want)
     with pytest.raises(ScheduleError, match="unknown"):
         learning_rate(1.0, 0, 10, {"type": "exp"})
+
+
+def test_a_lazy_gradient_is_overwritten_by_the_first_contribution_and_zeroed_when_none_comes():
+    """``zero_grad`` marks a lazy parameter's gradient stale instead of writing zeros; the step's first
+    contribution overwrites it (``accumulate`` or ``grad_into``), later ones add; a step with none reads
+    zeros (the optimizer settles it). An eager parameter is zeroed as before."""
+    d = Distribution.whole(2, 1)
+    lazy = Param("lazy", (2, 3), ((0, 2), (0, 3)), np.ones((2, 3)), np.full((2, 3), 7.0), d, (), lazy=True)
+    eager = Param("eager", (2, 3), ((0, 2), (0, 3)), np.ones((2, 3)), np.full((2, 3), 7.0), d, ())
+    opt = make_optimizer({"type": "sgd", "lr": 0.5}, [lazy, eager], total_steps=10)
+    g1, g2 = np.full((2, 3), 2.0), np.arange(6.0).reshape(2, 3)
+    opt.zero_grad()
+    assert lazy.stale and np.all(lazy.grad == 7.0), "no pass over a lazy gradient"
+    assert not eager.stale and np.all(eager.grad == 0.0)
+    lazy.accumulate(g1)
+    lazy.accumulate(g2)
+    np.testing.assert_array_equal(lazy.grad, g1 + g2)
+    opt.zero_grad()
+    into = lazy.grad_into()
+    assert into is lazy.grad and not lazy.stale and lazy.grad_into() is None
+    into[...] = g2
+    lazy.accumulate(g1)
+    np.testing.assert_array_equal(lazy.grad, g1 + g2)
+    opt.zero_grad()  # no contribution this step: the update reads zeros, the value stays
+    opt.step()
+    np.testing.assert_array_equal(lazy.grad, np.zeros((2, 3)))
+    np.testing.assert_array_equal(lazy.value, np.ones((2, 3)))
+
+
+def test_the_overlap_engine_zeroes_a_stale_gradient_before_reducing_it():
+    """A lazy parameter whose layer made no contribution this step reaches the reduction as zeros, not as
+    last step's values."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.comm.overlap import OverlapEngine
+
+    d = Distribution.whole(2, 1)
+    ps = [Param(f"l{i}.w", (2, 2), ((0, 2), (0, 2)), np.ones((2, 2)), np.full((2, 2), 5.0), d, (), lazy=True)
+          for i in range(2)]
+    eng = OverlapEngine(ps, [SingleCommunicator()] * 2, bucket_bytes=16, first_bucket_bytes=16, overlap=False)
+    try:
+        eng.start_step()
+        for p in ps:
+            p.stale = True
+        ps[1].accumulate(np.full((2, 2), 3.0))
+        seen = []
+        eng.finish(on_bucket=lambda params: seen.extend((p.name, p.grad.copy()) for p in params))
+        got = dict(seen)
+        np.testing.assert_array_equal(got["l0.w"], np.zeros((2, 2)))
+        np.testing.assert_array_equal(got["l1.w"], np.full((2, 2), 3.0))
+    finally:
+        eng.close()
