@@ -1,5 +1,5 @@
 """`python -m lbannpy.bench peer`: the PyTorch network is lbannpy's (parameter counts, refused when they
-differ), the data it writes fits the model, and the quick run prints its three tables."""
+differ), the data it writes fits the model, and the quick run prints its four tables."""
 import json
 import os
 import re
@@ -59,17 +59,18 @@ def test_the_data_fits_the_model(tmp_path, case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_quick_run_prints_the_three_tables(tmp_path):
+def test_quick_run_prints_the_four_tables(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lbannpy.bench", "peer", "--quick", "--rounds", "1", "--steps", "3",
            "--dir", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
-    for title in ("1 process: lbannpy / PyTorch", "2 ranks data parallel", "2 ranks splitting"):
+    for title in ("1 process: lbannpy / PyTorch", "2 ranks data parallel: lbannpy / PyTorch DDP",
+                  "2 ranks data parallel against 1 rank", "2 ranks splitting"):
         assert title in out, out
     ratios = re.findall(r"ratio\s+([0-9.]+)x", out)
-    assert len(ratios) == 6, out  # two networks in each of the three tables
+    assert len(ratios) == 8, out  # two networks in each of the four tables
     assert all(float(r) > 0 for r in ratios)
 
 

@@ -279,6 +279,7 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     one = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     ddp = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     split = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
+    scale = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     for _ in range(rounds):
         for case, spec, params, data in prepared:
             ours = lbannpy_step(work, case, spec, data, 1, "n", steps, f"{case.name}-1", timeout)
@@ -296,6 +297,9 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
                                              timeout))
                 row.peer.append(torch_step(work, case, 2, best, steps, params, timeout))
                 row.peer_note.append("(DDP gloo)")
+                scale[case.name].ours.append(row.ours[-1])
+                scale[case.name].peer.append(ours)
+                scale[case.name].peer_note.append("(lbannpy 1 rank)")
             row = split[case.name]
             row.ours.append(lbannpy_step(work, case, spec, data, 2, "h", steps, f"{case.name}-h2", timeout))
             row.peer.append(layouts[best])
@@ -304,6 +308,8 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     if two_ranks:
         tables.append(("2 ranks data parallel: lbannpy / PyTorch DDP (gloo), same global batch",
                        [r for r in ddp.values() if r.ours]))
+        tables.append(("2 ranks data parallel against 1 rank: lbannpy 2 ranks / lbannpy 1 rank",
+                       [r for r in scale.values() if r.ours]))
         tables.append(("2 ranks splitting each sample's height: lbannpy / 1-process PyTorch",
                        list(split.values())))
     return tables
