@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import conv
+
 CHOICES = ("auto", "own", "aten")
 
 
@@ -41,20 +43,14 @@ class ConvKernels:
 
 
 def own() -> ConvKernels:
-    from . import conv
-
     return ConvKernels("own", conv.conv_forward, _own_backward_input, _own_backward_params, pads=_own_pads)
 
 
 def _own_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
-    from . import conv
-
     return conv.conv_backward_data(dy, w, x_window.shape, stride, dilation, out=out, padding=padding)
 
 
 def _own_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padding=0):
-    from . import conv
-
     dw = conv.conv_backward_filter(x_window, dy, w.shape, stride, dilation, padding=padding)
     return dw, (conv.conv_backward_bias(dy) if bias else None)
 
@@ -62,7 +58,6 @@ def _own_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padd
 def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
     """lbannpy's kernels pad inside where each pass is one compiled call (:mod:`._conv_small`: host arrays,
     few multiply-adds); elsewhere the layer's window is as cheap, and it is what the halo exchange fills."""
-    from . import conv
     from .padding import padded_shape, symmetric_pads
 
     if getattr(xp, "__name__", "") != "numpy" or not conv.USE_COMPILED:
