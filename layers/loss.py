@@ -21,7 +21,7 @@ from lbannpy.tensor import DistTensor
 
 from . import kernels as K
 from .base import LayerContext, LayerError
-from .kernels.loss import check_label_range, correct_count
+from .kernels.loss import check_label_range
 from .registry import LossSpec, ShapeError, register_loss
 
 
@@ -145,12 +145,15 @@ class Loss:
         labels = xp.asarray(labels_local)
         if self.factors:
             labels = K.downsample_labels_any(labels, self.factors)
-        loss_sum, self._grad = K.cross_entropy(z, labels, self.count)
-        correct = correct_count(z, labels)
+        loss_sum, self._grad = K.cross_entropy(z, labels, self.count, labels_checked=True)
         tp, fp, fn = K.iou_counts(z, labels, self.num_classes)
-        f8 = np.float64
-        stats = xp.concatenate([xp.stack([xp.asarray(loss_sum, dtype=f8), xp.asarray(correct, dtype=f8)]),
-                                tp.astype(f8), fp.astype(f8), fn.astype(f8)])
+        k = self.num_classes
+        stats = xp.empty(2 + 3 * k, dtype=np.float64)  # filled on the device: no host round trip
+        stats[0] = loss_sum
+        stats[1] = tp.sum()  # the correct predictions: the confusion matrix's diagonal
+        stats[2:2 + k] = tp
+        stats[2 + k:2 + 2 * k] = fp
+        stats[2 + 2 * k:] = fn
         return self.group.allreduce(stats)
 
     def metrics(self, stats) -> tuple[float, dict]:

@@ -61,6 +61,47 @@ def test_cross_entropy_is_stable_for_large_logits_and_checks_labels():
         cross_entropy(logits, np.array([0, 1]), 1)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.int8, np.bool_])
+def test_float32_cross_entropy_with_any_integer_labels_matches_torch(dtype):
+    """Labels as a reader hands them (any integer width, signed or not, or a 0/1 mask): the same float32 loss
+    and gradient as PyTorch's, and out-of-range labels refused."""
+    rng = np.random.default_rng(4)
+    k = 2 if dtype is np.bool_ else 5
+    logits = (rng.standard_normal((4, k, 6, 7)) * 4.0).astype(np.float32)
+    labels = rng.integers(0, k, (4, 6, 7)).astype(dtype)
+    xt = torch.tensor(logits, requires_grad=True)
+    loss_t = F.cross_entropy(xt, torch.tensor(labels.astype(np.int64)), reduction="sum")
+    loss_t.backward()
+    loss, d = pixel_cross_entropy(logits, labels, 1)
+    assert loss.dtype == np.float64 and d.dtype == np.float32
+    np.testing.assert_allclose(float(loss), loss_t.item(), rtol=1e-6)
+    np.testing.assert_allclose(d, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    if dtype is not np.bool_:
+        bad = labels.copy()
+        bad[1, 2, 3] = k
+        with pytest.raises(KernelShapeError, match=rf"\[0, {k}\), got \[0, {k}\]"):
+            pixel_cross_entropy(logits, bad, 1)
+    if np.issubdtype(dtype, np.signedinteger):
+        bad = labels.copy()
+        bad[0, 0, 0] = -1
+        with pytest.raises(KernelShapeError, match=r"got \[-1, "):
+            pixel_cross_entropy(logits, bad, 1)
+
+
+def test_in_class_range_reads_negative_labels_as_out_of_range():
+    from lbannpy.layers.kernels.loss import in_class_range
+
+    for dtype in (np.int64, np.int16, np.uint16, np.float32):
+        a = np.arange(12, dtype=dtype).reshape(3, 4)[:, ::2]  # not contiguous
+        assert in_class_range(a, 11) and not in_class_range(a, 10)
+        if dtype != np.uint16:
+            a[1, 1] = -1
+            assert not in_class_range(a, 11)
+    assert in_class_range(np.zeros((0,), np.int64), 1)
+    assert in_class_range(np.array([True, False]), 2) and not in_class_range(np.array([True]), 1)
+    assert not in_class_range(np.array([np.iinfo(np.int64).min]), 2)
+
+
 def _downsample_loop(labels, f):
     n = labels.shape[0]
     out_shape = tuple(-(-s // fi) for s, fi in zip(labels.shape[1:], f))
@@ -83,7 +124,9 @@ class DownCase:
 
 
 @pytest.mark.parametrize("case", [DownCase((3, 17, 23), (2, 2), 2), DownCase((2, 16, 16), (4, 4), 2),
-                                  DownCase((3, 17, 23), (3, 5), 4), DownCase((2, 7, 9, 11), (2, 2, 2), 2)],
+                                  DownCase((3, 17, 23), (3, 5), 4), DownCase((2, 7, 9, 11), (2, 2, 2), 2),
+                                  DownCase((2, 64, 64), (8, 8), 2), DownCase((2, 8, 12, 10), (1, 4, 5), 3),
+                                  DownCase((2, 12, 10), (3, 1), 4)],
                          ids=lambda c: c.id)
 def test_downsample_labels_any(case):
     labels = (np.random.default_rng(1).random(case.shape) < 0.1 * case.classes).astype(np.int64)

@@ -159,3 +159,18 @@ def test_the_overlap_engine_zeroes_a_stale_gradient_before_reducing_it():
         np.testing.assert_array_equal(got["l1.w"], np.full((2, 2), 3.0))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("sizes", [[10], [7, 3 * 2**16 + 5, 1, 2**16, 2**16 - 7, 123456]])
+def test_packed_gradient_sum_of_squares_over_many_arrays(sizes):
+    """The logged step's gradient norm packs every gradient into one float64 buffer: across buffer edges,
+    for arrays smaller and larger than the buffer, it is the float64 sum of squares."""
+    from lbannpy.training.gradsync import packed_sum_squares
+
+    rng = np.random.default_rng(3)
+    arrays = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32) for n in sizes]
+    arrays[-1] = arrays[-1].reshape(-1, 2) if arrays[-1].size % 2 == 0 else arrays[-1]
+    want = sum(float(np.dot(a.ravel().astype(np.float64), a.ravel().astype(np.float64))) for a in arrays)
+    buf = np.full(2**16, np.nan)
+    assert packed_sum_squares(arrays, buf) == pytest.approx(want, rel=1e-13)
+    assert packed_sum_squares([], buf) == 0.0

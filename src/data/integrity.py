@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lbannpy.layers.kernels.loss import in_class_range
+
 from .dataset import DataError
 
 
@@ -72,7 +74,9 @@ def label_problem(labels: np.ndarray, lo: int, hi: int):
     first bad label in C order (as an index tuple of ``labels``), its value and the number of bad labels."""
     if labels.size == 0:
         return None
-    if int(labels.min()) >= lo and int(labels.max()) <= hi:
+    if lo == 0 and in_class_range(labels, hi + 1):
+        return None
+    if lo != 0 and int(labels.min()) >= lo and int(labels.max()) <= hi:
         return None
     bad = (labels < lo) | (labels > hi)
     flat = int(np.argmax(bad.reshape(-1)))

@@ -42,6 +42,7 @@ class GradSync:
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
         self._norm_params = [p for p in synced if is_writer(p.dist, p.reduce_dims, rt.world.rank)]
         self._xp, self._world = rt.xp, rt.world
+        self._sq_buf = None  # the host's float64 buffer of grad_norm_sq
         self.grad_comms = [ctx.block_comm(p.dist, p.reduce_dims) for p in synced]
         k = int((cfg_comm.get("chunks") or {}).get("k", 0) or 0)
         self.engine = OverlapEngine(
@@ -88,9 +89,16 @@ class GradSync:
         step's reduced gradients (the bucketed ones; the replicated fully-connected layers' are still being
         gathered), summed in float64, as a one-element array on the device: no host synchronisation."""
         xp = self._xp
-        acc = xp.zeros(1, dtype=xp.float64)
-        for p in self._norm_params:
-            acc += sum_squares(xp, p.grad)
+        if xp.__name__ == "numpy":  # every gradient packed into one reused buffer: a dot per 64 Ki values
+            if self._sq_buf is None:
+                from lbannpy.optim import PIECE
+
+                self._sq_buf = xp.empty(PIECE, dtype=xp.float64)
+            acc = xp.array([packed_sum_squares((p.grad for p in self._norm_params), self._sq_buf)])
+        else:
+            acc = xp.zeros(1, dtype=xp.float64)
+            for p in self._norm_params:
+                acc += sum_squares(xp, p.grad)
         return self._world.allreduce(acc)
 
     def flush(self) -> None:
@@ -133,4 +141,27 @@ def sum_squares(xp, a):
         piece = buf[:min(PIECE, flat.size - i)]
         piece[...] = flat[i:i + PIECE]
         total += float(xp.dot(piece, piece))
+    return total
+
+
+def packed_sum_squares(arrays, buf) -> float:
+    """Σ a² over host arrays, in float64: consecutive pieces of the arrays are converted into ``buf`` and
+    each full buffer is one dot product, so a net of many small gradients (LeNet-5's ten: 0.23 ms as a
+    conversion and a dot each) costs a copy per gradient and a dot per ``buf.size`` values."""
+    import numpy
+
+    total, fill, size = 0.0, 0, buf.size
+    for a in arrays:
+        flat = a.reshape(-1)
+        i = 0
+        while i < flat.size:
+            n = min(size - fill, flat.size - i)
+            buf[fill:fill + n] = flat[i:i + n]
+            fill, i = fill + n, i + n
+            if fill == size:
+                total += float(numpy.dot(buf, buf))
+                fill = 0
+    if fill:
+        part = buf[:fill]
+        total += float(numpy.dot(part, part))
     return total
