@@ -78,3 +78,24 @@ def test_bad_arguments_get_one_line():
     p = subprocess.run([sys.executable, "-m", "lbannpy.bench", "peer", "--models", "resnet9"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unknown model" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_small_networks_run_more_steps_on_both_sides(monkeypatch, tmp_path):
+    """A network whose step is milliseconds runs ``steps_scale`` times the steps, lbannpy and PyTorch alike
+    (and its data set holds that many batches), so both medians cover the same stretch."""
+    calls = []
+    monkeypatch.setattr(peer, "network", lambda case: ({}, 10, (case.batch, 10)))
+    monkeypatch.setattr(peer, "write_data", lambda path, spec, out, samples: calls.append(("data", samples)))
+    monkeypatch.setattr(peer, "lbannpy_step", lambda work, case, spec, data, ranks, split, steps, tag, t:
+                        calls.append(("ours", case.name, steps)) or 0.01)
+    monkeypatch.setattr(peer, "torch_step", lambda work, case, ranks, layout, steps, params, t:
+                        calls.append(("torch", case.name, steps)) or 0.01)
+    small = peer.Case("small", "lenet5", 32, 4, steps_scale=5)
+    big = peer.Case("big", "lenet5", 32, 4)
+    tables = peer.compare((small, big), rounds=1, steps=3, two_ranks=False, work=str(tmp_path), timeout=1)
+    assert calls[:2] == [("data", 4 * 15), ("data", 4 * 3)]
+    assert {c[2] for c in calls[2:] if c[1] == "small"} == {15}
+    assert {c[2] for c in calls[2:] if c[1] == "big"} == {3}
+    assert [r.ratios() for r in tables[0][1]] == [[1.0], [1.0]]
+    scales = {c.name: c.steps_scale for c in peer.CASES}
+    assert scales == {"lenet5": 5, "mesh_tiny": 5, "alexnet": 1, "mesh1k": 1}

@@ -53,6 +53,9 @@ class Case:
     zoo: str
     size: int
     batch: int
+    #: runs take ``steps * steps_scale`` steps: a network whose step is a few milliseconds gets more of them,
+    #: so its median is taken over about as long a stretch of the machine's noise as a big network's
+    steps_scale: int = 1
 
     @property
     def label(self) -> str:
@@ -60,7 +63,7 @@ class Case:
 
 
 # the networks of the performance table (1 process), and the 2-rank comparisons
-CASES = (Case("lenet5", "lenet5", 32, 32), Case("mesh_tiny", "mesh_tiny", 64, 8),
+CASES = (Case("lenet5", "lenet5", 32, 32, 5), Case("mesh_tiny", "mesh_tiny", 64, 8, 5),
          Case("alexnet", "alexnet", 128, 32), Case("mesh1k", "mesh1k", 256, 2))
 BIG = Case("mesh1k-1024", "mesh1k", 1024, 1)
 QUICK = (Case("lenet5", "lenet5", 32, 8), Case("mesh_tiny", "mesh_tiny", 32, 2))
@@ -274,7 +277,7 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     for case in cases:
         spec, params, out_shape = network(case)
         data = os.path.join(work, f"{case.name}.h5")
-        write_data(data, spec, out_shape, case.batch * steps)
+        write_data(data, spec, out_shape, case.batch * steps * case.steps_scale)
         prepared.append((case, spec, params, data))
     one = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     ddp = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
@@ -282,8 +285,9 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     scale = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     for _ in range(rounds):
         for case, spec, params, data in prepared:
-            ours = lbannpy_step(work, case, spec, data, 1, "n", steps, f"{case.name}-1", timeout)
-            layouts = {lay: torch_step(work, case, 1, lay, steps, params, timeout)
+            n = steps * case.steps_scale
+            ours = lbannpy_step(work, case, spec, data, 1, "n", n, f"{case.name}-1", timeout)
+            layouts = {lay: torch_step(work, case, 1, lay, n, params, timeout)
                        for lay in ("nchw", "channels_last")}
             best = min(layouts, key=layouts.get)
             one[case.name].ours.append(ours)
@@ -293,15 +297,15 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
                 continue
             if case.batch % 2 == 0:
                 row = ddp[case.name]
-                row.ours.append(lbannpy_step(work, case, spec, data, 2, "n", steps, f"{case.name}-n2",
+                row.ours.append(lbannpy_step(work, case, spec, data, 2, "n", n, f"{case.name}-n2",
                                              timeout))
-                row.peer.append(torch_step(work, case, 2, best, steps, params, timeout))
+                row.peer.append(torch_step(work, case, 2, best, n, params, timeout))
                 row.peer_note.append("(DDP gloo)")
                 scale[case.name].ours.append(row.ours[-1])
                 scale[case.name].peer.append(ours)
                 scale[case.name].peer_note.append("(lbannpy 1 rank)")
             row = split[case.name]
-            row.ours.append(lbannpy_step(work, case, spec, data, 2, "h", steps, f"{case.name}-h2", timeout))
+            row.ours.append(lbannpy_step(work, case, spec, data, 2, "h", n, f"{case.name}-h2", timeout))
             row.peer.append(layouts[best])
             row.peer_note.append("(1 process)")
     tables = [("1 process: lbannpy / PyTorch (best of NCHW and channels-last)", list(one.values()))]
@@ -325,7 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=[c.name for c in CASES],
                     help=f"which networks ({', '.join(c.name for c in CASES + (BIG,))})")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    ap.add_argument("--steps", type=int, default=12, help="training steps per run (the median is taken)")
+    ap.add_argument("--steps", type=int, default=12,
+                    help="training steps per run (the median is taken); lenet5 and mesh_tiny run 5x as many")
     ap.add_argument("--no-two-ranks", action="store_true", help="skip the 2-rank comparisons")
     ap.add_argument("--quick", action="store_true", help="small networks (lenet5 batch 8, mesh_tiny 32²)")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
@@ -357,7 +362,9 @@ def main(argv=None) -> int:
         return 2
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-peer-")
     os.makedirs(work, exist_ok=True)
-    print(f"lbannpy.bench peer: {args.rounds} round(s) of {args.steps} steps, one BLAS thread per process, "
+    scaled = "".join(f" ({args.steps * c.steps_scale} for {c.name})" for c in cases if c.steps_scale > 1)
+    print(f"lbannpy.bench peer: {args.rounds} round(s) of {args.steps} steps{scaled}, one BLAS thread per "
+          f"process, "
           f"float32, SGD lr {OPTIMIZER['lr']:g} momentum {OPTIMIZER['momentum']}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
