@@ -362,7 +362,11 @@ def main(argv=None) -> int:
         return 2
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-peer-")
     os.makedirs(work, exist_ok=True)
-    scaled = "".join(f" ({args.steps * c.steps_scale} for {c.name})" for c in cases if c.steps_scale > 1)
+    more = {args.steps * c.steps_scale: [] for c in cases if c.steps_scale > 1}
+    for c in cases:
+        if c.steps_scale > 1:
+            more[args.steps * c.steps_scale].append(c.name)
+    scaled = "".join(f" ({n} for {', '.join(names)})" for n, names in more.items())
     print(f"lbannpy.bench peer: {args.rounds} round(s) of {args.steps} steps{scaled}, one BLAS thread per "
           f"process, "
           f"float32, SGD lr {OPTIMIZER['lr']:g} momentum {OPTIMIZER['momentum']}; "
