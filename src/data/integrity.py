@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lbannpy.layers.kernels.loss import in_class_range
-
 from .dataset import DataError
 
 
@@ -74,6 +72,9 @@ def label_problem(labels: np.ndarray, lo: int, hi: int):
     first bad label in C order (as an index tuple of ``labels``), its value and the number of bad labels."""
     if labels.size == 0:
         return None
+    # here, not at import: loading a config (which reads this module) loads no layer kernels
+    from lbannpy.layers.kernels.loss import in_class_range
+
     if lo == 0 and in_class_range(labels, hi + 1):
         return None
     if lo != 0 and int(labels.min()) >= lo and int(labels.max()) <= hi:
