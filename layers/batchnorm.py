@@ -119,18 +119,13 @@ class BatchNorm(Layer):
             raise LayerError(f"layer '{self.name}' (batchnorm) on rank {self.ctx.rank}: input block "
                              f"{tuple(x.shape)} is not the block {self.local_block} of {self.in_shapes[0]} "
                              f"under {self.in_dists[0]}; batches must have the configured batch size")
-        s, sq, _ = K.bn_local_stats(x)
-        c = s.shape[0]
-        tot = self.ctx.xp.concatenate((s, sq))
+        tot = K.bn_local_sums(x)
         if self.stats_comm.size > 1:
             tot = self.stats_comm.allreduce(tot)
         count = self.stat_count
-        mean, var = K.bn_mean_var(tot[:c], tot[c:2 * c], count)
-        m = self.momentum
-        unbiased = var * (count / max(count - 1.0, 1.0))
-        self.running_mean = (1 - m) * self.running_mean + m * mean
-        self.running_var = (1 - m) * self.running_var + m * unbiased
-        y = K.bn_forward(x, mean, var, self.gamma.value, self.beta.value, self.eps, relu=relu)
+        y, mean, var, self.running_mean, self.running_var = K.bn_train_forward(
+            x, tot, count, self.gamma.value, self.beta.value, self.eps, self.momentum, self.running_mean,
+            self.running_var, relu=relu)
         self._saved = (x, mean, var, count, y if relu else None)
         return y
 
@@ -138,15 +133,14 @@ class BatchNorm(Layer):
         x, mean, var, count, y = self._saved
         xp = self.ctx.xp
         gamma = self.gamma.value
-        sum_dy, sum_dy_xhat = K.bn_backward(dy, x, mean, var, gamma, self.eps, y=y)
+        tot = K.bn_backward_sums(dy, x, mean, var, self.eps, y=y)
+        c = tot.shape[0] // 2
         # gradients of scale/shift are partial sums over this block; the grad sync sums them
-        dgamma, dbeta = K.bn_backward_params(sum_dy, sum_dy_xhat)
+        dgamma, dbeta = K.bn_backward_params(tot[:c], tot[c:])
         self.gamma.grad += xp.asarray(dgamma, dtype=self.gamma.grad.dtype)
         self.beta.grad += xp.asarray(dbeta, dtype=self.beta.grad.dtype)
-        c = sum_dy.shape[0]
-        tot = xp.concatenate((sum_dy, sum_dy_xhat))
         if self.stats_comm.size > 1:
             tot = self.stats_comm.allreduce(tot)
-        dx = K.bn_backward_data(dy, x, mean, var, gamma, self.eps, tot[:c], tot[c:], count, y=y)
+        dx = K.bn_backward_data_summed(dy, x, mean, var, gamma, self.eps, tot, count, y=y)
         self._saved = None
         return [dx]

@@ -122,18 +122,27 @@ class Conv(Layer):
         (ATen: always; lbannpy's own: on its small one-call path), the layer hands its input block straight
         to the kernels, with no window built or kept, and gets the input gradient back without a window
         gradient to crop (the padded window exists only inside the kernel, as in PyTorch)."""
+        return self._padded()[1]
+
+    def _padded(self):
+        """``(kernel set, kernel_pads, the set's plan of this convolution or None)``, worked out once per
+        kernel set."""
         kern = self.kern
         cached = self.__dict__.get("_pads")
-        if cached is None or cached[0] is not kern:  # worked out once per kernel set
+        if cached is None or cached[0] is not kern:
             sp = self.stencil.dims[2:]
             pads = tuple(w.pad_lo for w in sp)
             ok = (kern.pads and self.halo.local and all(p == 1 for p in self.in_dists[0].split[2:])
                   and all(w.pad_lo == w.pad_hi for w in sp))
+            local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
+            wshape = self.w.value.shape
             if ok and callable(kern.pads):  # the set pads some convolutions only
-                local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
-                ok = kern.pads(local, self.w.value.shape, self.stride, self.dilation, pads, self.ctx.xp)
-            cached = self._pads = (kern, pads if ok else None)
-        return cached[1]
+                ok = kern.pads(local, wshape, self.stride, self.dilation, pads, self.ctx.xp)
+            plan = None
+            if ok and kern.plan is not None:
+                plan = kern.plan(local, wshape, self.stride, self.dilation, pads, self.w.value.dtype)
+            cached = self._pads = (kern, pads if ok else None, plan)
+        return cached
 
     def _conv(self, xwin, out=None, index=None):
         return self.kern.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
@@ -141,11 +150,14 @@ class Conv(Layer):
 
     def fp_compute(self, xs):
         (x,) = xs
-        if self.kernel_pads is not None:
+        kern, pads, plan = self._padded()
+        if pads is not None:
             self._window = None
             self._x = x if self.train else None
-            return self.kern.conv_forward(x, self.w.value, None if self.b is None else self.b.value,
-                                          self.stride, self.dilation, padding=self.kernel_pads)
+            b = None if self.b is None else self.b.value
+            if plan is not None and plan.takes(x):  # every argument worked out once
+                return plan.forward(x, self.w.value, b)
+            return kern.conv_forward(x, self.w.value, b, self.stride, self.dilation, padding=pads)
         # No window lives from this forward to the layer's backward: it is a (padded) copy of the input
         # block, alive anyway as the parent's output, so the layer keeps that block and the few ghost values
         # received, and the backward rebuilds the window without communication into a workspace shared by
@@ -168,12 +180,27 @@ class Conv(Layer):
         return self.ctx.workspace("conv window", self.halo.window_shape, dtype)
 
     # -- backward --------------------------------------------------------------------------------------
+    def _planned_backward(self, plan, x, dy):
+        """The backward of a convolution the kernels pad, by the set's plan: the filter and bias
+        gradients written straight into ``grad`` where this is the step's first contribution."""
+        w, b = self.w, self.b
+        gw = w.grad_into()
+        gb = None if b is None else b.grad_into()
+        dw, db = plan.backward_params(x, dy, b is not None, gw, gb)
+        if gw is None:
+            w.accumulate(dw)
+        if db is not None and gb is None:
+            b.accumulate(db)
+        return [plan.backward_data(dy, w.value) if self.needs_input_grad else None]
+
     def bp_compute(self, dy):
         ctx = self.ctx
-        pads = self.kernel_pads
+        _, pads, plan = self._padded()
         window = self._window
         if pads is not None:  # the input block itself, padded inside the kernels
             window, self._x = self._x, None
+            if plan is not None and self.cgroup is None and plan.takes(window):
+                return self._planned_backward(plan, window, dy)
         elif window is None:
             window = self.halo.refill(self._x, self._received, self._window_space(dy.dtype))
             self._x = self._received = None

@@ -98,6 +98,63 @@ def test_small_path_equals_pytorch_with_padding_inside(case, dtype, tol, monkeyp
     assert calls.n == 6
 
 
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+def test_plan_equals_pytorch_with_the_bias_gradient_in_the_filter_pass(case, dtype, tol, monkeypatch):
+    from lbannpy.layers.kernels.select import own
+
+    rng = np.random.default_rng(17)
+    x, w, b, s, d, p, g, dy, geo = _case(case, dtype, rng)
+    plan = own().plan(x.shape, w.shape, s, d, p, dtype)
+    assert isinstance(plan, _conv_small.Plan) and plan.takes(x)
+    calls = Calls(_conv_small._csmall)
+    monkeypatch.setattr(_conv_small, "_csmall", calls)
+    y_ref, dx_ref, dw_ref = _torch_ref(x, w, b, s, d, p, g, dy)
+    db_ref = dy.astype(np.float64).sum(axis=(0,) + tuple(range(2, dy.ndim)))
+    scale = max(1.0, float(np.abs(y_ref).max()))
+    y = plan.forward(x, w, b)
+    dx = plan.backward_data(np.asfortranarray(dy), w)  # a strided dy is made contiguous
+    dw, db = plan.backward_params(x, dy, True)
+    assert calls.n == 3  # one call per pass, the bias gradient inside the filter pass
+    for got, ref, shape in ((y, y_ref, geo.out_shape), (dx, dx_ref, x.shape), (dw, dw_ref, w.shape)):
+        assert got.dtype == dtype and got.shape == shape
+    np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(dx, dx_ref, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(dw, dw_ref, rtol=tol, atol=tol * scale * x.shape[0] * 10)
+    np.testing.assert_allclose(db, db_ref, rtol=tol, atol=tol * dy.size)
+    # into given buffers (a gradient's storage), every element written; no bias: no bias gradient
+    dw_into, db_into = np.full(w.shape, np.nan, dtype), np.full(b.shape, np.nan, dtype)
+    got_w, got_b = plan.backward_params(x, dy, True, dw_into, db_into)
+    assert got_w is dw_into and got_b is db_into
+    np.testing.assert_array_equal(dw_into, dw)
+    np.testing.assert_array_equal(db_into, db)
+    assert plan.backward_params(x, dy, False)[1] is None
+    np.testing.assert_allclose(plan.forward(x, w, None), y_ref - b.reshape((1, -1) + (1,) * (x.ndim - 2)),
+                               rtol=tol, atol=tol * scale * 2)
+    # another block, dtype or array kind is not this plan's
+    other = np.float32 if dtype == np.float64 else np.float64
+    assert not plan.takes(x.astype(other)) and not plan.takes(x[:, :, :-1]) and not plan.takes(x.tolist())
+
+
+def test_plans_only_for_what_the_small_path_takes_and_the_bias_buffer_is_checked():
+    from lbannpy.layers.kernels.select import conv_kernels, own
+
+    plan = own().plan
+    assert plan((1, 4, 4, 4), (4, 4, 3, 3), 1, 1, (1, 1), np.float32) is not None
+    assert plan((8, 64, 32, 32), (64, 64, 3, 3), 1, 1, (1, 1), np.float32) is None  # large: window path
+    assert plan((1, 4, 4, 4), (4, 4, 3, 3), 1, 1, (1, 1), np.float16) is None  # no half kernels
+    if conv_kernels("auto").name == "aten":
+        assert conv_kernels("aten").plan is None
+    c = _conv_small._csmall
+    x, dy, dw = np.zeros((1, 2, 4, 4)), np.zeros((1, 3, 4, 4)), np.zeros((3, 2, 3, 3))
+    geo = (1, 2, 3, 1, 1, 4, 4, 1, 3, 3, 1, 4, 4, 1, 1, 1, 1, 1, 1, 0, 1, 1)
+    c.wgrad(8, x, dy, np.zeros(3), dw, *geo)
+    with pytest.raises(ValueError, match="bias gradient holds"):
+        c.wgrad(8, x, dy, np.zeros(4), dw, *geo)
+    with pytest.raises((ValueError, BufferError)):
+        c.wgrad(8, x, dy, np.frombuffer(bytes(24)), dw, *geo)  # read-only
+
+
 def test_small_path_reads_strided_arrays_and_writes_into_buffers():
     rng = np.random.default_rng(3)
     x, w, b, s, d, p, g, dy, geo = _case((2, 4, 6, (5, 7), 3, 2, 1, 1, 2), np.float64, rng)

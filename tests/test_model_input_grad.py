@@ -32,10 +32,14 @@ def test_training_backward_skips_the_input_gradient(kind, monkeypatch):
         x = np.random.default_rng(0).standard_normal(model.input_shape)
         y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
         dy = DistTensor(np.random.default_rng(1).standard_normal(y.local.shape), y.global_shape, y.dist, 0)
-        # the package's names and the conv module's (which the own kernel set calls)
-        for mod, name in ((K, "conv_backward_data"), (K.conv, "conv_backward_data"), (K, "fc_backward_data")):
+        # the package's names, the conv module's (which the own kernel set calls) and the small
+        # convolutions' plan (a layer's passes with their arguments worked out once)
+        for mod, name, key in ((K, "conv_backward_data", None), (K.conv, "conv_backward_data", None),
+                               (K.conv._small.Plan, "backward_data", "conv_backward_data"),
+                               (K, "fc_backward_data", None)):
             orig = getattr(mod, name)
-            monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+            monkeypatch.setattr(mod, name,
+                                lambda *a, _o=orig, _n=key or name, **k: calls.append(_n) or _o(*a, **k))
         dx = model.backward(dy, input_grad=input_grad)
         monkeypatch.undo()
         assert (dx is None) == (not input_grad)

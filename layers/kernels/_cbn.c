@@ -10,6 +10,9 @@
  *   forward(isz, x, N, C, P, mean, var, gamma, beta, eps, relu, y)
  *                                        y = x * scale + shift per channel (dtype arithmetic), then with
  *                                        relu max(y, 0) (NaN stays NaN, as NumPy's maximum)
+ *   train_fwd(isz, x, N, C, P, tot, count, gamma, beta, eps, relu, momentum, rmean, rvar, st, y)
+ *                                        forward of a training step from the reduced sums: mean, variance and
+ *                                        the moved running statistics into st, y as forward (sizes checked)
  *   bwd_sums(isz, dy, x, y, N, C, P, mean, var, eps, out)
  *                                        out[:C] = sum g, out[C:] = sum g * xhat, one pass, with g = dy
  *                                        where y > 0 (y None: g = dy)
@@ -142,7 +145,7 @@ DEFINE_KERNELS(float, uint32_t, f)
 DEFINE_KERNELS(double, uint64_t, d)
 
 /* Arguments are NumPy arrays (buffers): the caller checks dtype and C-contiguity. */
-typedef struct { Py_buffer b[6]; int n; } Bufs;
+typedef struct { Py_buffer b[8]; int n; } Bufs;
 
 static int
 get(Bufs *bs, PyObject *o, int writable, void **p)
@@ -159,6 +162,24 @@ static void
 release(Bufs *bs)
 {
     for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->b[i]);
+}
+
+/* get() of a buffer that must hold exactly `bytes` bytes (None passes where `optional`) */
+static int
+get_sized(Bufs *bs, PyObject *o, int writable, Py_ssize_t bytes, const char *what, int optional, void **p)
+{
+    if (o == Py_None && !optional) {
+        PyErr_Format(PyExc_ValueError, "batchnorm: %s is required", what);
+        return -1;
+    }
+    if (get(bs, o, writable, p) < 0)
+        return -1;
+    if (*p && bs->b[bs->n - 1].len != bytes) {
+        PyErr_Format(PyExc_ValueError, "batchnorm: %s holds %zd bytes, not %zd", what, bs->b[bs->n - 1].len,
+                     bytes);
+        return -1;
+    }
+    return 0;
 }
 
 /* per-channel affine of the forward: scale = gamma / sqrt(var + eps), shift = beta - mean * scale */
@@ -211,6 +232,61 @@ py_forward(PyObject *self, PyObject *args)
     double *ss = PyMem_Malloc(2 * (C ? C : 1) * sizeof(double));
     if (!ss) { release(&bs); return PyErr_NoMemory(); }
     scale_shift(C, m, v, g, b, eps, ss, ss + C);
+    Py_BEGIN_ALLOW_THREADS
+    if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
+    else affine_d(x, N, C, P, ss, ss + C, y, relu);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(ss);
+    release(&bs);
+    Py_RETURN_NONE;
+}
+
+/* The training forward from the reduced sums tot (sum x, then sum x^2 per channel, over `count` values each):
+ * st[:C] = mean, st[C:2C] = biased variance (negative round-off clipped to 0), st[2C:3C] and st[3C:] the
+ * running mean and unbiased variance moved from rmean, rvar by `momentum`; y as forward. gamma and beta (or
+ * None) are of x's item size; every buffer's size is checked here. The arithmetic is bn_mean_var's, the
+ * layer's running update's and forward's, in the same order. */
+static PyObject *
+py_train_fwd(PyObject *self, PyObject *args)
+{
+    int isz, relu;
+    Py_ssize_t N, C, P;
+    double count, eps, mom;
+    PyObject *ox, *ot, *og, *ob, *orm, *orv, *ost, *oy;
+    void *x, *t, *g, *b, *rm, *rv, *st, *y;
+    Bufs bs = {.n = 0};
+    if (!PyArg_ParseTuple(args, "iOnnnOdOOdidOOOO", &isz, &ox, &N, &C, &P, &ot, &count, &og, &ob, &eps, &relu,
+                          &mom, &orm, &orv, &ost, &oy))
+        return NULL;
+    if (isz != 4 && isz != 8) {
+        PyErr_Format(PyExc_ValueError, "batchnorm: itemsize %d", isz);
+        return NULL;
+    }
+    const Py_ssize_t X = N * C * P * isz, D = C * (Py_ssize_t)sizeof(double);
+    if (get_sized(&bs, ox, 0, X, "input", 0, &x) < 0 || get_sized(&bs, ot, 0, 2 * D, "sums", 0, &t) < 0
+        || get_sized(&bs, og, 0, C * isz, "scale", 0, &g) < 0
+        || get_sized(&bs, ob, 0, C * isz, "shift", 1, &b) < 0
+        || get_sized(&bs, orm, 0, D, "running mean", 0, &rm) < 0
+        || get_sized(&bs, orv, 0, D, "running variance", 0, &rv) < 0
+        || get_sized(&bs, ost, 1, 4 * D, "statistics", 0, &st) < 0
+        || get_sized(&bs, oy, 1, X, "output", 0, &y) < 0) {
+        release(&bs);
+        return NULL;
+    }
+    double *ss = PyMem_Malloc(4 * (C ? C : 1) * sizeof(double));
+    if (!ss) { release(&bs); return PyErr_NoMemory(); }
+    const double *tot = t, *rmean = rm, *rvar = rv, unb = count / (count - 1.0 > 1.0 ? count - 1.0 : 1.0);
+    double *mean = st, *var = mean + C, *nrm = var + C, *nrv = nrm + C, *gd = ss + 2 * C, *bd = ss + 3 * C;
+    for (Py_ssize_t c = 0; c < C; c++) {
+        mean[c] = tot[c] / count;
+        double v = tot[C + c] / count - mean[c] * mean[c];
+        var[c] = v < 0.0 ? 0.0 : v;
+        nrm[c] = (1 - mom) * rmean[c] + mom * mean[c];
+        nrv[c] = (1 - mom) * rvar[c] + mom * (var[c] * unb);
+        gd[c] = isz == 4 ? (double)((const float *)g)[c] : ((const double *)g)[c];
+        bd[c] = !b ? 0.0 : isz == 4 ? (double)((const float *)b)[c] : ((const double *)b)[c];
+    }
+    scale_shift(C, mean, var, gd, bd, eps, ss, ss + C);
     Py_BEGIN_ALLOW_THREADS
     if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
     else affine_d(x, N, C, P, ss, ss + C, y, relu);
@@ -314,6 +390,7 @@ py_relu_bwd(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"stats", py_stats, METH_VARARGS, "per-channel sum and sum of squares (double), one pass"},
     {"forward", py_forward, METH_VARARGS, "y = gamma * (x - mean) / sigma + beta per channel, optionally max(y, 0)"},
+    {"train_fwd", py_train_fwd, METH_VARARGS, "statistics, running statistics and forward from reduced sums"},
     {"bwd_sums", py_bwd_sums, METH_VARARGS, "per-channel sum g and sum g * (x - mean), one pass"},
     {"bwd_data", py_bwd_data, METH_VARARGS, "dx = a * g + b * x + c per channel"},
     {"relu_bwd", py_relu_bwd, METH_VARARGS, "dx = dy where y > 0, else 0"},

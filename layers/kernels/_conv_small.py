@@ -94,3 +94,42 @@ def backward_filter(x, dy, geo, pads, w_shape):
     dw = np.empty(tuple(w_shape), dtype=x.dtype)
     _csmall.wgrad(x.itemsize, _c(x), _c(dy), None, dw, *_args(geo, pads))
     return dw
+
+
+class Plan:
+    """The three passes of one small convolution with every argument worked out once: what a layer with
+    nothing to exchange calls each step (:meth:`lbannpy.layers.conv.Conv.fp_compute`). The same compiled
+    calls as :func:`forward`, :func:`backward_data` and :func:`backward_filter`, without their per-call
+    geometry lookups and checks (the extension still checks every buffer's size, item size and
+    contiguity); the filter gradient pass also sums the bias gradient. Arrays that are not what the plan
+    was made for (:meth:`takes`) go through the general kernels."""
+
+    __slots__ = ("x_shape", "w_shape", "y_shape", "dtype", "_isz", "_args")
+
+    def __init__(self, geo, pads, x_shape: tuple, dtype):
+        self.x_shape, self.dtype = tuple(x_shape), np.dtype(dtype)
+        self.w_shape = (geo.filters, geo.cg) + tuple(geo.kernel)
+        self.y_shape = geo.out_shape
+        self._isz = self.dtype.itemsize
+        self._args = _args(geo, pads)
+
+    def takes(self, x) -> bool:
+        """Whether ``x`` is the NumPy input block this plan is for."""
+        return type(x) is np.ndarray and x.shape == self.x_shape and x.dtype == self.dtype
+
+    def forward(self, x, w, b):
+        y = np.empty(self.y_shape, dtype=self.dtype)
+        _csmall.fwd(self._isz, _c(x), _c(w), None if b is None else _c(b), y, *self._args)
+        return y
+
+    def backward_data(self, dy, w):
+        dx = np.empty(self.x_shape, dtype=self.dtype)
+        _csmall.dgrad(self._isz, _c(dy), _c(w), None, dx, *self._args)
+        return dx
+
+    def backward_params(self, x, dy, bias: bool, dw=None, db=None):
+        """``(dw, db or None)``, written into ``dw`` / ``db`` where given (C-contiguous, of their shapes)."""
+        dw = np.empty(self.w_shape, dtype=self.dtype) if dw is None else dw
+        db = (np.empty(self.y_shape[1], dtype=self.dtype) if db is None else db) if bias else None
+        _csmall.wgrad(self._isz, _c(x), _c(dy), db, dw, *self._args)
+        return dw, db

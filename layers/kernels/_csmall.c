@@ -140,12 +140,19 @@ spans_free(spans *sp)
             }                                                                                              \
     }                                                                                                      \
                                                                                                            \
-    static void wgrad_##SFX(const T *x, const T *dy, T *dw, const sgeom *g, const spans *sp)                                \
+    static void wgrad_##SFX(const T *x, const T *dy, T *db, T *dw, const sgeom *g, const spans *sp)       \
     {                                                                                                      \
         const Py_ssize_t cg = g->c / g->groups, fg = g->f / g->groups, t2 = g->t[2];                       \
         const Py_ssize_t S = g->s[0] * g->s[1] * g->s[2], O = g->o[0] * g->o[1] * g->o[2];                 \
         const Py_ssize_t K = g->k[0] * g->k[1] * g->k[2];                                                  \
         memset(dw, 0, (size_t)(g->f * cg * K) * sizeof(T));                                                \
+        for (Py_ssize_t f = 0; db && f < g->f; f++) { /* the bias gradient: dy summed per filter */        \
+            double acc = 0;                                                                                \
+            for (Py_ssize_t n = 0; n < g->n; n++)                                                          \
+                for (Py_ssize_t i = 0; i < O; i++)                                                         \
+                    acc += dy[(n * g->f + f) * O + i];                                                     \
+            db[f] = (T)acc;                                                                                \
+        }                                                                                                  \
         for (Py_ssize_t n = 0; n < g->n; n++)                                                              \
             for (Py_ssize_t f = 0; f < g->f; f++) {                                                        \
                 const T *dyp = dy + (n * g->f + f) * O;                                                    \
@@ -285,14 +292,14 @@ parse(PyObject *args, int *isz, PyObject **a, sgeom *g)
 
 enum { FWD, DGRAD, WGRAD };
 
-/* one pass: operands (fwd: x, w, b or None, y; dgrad: dy, w, None, dx; wgrad: x, dy, None, dw), the last
- * written, the third optional */
+/* one pass: operands (fwd: x, w, b or None, y; dgrad: dy, w, None, dx; wgrad: x, dy, db or None, dw), the
+ * last written (and wgrad's db, the bias gradient, summed in double), the third optional */
 static PyObject *
 small_pass(PyObject *args, int kind)
 {
     static const char *names[3][4] = {{"input", "filter", "bias", "output"},
                                       {"output gradient", "filter", "unused", "input gradient"},
-                                      {"input", "output gradient", "unused", "filter gradient"}};
+                                      {"input", "output gradient", "bias gradient", "filter gradient"}};
     int isz;
     PyObject *a[4];
     sgeom g;
@@ -301,9 +308,10 @@ small_pass(PyObject *args, int kind)
         return NULL;
     SIZES(g);
     const Py_ssize_t X = g.n * g.c * S, Y = g.n * g.f * O;
-    const Py_ssize_t count[3][4] = {{X, W, g.f, Y}, {Y, W, 0, X}, {X, Y, 0, W}};
+    const Py_ssize_t count[3][4] = {{X, W, g.f, Y}, {Y, W, 0, X}, {X, Y, g.f, W}};
     for (int i = 0; i < 4; i++)
-        if (array(a[i], i == 3, isz, count[kind][i], names[kind][i], i == 2, &p[i]))
+        if (array(a[i], i == 3 || (kind == WGRAD && i == 2), isz, count[kind][i], names[kind][i], i == 2,
+                  &p[i]))
             return NULL;
     spans sp;
     if (spans_make(&sp, &g))
@@ -318,9 +326,9 @@ small_pass(PyObject *args, int kind)
     else if (kind == DGRAD)
         dgrad_f64(p[0], p[1], p[3], &g, &sp);
     else if (isz == 4)
-        wgrad_f32(p[0], p[1], p[3], &g, &sp);
+        wgrad_f32(p[0], p[1], p[2], p[3], &g, &sp);
     else
-        wgrad_f64(p[0], p[1], p[3], &g, &sp);
+        wgrad_f64(p[0], p[1], p[2], p[3], &g, &sp);
     Py_END_ALLOW_THREADS
     spans_free(&sp);
     Py_RETURN_NONE;

@@ -67,11 +67,23 @@ def _per_channel(v, ndim):
 
 def bn_local_stats(x):
     """Per-channel ``(sum, sum of squares, count)`` of the local block; sums are float64 ``(C,)``."""
+    tot = bn_local_sums(x)
+    c = tot.shape[0] // 2
+    return tot[:c], tot[c:], x.size // x.shape[1]
+
+
+def bn_local_sums(x):
+    """The local block's per-channel sums then sums of squares, one float64 ``(2C,)`` vector: what the
+    statistics allreduce carries and :func:`bn_train_forward` reads."""
     if _compiled(x):
         n, c, p = _ncp(x)
         out = numpy.empty(2 * c)
         _cbn.stats(x.dtype.itemsize, x, n, c, p, out)
-        return out[:c], out[c:], n * p
+        return out
+    return array_module(x).concatenate(_numpy_stats(x))
+
+
+def _numpy_stats(x):
     xf = _flat(x)
     p = xf.shape[2]
     # per (sample, channel) row: pairwise sums in x's dtype, then the squares about the row's own mean, so
@@ -85,7 +97,7 @@ def bn_local_stats(x):
     m = row_mean[..., 0].astype(numpy.float64)
     # sum x^2 = sum (x - m)^2 + 2 m sum x - p m^2 holds for the rounded m as well
     sq = row_m2 + m * (2.0 * row_sum - p * m)
-    return row_sum.sum(axis=0), sq.sum(axis=0), x.size // x.shape[1]
+    return row_sum.sum(axis=0), sq.sum(axis=0)
 
 
 def bn_mean_var(total, total_sq, count):
@@ -93,6 +105,27 @@ def bn_mean_var(total, total_sq, count):
     mean = total / count
     var = total_sq / count - mean * mean
     return mean, var.clip(min=0.0)
+
+
+def bn_train_forward(x, tot, count, gamma, beta, eps, momentum, running_mean, running_var, relu=False):
+    """A training step's forward from the reduced sums ``tot`` (:func:`bn_local_sums` summed over the
+    statistics group, ``count`` values per channel): ``(y, mean, var, running_mean, running_var)``, the
+    running statistics moved by ``momentum`` towards this batch's mean and unbiased variance (new arrays:
+    the given ones are not written). Compiled: one call (:func:`bn_mean_var`'s arithmetic, the running
+    update's and :func:`bn_forward`'s, in their order)."""
+    c = tot.shape[0] // 2
+    if _compiled(x, gamma, beta) and _compiled(tot, running_mean, running_var):
+        n, _, p = _ncp(x)
+        st, y = numpy.empty(4 * c), numpy.empty_like(x)
+        _cbn.train_fwd(x.dtype.itemsize, x, n, c, p, tot, float(count), gamma, beta, float(eps), int(relu),
+                       float(momentum), running_mean, running_var, st, y)
+        return y, st[:c], st[c:2 * c], st[2 * c:3 * c], st[3 * c:]
+    mean, var = bn_mean_var(tot[:c], tot[c:], count)
+    unbiased = var * (count / max(count - 1.0, 1.0))
+    m = momentum
+    rm = (1 - m) * running_mean + m * mean
+    rv = (1 - m) * running_var + m * unbiased
+    return bn_forward(x, mean, var, gamma, beta, eps, relu=relu), mean, var, rm, rv
 
 
 def _scale_shift(mean, var, gamma, beta, eps, dtype):
@@ -127,11 +160,23 @@ def bn_backward(dy, x, mean, var, gamma, eps=1e-5, y=None):
     """Local partial sums ``(sum dy, sum dy * xhat)`` per channel (float64 ``(C,)``), to be allreduced
     over the same ranks as the statistics. ``gamma`` is unused (kept for a uniform signature). With ``y``
     (the output of a fused batch-norm + ReLU) ``dy`` counts only where ``y > 0``."""
+    tot = bn_backward_sums(dy, x, mean, var, eps, y)
+    c = tot.shape[0] // 2
+    return tot[:c], tot[c:]
+
+
+def bn_backward_sums(dy, x, mean, var, eps=1e-5, y=None):
+    """:func:`bn_backward`'s two sums as one float64 ``(2C,)`` vector (what the backward's allreduce
+    carries and :func:`bn_backward_data_summed` reads)."""
     if _compiled(dy, x, y):
         n, c, p = _ncp(x)
         out = numpy.empty(2 * c)
         _cbn.bwd_sums(x.dtype.itemsize, dy, x, y, n, c, p, _f64(mean), _f64(var), float(eps), out)
-        return out[:c], out[c:]
+        return out
+    return array_module(x).concatenate(_numpy_backward_sums(dy, x, mean, var, eps, y))
+
+
+def _numpy_backward_sums(dy, x, mean, var, eps, y):
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     if y is not None:
@@ -149,12 +194,24 @@ def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y
     """``dx = gamma/sigma * (dy - sum_dy/count - xhat * sum_dy_xhat/count)`` given the global sums; with
     ``y`` (fused batch-norm + ReLU) ``dy`` is first masked where ``y <= 0``."""
     if _compiled(dy, x, y):
+        tot = numpy.concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
+        return bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y)
+    return _numpy_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y)
+
+
+def bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y=None):
+    """:func:`bn_backward_data` given the reduced sums as one ``(2C,)`` vector (:func:`bn_backward_sums`)."""
+    if _compiled(dy, x, y) and _compiled(tot) and tot.shape == (2 * x.shape[1],):
         dx = numpy.empty_like(x)
         n, ch, p = _ncp(x)
-        tot = numpy.concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
         _cbn.bwd_data(x.dtype.itemsize, dy, x, y, n, ch, p, _f64(mean), _f64(var), _f64(gamma), float(eps),
                       tot, float(count), dx)
         return dx
+    c = tot.shape[0] // 2
+    return _numpy_backward_data(dy, x, mean, var, gamma, eps, tot[:c], tot[c:], count, y)
+
+
+def _numpy_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y):
     xp = array_module(x)
     inv_std = 1.0 / xp.sqrt(var.astype(numpy.float64) + eps)
     k = gamma.astype(numpy.float64) * inv_std

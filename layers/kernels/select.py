@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy
+
 from . import conv
 
 CHOICES = ("auto", "own", "aten")
@@ -40,10 +42,16 @@ class ConvKernels:
     #: nothing to exchange hands them its input block instead of a padded window (:attr:`Conv.kernel_pads`):
     #: always (True), or where ``pads(local input shape, filter shape, stride, dilation, padding, xp)`` holds
     pads: bool | Callable = False
+    #: ``(x_shape, w_shape, stride, dilation, padding, dtype) -> plan or None``: for a convolution the set
+    #: pads (:attr:`pads`), an object whose ``forward(x, w, b)``, ``backward_data(dy, w)`` and
+    #: ``backward_params(x, dy, bias, dw=None, db=None)`` run its passes with every argument worked out
+    #: once, and whose ``takes(x)`` says whether an input block is the one it was made for
+    plan: Callable | None = None
 
 
 def own() -> ConvKernels:
-    return ConvKernels("own", conv.conv_forward, _own_backward_input, _own_backward_params, pads=_own_pads)
+    return ConvKernels("own", conv.conv_forward, _own_backward_input, _own_backward_params, pads=_own_pads,
+                       plan=_own_plan)
 
 
 def _own_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
@@ -65,6 +73,15 @@ def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
     pads = symmetric_pads(padding, len(x_shape) - 2)
     shape = tuple(x_shape) if pads is None else padded_shape(tuple(x_shape), pads)
     return conv._small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
+
+
+def _own_plan(x_shape, w_shape, stride, dilation, padding, dtype):
+    """The small path's plan (:class:`._conv_small.Plan`) of a float convolution it takes, else None."""
+    if numpy.dtype(dtype).char not in "fd" or not _own_pads(x_shape, w_shape, stride, dilation, padding,
+                                                            numpy):
+        return None
+    geo, pads = conv.padded_geometry(tuple(x_shape), tuple(w_shape), stride, dilation, padding)
+    return conv._small.Plan(geo, pads, x_shape, dtype)
 
 
 def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
