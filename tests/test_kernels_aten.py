@@ -92,6 +92,36 @@ def test_filter_and_bias_gradients_in_one_call_equal_own_and_pytorch(shape, bias
             assert db is None
 
 
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-10), (np.float32, 1e-5)])
+@pytest.mark.parametrize("case", [(32, 1, (32, 32), 6, 5, 1, 1, 0), (4, 1, (12, 13), 6, 3, 2, 1, 1),
+                                  (2, 1, (11, 11), 3, 3, 1, 2, 2)], ids=["lenet-conv1", "s2p1", "d2p2"])
+def test_one_input_channel_filter_gradient_runs_channels_last_and_equals_pytorch(case, dtype, rtol,
+                                                                                 monkeypatch):
+    """A 2-D convolution of one input channel hands oneDNN its filter gradient's operands channels-last
+    (the faster layout there): the same gradients as PyTorch's NCHW autograd, for a contiguous input and for
+    a block of a larger array."""
+    n, c, sp, f, k, s, d, p = case
+    rng = np.random.default_rng(9)
+    big = rng.standard_normal((n, c, sp[0] + 3, sp[1] + 2)).astype(dtype)
+    w, b = (rng.standard_normal(shape).astype(dtype) for shape in ((f, c, k, k), (f,)))
+    calls = []
+    real = aten._one_channel_nhwc
+    monkeypatch.setattr(aten, "_one_channel_nhwc", lambda *a: calls.append(1) or real(*a))
+    for x in (np.ascontiguousarray(big[:, :, 1:sp[0] + 1, 2:]), big[:, :, 1:sp[0] + 1, 2:]):
+        xt, wt, bt = (torch.tensor(a.astype(np.float64), requires_grad=True) for a in (x, w, b))
+        yt = torch.nn.functional.conv2d(xt, wt, bt, s, p, d)
+        dy = rng.standard_normal(tuple(yt.shape)).astype(dtype)
+        grads = torch.autograd.grad(yt, (wt, bt), torch.from_numpy(dy.astype(np.float64)))
+        dw_ref, db_ref = (g.numpy() for g in grads)
+        dw, db = conv_kernels("aten").conv_backward_params(x, dy, w, True, s, d, padding=p)
+        assert dw.shape == w.shape and dw.dtype == dtype and db.dtype == dtype
+        assert np.abs(dw - dw_ref).max() <= rtol * max(np.abs(dw_ref).max(), 1)
+        assert np.abs(db - db_ref).max() <= rtol * max(np.abs(db_ref).max(), 1)
+        own_dw, own_db = conv_kernels("own").conv_backward_params(x, dy, w, True, s, d, padding=p)
+        assert np.abs(dw - own_dw).max() <= rtol * max(np.abs(own_dw).max(), 1)
+    assert len(calls) == 2
+
+
 def test_float32_zero_copy_and_out_buffers():
     x, w, b, s, d = _case((2, 3, (13, 13), 4, 3, 1, 1), np.float32)
     assert aten._t(x).data_ptr() == x.ctypes.data  # the input is wrapped, not copied

@@ -180,7 +180,21 @@ def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padd
     lays its filter-gradient computation out after the filter's strides, and a stride-0 stand-in for it (as
     :func:`conv_backward_filter` passes) cost 1.3-1.7x on wide filters over small images (1024 filters on 4²
     and 16²); the bias gradient comes from the same pass over ``dy``."""
-    tdy = _t(dy)
+    tdy, tx, tw = _t(dy), _t(x_window), _t(w)
+    if x_window.shape[1] == 1 and x_window.ndim == 4 and _host(x_window):
+        tdy, tx, tw = _one_channel_nhwc(tdy, tx, tw)
     mask, sizes = (_FILTER_BIAS, [int(w.shape[0])]) if bias else (_FILTER, None)
-    _, dw, db = _backward(dy, tdy, _t(x_window), _t(w), stride, dilation, mask, padding, sizes)
+    _, dw, db = _backward(dy, tdy, tx, tw, stride, dilation, mask, padding, sizes)
     return _back(dw, dy), (_back(db, dy) if bias else None)
+
+
+def _one_channel_nhwc(tdy, tx, tw):
+    """The filter gradient's operands of a 2-D convolution of one input channel (LeNet's first layer) laid
+    out channels-last for oneDNN: the input and the filter are the same memory with the channel stride set
+    to 1 (free: the channel axis has one entry), ``dy`` is copied. oneDNN's NCHW filter gradient of one
+    input channel measured 1.3-4x this path's time, copy included, on one core (32x1x32² -> 6 5x5: 1.7-2.0
+    against 0.68-0.81 ms; 64x1x32² -> 6 5x5: 3.8 against 1.0; 4x1x128² -> 8 5x5: 4.9 against 1.3;
+    2x1x256² -> 16 3x3: 8.3 against 5.5), and the gradients are the same numbers."""
+    def nhwc(t):
+        return t.as_strided(t.shape, (t.stride(0), 1) + t.stride()[2:])
+    return tdy.contiguous(memory_format=torch().channels_last), nhwc(tx), nhwc(tw)
