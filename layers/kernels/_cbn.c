@@ -194,6 +194,22 @@ scale_shift(Py_ssize_t C, const double *mean, const double *var, const double *g
     }
 }
 
+/* the forward's end: y = x * scale + shift per channel (then max(y, 0) with relu) from the statistics;
+ * ss (the caller's PyMem buffer of at least 2C doubles) is freed and the buffers released here */
+static PyObject *
+normalise(Bufs *bs, int isz, const void *x, Py_ssize_t N, Py_ssize_t C, Py_ssize_t P, const double *mean,
+          const double *var, const double *gamma, const double *beta, double eps, int relu, void *y, double *ss)
+{
+    scale_shift(C, mean, var, gamma, beta, eps, ss, ss + C);
+    Py_BEGIN_ALLOW_THREADS
+    if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
+    else affine_d(x, N, C, P, ss, ss + C, y, relu);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(ss);
+    release(bs);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 py_stats(PyObject *self, PyObject *args)
 {
@@ -231,14 +247,7 @@ py_forward(PyObject *self, PyObject *args)
     }
     double *ss = PyMem_Malloc(2 * (C ? C : 1) * sizeof(double));
     if (!ss) { release(&bs); return PyErr_NoMemory(); }
-    scale_shift(C, m, v, g, b, eps, ss, ss + C);
-    Py_BEGIN_ALLOW_THREADS
-    if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
-    else affine_d(x, N, C, P, ss, ss + C, y, relu);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(ss);
-    release(&bs);
-    Py_RETURN_NONE;
+    return normalise(&bs, isz, x, N, C, P, m, v, g, b, eps, relu, y, ss);
 }
 
 /* The training forward from the reduced sums tot (sum x, then sum x^2 per channel, over `count` values each):
@@ -286,14 +295,7 @@ py_train_fwd(PyObject *self, PyObject *args)
         gd[c] = isz == 4 ? (double)((const float *)g)[c] : ((const double *)g)[c];
         bd[c] = !b ? 0.0 : isz == 4 ? (double)((const float *)b)[c] : ((const double *)b)[c];
     }
-    scale_shift(C, mean, var, gd, bd, eps, ss, ss + C);
-    Py_BEGIN_ALLOW_THREADS
-    if (isz == 4) affine_f(x, N, C, P, ss, ss + C, y, relu);
-    else affine_d(x, N, C, P, ss, ss + C, y, relu);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(ss);
-    release(&bs);
-    Py_RETURN_NONE;
+    return normalise(&bs, isz, x, N, C, P, mean, var, gd, bd, eps, relu, y, ss);
 }
 
 /* the backward's local sums: out[:C] = sum g, out[C:] = sum g * xhat (g: dy masked by y when given) */

@@ -72,9 +72,8 @@ def _index_cross_entropy(xp, logits, labels, global_count):
     e = xp.exp(z)
     s = e.sum(axis=1, keepdims=True)
     onehot = labels[:, None] == _class_ids(xp, logits.shape[1], logits.ndim)
-    lse_z = xp.log(s)
-    lse_z = lse_z - z  # -log(softmax)
-    loss = xp.where(onehot, lse_z, dt(0)).sum(dtype=numpy.float64)
+    nll = xp.log(s) - z  # -log(softmax)
+    loss = xp.where(onehot, nll, dt(0)).sum(dtype=numpy.float64)
     s *= dt(global_count)
     e /= s
     inv = dt(1) / dt(global_count)
