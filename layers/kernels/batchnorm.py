@@ -193,10 +193,8 @@ def _numpy_backward_sums(dy, x, mean, var, eps, y):
 def bn_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y=None):
     """``dx = gamma/sigma * (dy - sum_dy/count - xhat * sum_dy_xhat/count)`` given the global sums; with
     ``y`` (fused batch-norm + ReLU) ``dy`` is first masked where ``y <= 0``."""
-    if _compiled(dy, x, y):
-        tot = numpy.concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
-        return bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y)
-    return _numpy_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, count, y)
+    tot = array_module(x).concatenate((sum_dy, sum_dy_xhat)).astype(numpy.float64, copy=False)
+    return bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y)
 
 
 def bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y=None):
