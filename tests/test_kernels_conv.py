@@ -5,6 +5,8 @@ NumPy im2col path (the fallback of an install without a C compiler)."""
 from __future__ import annotations
 
 import itertools
+import os
+import platform
 import shutil
 import sysconfig
 from dataclasses import dataclass
@@ -141,7 +143,9 @@ def kernel_path(request, monkeypatch):
     if request.param == "compiled":
         _require_compiled()
         monkeypatch.setattr(kconv, "USE_COMPILED", True)
-        # every shape on the compiled kernels, not only those where they are the faster path
+        # every shape on the compiled kernels, not only those where they are the faster path (and on CPUs
+        # without AVX-512, where they are never the faster one)
+        monkeypatch.setattr(kconv, "DIRECT_FAST", True)
         monkeypatch.setattr(kconv, "COMPILED_MAX_CHANNELS", 1 << 30)
         monkeypatch.setattr(kconv, "COMPILED_MIN_ROW", 0)
     else:
@@ -205,6 +209,7 @@ def test_conv_compiled_and_numpy_paths_agree(monkeypatch):
     """The two CPU paths on a mesh-model-like float32 layer (18 -> 16 channels, stride 1 and 2)."""
     _require_compiled()
     monkeypatch.setattr(kconv, "COMPILED_MIN_ROW", 0)  # the stride-2 rows here are 35 outputs wide
+    monkeypatch.setattr(kconv, "DIRECT_FAST", True)  # also without AVX-512
     rng = np.random.default_rng(7)
     x = rng.standard_normal((2, 18, 21, 70)).astype(np.float32)
     w = (rng.standard_normal((16, 18, 3, 3)) * 0.1).astype(np.float32)
@@ -227,6 +232,7 @@ def test_compiled_kernels_only_where_they_are_the_faster_path(monkeypatch):
     many channels take the GEMM path, where the direct kernel is many times slower."""
     _require_compiled()
     monkeypatch.setattr(kconv, "USE_COMPILED", True)
+    monkeypatch.setattr(kconv, "DIRECT_FAST", True)
     a = np.zeros(1, dtype=np.float32)
     assert kconv._compiled(a, channels=18, row=1024) and kconv._compiled(a, channels=64, row=48)
     assert not kconv._compiled(a, channels=18, row=16)      # narrow rows
@@ -237,6 +243,29 @@ def test_compiled_kernels_only_where_they_are_the_faster_path(monkeypatch):
     deep = np.zeros((1, 128, 18, 18), np.float32)
     conv_forward(deep, np.zeros((128, 128, 3, 3), np.float32))
     assert not calls, "a 128-channel layer on 16-wide rows must not take the direct kernel"
+
+
+def test_direct_kernels_only_with_avx512(monkeypatch):
+    """The direct kernel's register blocks fit AVX-512's registers only: without it (``wide_vectors()`` is
+    False) even the mesh model's first layers take the GEMM path; the flag is what the CPU says."""
+    _require_compiled()
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if platform.machine() == "x86_64" and "flags" in cpu:
+        assert kconv._cconv.wide_vectors() == (" avx512f" in cpu)
+    assert kconv.DIRECT_FAST == bool(kconv._cconv.wide_vectors())
+    monkeypatch.setattr(kconv, "USE_COMPILED", True)
+    a = np.zeros(1, dtype=np.float32)
+    monkeypatch.setattr(kconv, "DIRECT_FAST", False)
+    assert not kconv._compiled(a, channels=18, row=1024)
+    calls = []
+    monkeypatch.setattr(kconv, "_forward_compiled", lambda *a, **k: calls.append(a) or np.zeros(0))
+    x = np.random.default_rng(0).standard_normal((1, 18, 6, 66)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((16, 18, 3, 3)).astype(np.float32)
+    y = conv_forward(x, w)
+    assert not calls and y.shape == (1, 16, 4, 64)
+    monkeypatch.setattr(kconv, "DIRECT_FAST", True)  # the control: the same layer takes the direct kernel
+    conv_forward(x, w)
+    assert len(calls) == 1
 
 
 F32_CASES = [c for c in CASES if c.pads[0] == (c.dilation * (c.kernel - 1) // 2,) * 2 or c.groups > 1][:12]

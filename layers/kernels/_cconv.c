@@ -515,6 +515,21 @@ py_maxpool_bwd(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* wide_vectors(): whether the conv entry points run their AVX-512 clone. Their register blocks (MAX_FB
+ * filters x 2 vectors of 64 bytes, and the filter gradient's WG_FB x WG_TB) are sized for 32 registers of
+ * 64 bytes; compiled for AVX2 or the baseline the same blocks spill, and the direct kernels run 2-25x slower
+ * than the GEMM path (measured on an AVX2 AMD EPYC core), so the caller takes them only where this is true. */
+static PyObject *py_wide_vectors(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"maxpool_fwd", py_maxpool_fwd, METH_VARARGS, "Max pooling with the winning tap (see above)."},
     {"maxpool_bwd", py_maxpool_bwd, METH_VARARGS, "Max pooling gradient from the winning taps (see above)."},
@@ -522,6 +537,7 @@ static PyMethodDef methods[] = {
     {"phase_rows", py_phase_rows, METH_VARARGS, "Rows split into / merged from column phases (see module)."},
     {"conv_fwd", py_conv_fwd, METH_VARARGS, "Direct convolution over a list of shifted taps (see module)."},
     {"conv_wgrad", py_conv_wgrad, METH_VARARGS, "Filter gradient over a list of shifted taps (see module)."},
+    {"wide_vectors", py_wide_vectors, METH_NOARGS, "Whether the conv kernels run with AVX-512 (see above)."},
     {NULL, NULL, 0, NULL},
 };
 

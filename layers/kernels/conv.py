@@ -104,15 +104,32 @@ def _check_dtypes(*arrays):
 # channels on OpenBLAS's GEMM is faster (1.25x at 192 channels, 64 outputs per row).
 COMPILED_MAX_CHANNELS = 64
 COMPILED_MIN_ROW = 48
+# ... and only with AVX-512: the direct kernel's register blocks are sized for 32 vector registers of 64
+# bytes. Without it (AVX2, the x86-64 baseline, other CPUs) they spill and the GEMM path is the faster one
+# on every shape measured, by 2-25x (one AVX2 AMD EPYC core, float32: 1x18x258² -> 16 3x3 forward 7.8 ms
+# against 160, data gradient 10.6 against 175, filter gradient 10.8 against 21)
+DIRECT_FAST = _cconv is not None and bool(_cconv.wide_vectors())
 
 
 def _compiled(*arrays, channels: int = 0, row: int = COMPILED_MIN_ROW) -> bool:
-    """Whether these arrays take the compiled kernels: built, enabled, NumPy, float32 or float64, and a
-    convolution of ``channels`` input channels per group producing rows of ``row`` outputs, where the
-    direct kernel is the faster one."""
-    return (channels <= COMPILED_MAX_CHANNELS and row >= COMPILED_MIN_ROW and _cconv is not None
-            and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
+    """Whether these arrays take the compiled kernels: built, enabled, running with AVX-512, NumPy, float32
+    or float64, and a convolution of ``channels`` input channels per group producing rows of ``row``
+    outputs, where the direct kernel is the faster one."""
+    return (DIRECT_FAST and channels <= COMPILED_MAX_CHANNELS and row >= COMPILED_MIN_ROW
+            and _cconv is not None and USE_COMPILED and arrays[0].dtype in (np.float32, np.float64)
             and all(isinstance(a, np.ndarray) for a in arrays if a is not None))
+
+
+def cpu_path() -> str:
+    """Which kernels NumPy convolutions take here, in words (for benchmark headers)."""
+    if _cconv is None:
+        return "NumPy im2col + GEMM (_cconv not built)"
+    if not USE_COMPILED:
+        return "NumPy im2col + GEMM (LBANNPY_CONV_KERNEL=numpy)"
+    if not DIRECT_FAST:
+        return "NumPy im2col + GEMM (the compiled direct kernel needs AVX-512, which this CPU lacks)"
+    return (f"compiled direct convolution (_cconv, AVX-512) up to {COMPILED_MAX_CHANNELS} channels on rows "
+            f"of {COMPILED_MIN_ROW}+ outputs, else NumPy im2col + GEMM")
 
 
 def _elem_strides(a) -> tuple[int, ...] | None:

@@ -527,8 +527,7 @@ def main(argv=None) -> int:
     if args.device == "gpu":  # CuPy arrays always take the GEMM path
         conv_path = "CuPy im2col + GEMM (cuBLAS)"
     else:
-        conv_path = ("compiled direct convolution (_cconv)" if kconv.USE_COMPILED
-                     else "NumPy im2col + GEMM" + ("" if kconv._cconv is not None else " (_cconv not built)"))
+        conv_path = kconv.cpu_path()
     print(f"lbannpy layer kernels vs PyTorch {torch.__version__} {args.device.upper()}, {args.dtype}, "
           f"forward+backward, "
           f"1 thread (torch threads {torch.get_num_threads()}, "

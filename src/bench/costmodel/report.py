@@ -252,8 +252,8 @@ def main(argv=None) -> int:
               f"{machine.intra.alpha_s:.2e} s, beta {machine.intra.beta_s_per_byte:.2e} s/B, "
               f"cores per node {machine.cores_per_node or 'one per rank'}", flush=True)
         from lbannpy.layers.kernels import conv as kconv
-        print(f"conv kernels: {'compiled (_cconv)' if kconv.USE_COMPILED else 'NumPy'} "
-              f"(LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table and the runs alike", flush=True)
+        print(f"conv kernels: {kconv.cpu_path()} (LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table "
+              f"and the runs alike", flush=True)
         cases, notes = run_benchmark(models, ranks, strategies, machine, work, steps, repeats, reps,
                                      overlap=args.overlap, quiet=quiet)
         print(f"\npredicted: cost model with the measured layer table; roofline: the same without it. "
