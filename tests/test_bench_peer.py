@@ -99,3 +99,48 @@ def test_small_networks_run_more_steps_on_both_sides(monkeypatch, tmp_path):
     assert [r.ratios() for r in tables[0][1]] == [[1.0], [1.0]]
     scales = {c.name: c.steps_scale for c in peer.CASES}
     assert scales == {"lenet5": 5, "mesh_tiny": 5, "alexnet": 1, "mesh1k": 1}
+
+
+def test_gpu_comparison_without_a_gpu_says_why_in_one_line():
+    p = subprocess.run([sys.executable, "-m", "lbannpy.bench", "peer", "--device", "gpu", "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    if "skipped" not in p.stdout:
+        pytest.skip(f"this node has a GPU: the comparison ran ({p.stdout[-200:]!r})")
+    assert p.returncode == 0 and p.stdout.startswith("lbannpy.bench peer --device gpu: skipped, "), p.stdout
+    assert len(p.stdout.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+class _FakeCuda:
+    """torch.cuda's events and synchronize, on the host clock: records what the loop does and when."""
+
+    def __init__(self, log):
+        self.log = log
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                self.t = len(fake.log)
+                fake.log.append("record")
+
+            def elapsed_time(self, end):  # milliseconds, as CUDA events give them
+                assert "synchronize" in fake.log, "an event read before the device was waited for"
+                return float(end.t - self.t)
+
+        self.Event = Event
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+
+def test_gpu_step_times_come_from_events_read_after_the_last_step():
+    log: list = []
+    fake_torch = type("T", (), {"cuda": _FakeCuda(log)})()
+    times = peer._step_times(fake_torch, lambda: log.append("step"), 3, gpu=True)
+    assert log == ["record", "step", "record", "step", "record", "step", "record", "synchronize"]
+    assert times == [2e-3, 2e-3, 2e-3]  # each step's span between its two events, in seconds
+    host = peer._step_times(fake_torch, lambda: None, 4, gpu=False)
+    assert len(host) == 4 and all(t >= 0 for t in host) and log.count("synchronize") == 1

@@ -106,6 +106,7 @@ def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, 
 
 
 KERNELS = ["auto"]  # runtime.kernels of lbannpy's runs (--kernels)
+DEVICE = ["cpu"]  # runtime.device of lbannpy's runs and PyTorch's device (--device)
 
 
 def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
@@ -118,7 +119,7 @@ def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, spl
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = dict(spec, data={"train": {"path": data}},
                trainer={"batch_size": case.batch, "steps": steps, "seed": 1, "dtype": "float32"},
-               optimizer=dict(OPTIMIZER), runtime={"threads": 1, "kernels": KERNELS[0]},
+               optimizer=dict(OPTIMIZER), runtime={"threads": 1, "kernels": KERNELS[0], "device": DEVICE[0]},
                checkpoint={"dir": os.path.join(run_dir, "ckpt")},
                output={"dir": run_dir, "log_every": 1})
     if ranks > 1:
@@ -153,6 +154,7 @@ def torch_step(work: str, case: Case, ranks: int, layout: str, steps: int, param
     cmd = _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "peer", "--torch-worker",
                               json.dumps({"zoo": case.zoo, "size": case.size, "batch": case.batch,
                                           "layout": layout, "steps": steps, "params": params,
+                                          "device": DEVICE[0],
                                           "rendezvous": tag + ".gloo", "result": tag})]
     _run(cmd, timeout, f"PyTorch {case.label} ({layout}, {ranks} process(es))")
     times = []
@@ -185,7 +187,9 @@ def torch_worker(args: dict) -> int:
         raise PeerError(f"{args['zoo']}: PyTorch network has {got} parameters, lbannpy's {args['params']}; "
                         f"the two are not the same network")
     fmt = torch.channels_last if args["layout"] == "channels_last" else torch.contiguous_format
-    net = net.to(memory_format=fmt)
+    gpu = args.get("device", "cpu") == "gpu"
+    dev = torch.device("cuda") if gpu else torch.device("cpu")
+    net = net.to(device=dev, memory_format=fmt)
     if size > 1:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"file://{args['rendezvous']}", rank=rank,
@@ -193,19 +197,20 @@ def torch_worker(args: dict) -> int:
         net = torch.nn.parallel.DistributedDataParallel(net)
     inp = spec["model"]["input"]
     local = args["batch"] // size
-    x = torch.randn(local, int(inp["channels"]), *(int(s) for s in inp["spatial"])).to(memory_format=fmt)
+    x = torch.randn(local, int(inp["channels"]), *(int(s) for s in inp["spatial"]))
+    x = x.to(dev).to(memory_format=fmt)
     with torch.no_grad():
         out_shape = net(x).shape
-    labels = torch.randint(0, out_shape[1], (local, *out_shape[2:]))
+    labels = torch.randint(0, out_shape[1], (local, *out_shape[2:])).to(dev)
     opt = torch.optim.SGD(net.parameters(), lr=OPTIMIZER["lr"], momentum=OPTIMIZER["momentum"])
-    times = []
-    for _ in range(args["steps"]):
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), labels)
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
+
+    times = _step_times(torch, step, args["steps"], gpu)
     with open(f"{args['result']}.{rank}.json", "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "median_step_s": statistics.median(times)}, f)
     if size > 1:
@@ -216,6 +221,25 @@ def torch_worker(args: dict) -> int:
         sys.stdout.flush()
         os._exit(0)
     return 0
+
+
+def _step_times(torch, step, steps: int, gpu: bool) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step``: host clock on the CPU; on a GPU, CUDA events recorded
+    between the steps and read after the last (the host never waits inside the loop)."""
+    if not gpu:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return times
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
+    for i in range(steps):
+        step()
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
 def _launcher(ranks: int) -> list[str]:
@@ -283,7 +307,7 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     ddp = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     split = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     scale = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
-    for _ in range(rounds):
+    for r in range(rounds):
         for case, spec, params, data in prepared:
             n = steps * case.steps_scale
             ours = lbannpy_step(work, case, spec, data, 1, "n", n, f"{case.name}-1", timeout)
@@ -293,6 +317,8 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
             one[case.name].ours.append(ours)
             one[case.name].peer.append(layouts[best])
             one[case.name].peer_note.append(f"({best})")
+            print(f"  round {r + 1}: {case.label}: lbannpy {ours * 1e3:.2f} ms, PyTorch "
+                  + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in layouts.items()), flush=True)
             if not two_ranks:
                 continue
             if case.batch % 2 == 0:
@@ -337,9 +363,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed for each run")
     ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="auto",
                     help="lbannpy's runtime.kernels for its runs")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                    help="gpu: lbannpy (runtime.device gpu, CuPy) against PyTorch CUDA on this node's first "
+                         "GPU, one process each (the 2-rank tables need 2 GPUs and are left out); step times "
+                         "from CUDA events on both sides. Without a GPU: one line saying why, exit 0")
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     KERNELS[0] = args.kernels
+    DEVICE[0] = args.device
     if args.torch_worker is not None:
         return torch_worker(json.loads(args.torch_worker))
     try:
@@ -347,6 +378,14 @@ def main(argv=None) -> int:
     except ImportError:
         print("lbannpy.bench peer: needs PyTorch (pip install torch)", file=sys.stderr)
         return 2
+    if args.device == "gpu":
+        from .layers import gpu_missing
+
+        why = gpu_missing()
+        if why:
+            print(f"lbannpy.bench peer --device gpu: skipped, {why}")
+            return 0
+        args.no_two_ranks = True
     known = {c.name: c for c in CASES + (BIG,)}
     if args.quick:
         cases = QUICK
@@ -368,7 +407,7 @@ def main(argv=None) -> int:
             more[args.steps * c.steps_scale].append(c.name)
     scaled = "".join(f" ({n} for {', '.join(names)})" for n, names in more.items())
     print(f"lbannpy.bench peer: {args.rounds} round(s) of {args.steps} steps{scaled}, one BLAS thread per "
-          f"process, "
+          f"process, {'on the GPU (CUDA events), ' if args.device == 'gpu' else ''}"
           f"float32, SGD lr {OPTIMIZER['lr']:g} momentum {OPTIMIZER['momentum']}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     try:
