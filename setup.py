@@ -10,6 +10,8 @@ setup(ext_modules=[
               extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi"], optional=True),
     Extension("lbannpy.layers.kernels._csmall", ["layers/kernels/_csmall.c"],
               extra_compile_args=["-O3"], optional=True),
+    Extension("lbannpy.layers.kernels._conv1c", ["layers/kernels/_conv1c.c"],
+              extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi"], optional=True),
     # no contraction: the affine steps round as NumPy's separate multiply and add do
     Extension("lbannpy.layers.kernels._cbn", ["layers/kernels/_cbn.c"],
               extra_compile_args=["-O3", "-ffp-contract=off"], optional=True),

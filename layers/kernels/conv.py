@@ -49,6 +49,7 @@ import numpy as np
 from lbannpy.backend import array_module, is_gpu_array
 
 from . import _conv_gemm as _gemm
+from . import _conv_one as _one
 from . import _conv_small as _small
 from ._buffers import addr as _addr
 from ._buffers import scratch as _scratch  # per-thread temporaries of the compiled path
@@ -300,6 +301,10 @@ def _forward(x_window, w, b, geo: ConvGeometry, out):
     dt = x_window.dtype
     if _small_ok(geo, x_window, w, b, out):
         return _small.forward(x_window, w, b, geo, None, out)
+    if geo.channels == 1:
+        y = _one.forward(x_window, w, b, geo.stride, geo.dilation, out, USE_COMPILED)
+        if y is not None:
+            return y
     if _compiled(x_window, w, b, out, channels=geo.cg, row=geo.out[-1]):
         if out is None or out.strides[-1] == dt.itemsize:
             return _forward_compiled(x_window, w, b, geo, out=out)
