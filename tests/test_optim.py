@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,15 +84,26 @@ def test_large_parameters_are_updated_in_pieces_bit_for_bit(case, monkeypatch):
     assert out[0].dtype == np.float32 and np.array_equal(out[0], out[1])
 
 
-def test_gradient_sum_of_squares_in_float64_pieces():
-    from lbannpy.optim import PIECE
-    from lbannpy.training.gradsync import sum_squares
+def test_device_sum_of_squares_in_float64_groups():
+    """The device path's Σ g² over every gradient: groups concatenated up to the group size (an array
+    larger than a group stands alone), float64 throughout, one element; against a float64 sum."""
+    from lbannpy.training.gradsync import device_sum_squares
 
-    g = np.random.default_rng(2).standard_normal(3 * PIECE + 5).astype(np.float32) * 1e3
-    want = float(np.dot(g.astype(np.float64), g.astype(np.float64)))
-    assert sum_squares(np, g.reshape(5, -1) if g.size % 5 == 0 else g) == pytest.approx(want, rel=1e-13)
-    small = g[:10]
-    assert float(sum_squares(np, small)) == float(np.dot(small.astype(np.float64), small.astype(np.float64)))
+    rng = np.random.default_rng(2)
+    grads = [(rng.standard_normal(n) * 1e3).astype(np.float32).reshape(-1, 1) for n in (5, 70, 3, 200, 9, 1)]
+    want = sum(float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64))) for g in grads)
+    for group in (1, 8, 75, 100, 1000):
+        got = device_sum_squares(np, grads, group=group)
+        assert got.shape == (1,) and got.dtype == np.float64
+        assert float(got[0]) == pytest.approx(want, rel=1e-14)
+    concat = []
+    def concatenate(arrays):
+        concat.append(len(arrays))
+        return np.concatenate(arrays)
+
+    xp = types.SimpleNamespace(zeros=np.zeros, float64=np.float64, dot=np.dot, concatenate=concatenate)
+    assert float(device_sum_squares(xp, grads, group=80)[0]) == pytest.approx(want, rel=1e-14)
+    assert concat == [3, 2]  # 5+70+3 | 200 alone, not concatenated | 9+1
 
 
 def test_schedules():

@@ -96,9 +96,7 @@ class GradSync:
                 self._sq_buf = xp.empty(PIECE, dtype=xp.float64)
             acc = xp.array([packed_sum_squares((p.grad for p in self._norm_params), self._sq_buf)])
         else:
-            acc = xp.zeros(1, dtype=xp.float64)
-            for p in self._norm_params:
-                acc += sum_squares(xp, p.grad)
+            acc = device_sum_squares(xp, [p.grad for p in self._norm_params])
         return self._world.allreduce(acc)
 
     def flush(self) -> None:
@@ -125,23 +123,34 @@ class GradSync:
         return out
 
 
-def sum_squares(xp, a):
-    """Σ a², accumulated in float64. On the host in pieces converted into one reused float64 buffer (a
-    whole-array float64 copy of a large float32 gradient is fresh pages every step: on AlexNet's 57 M
-    parameters, more time than the optimizer step); on a device whole (its memory pool reuses the copy)."""
-    from lbannpy.optim import PIECE  # one piece size for every host pass over parameters
+#: values per concatenated group of :func:`device_sum_squares` (64 MiB of float32)
+DEVICE_GROUP = 16 << 20
 
-    flat = a.reshape(-1)
-    if xp.__name__ != "numpy" or flat.dtype == xp.float64 or flat.size <= PIECE:
+
+def device_sum_squares(xp, arrays, group: int = DEVICE_GROUP):
+    """Σ a² over device arrays, in float64, as a one-element device array (no host synchronisation). The
+    arrays are concatenated in groups of up to ``group`` values (one array larger than that is a group of its
+    own), each group converted and reduced by one dot product: four kernels a group, not three per array
+    (mesh1k's 74 gradients took 222 launches a logged step, 7 ms of host time on a GPU)."""
+    acc = xp.zeros(1, dtype=xp.float64)
+    run: list = []
+    size = 0
+
+    def flush():
+        flat = run[0] if len(run) == 1 else xp.concatenate(run)
         g = flat.astype(xp.float64, copy=False)
-        return xp.dot(g, g)
-    buf = xp.empty(PIECE, dtype=xp.float64)
-    total = 0.0
-    for i in range(0, flat.size, PIECE):
-        piece = buf[:min(PIECE, flat.size - i)]
-        piece[...] = flat[i:i + PIECE]
-        total += float(xp.dot(piece, piece))
-    return total
+        acc[...] += xp.dot(g, g)
+
+    for a in arrays:
+        flat = a.reshape(-1)
+        if run and size + flat.size > group:
+            flush()
+            run, size = [], 0
+        run.append(flat)
+        size += flat.size
+    if run:
+        flush()
+    return acc
 
 
 def packed_sum_squares(arrays, buf) -> float:
