@@ -37,6 +37,13 @@ def available(device: str = "cpu") -> bool:
     return device != "gpu" or bool(t.cuda.is_available())
 
 
+def set_tf32(on: bool) -> None:
+    """Whether cuDNN may run float32 convolutions as TF32 (``runtime.tf32``). PyTorch allows it by default,
+    which on Ampere and later GPUs rounds the products' operands to a 10-bit mantissa: lbannpy's float32
+    results would then differ from the own kernels' and the CPU's by far more than float32 round-off."""
+    torch().backends.cudnn.allow_tf32 = bool(on)
+
+
 def _tuple(v, nd: int) -> tuple:
     return tuple(int(s) for s in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
 

@@ -101,6 +101,20 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
                        allocates=True, pads=True)
 
 
+def gpu_math(choice: str, device: str, tf32: bool) -> bool:
+    """Set cuDNN's float32 arithmetic for a run whose convolutions may take ATen on a GPU (``runtime.tf32``);
+    nothing where they cannot (own kernels, a CPU, no CUDA torch: torch is not imported for it). Returns
+    whether it was set."""
+    if device != "gpu" or choice == "own":
+        return False
+    from . import aten
+
+    if not aten.available(device):
+        return False
+    aten.set_tf32(tf32)
+    return True
+
+
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
     """``{(layer type, local input shape, local output shape): kernels}`` of the shapes ``machine`` (a
     :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto``. A shape

@@ -14,6 +14,11 @@ slows both); the median over rounds is the result, with its range. Two further t
 lbannpy data parallel against PyTorch DDP (gloo) at the same global batch, and lbannpy splitting every
 sample's height over 2 ranks against 1-process PyTorch. Torch is an optional dependency of this benchmark
 only (``pip install torch``).
+
+``--device gpu`` runs both sides on the node's GPU (lbannpy with ``runtime.device: gpu``, PyTorch CUDA), one
+process each, step times from CUDA events on both sides, float32 convolutions in float32 on both (PyTorch's
+TF32 default is switched off, as lbannpy's ``runtime.tf32`` is by default); the 2-rank tables are left out
+(they would need two GPUs). Each round's times are printed as the round ends.
 """
 from __future__ import annotations
 
@@ -189,6 +194,8 @@ def torch_worker(args: dict) -> int:
     fmt = torch.channels_last if args["layout"] == "channels_last" else torch.contiguous_format
     gpu = args.get("device", "cpu") == "gpu"
     dev = torch.device("cuda") if gpu else torch.device("cpu")
+    if gpu:  # the same arithmetic as lbannpy's default (runtime.tf32: false): float32 convolutions in float32
+        torch.backends.cudnn.allow_tf32 = False
     net = net.to(device=dev, memory_format=fmt)
     if size > 1:
         import torch.distributed as dist

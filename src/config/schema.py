@@ -222,6 +222,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy), "
             "auto: at each conv shape parallel.machine's calibration timed, the faster set there, elsewhere "
             "aten where torch is installed (with CUDA on a gpu), else own"),
+        Key("tf32", Bool(), False,
+            "gpu, ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit mantissa "
+            "products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 convolutions are "
+            "float32, as the own kernels and the CPU compute them"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
         Key("memory_gib", Float(0.0, lo_open=True), UNSET,

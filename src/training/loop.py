@@ -263,7 +263,7 @@ class Trainer:
     def _choose_kernels(self, cfg: dict) -> None:
         """The run's conv kernel set, and per layer shape the set a calibration of ``parallel.machine``
         chose (a preset has none: the rule of ``runtime.kernels`` everywhere)."""
-        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, kernel_table
+        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_math, kernel_table
         from lbannpy.machine import MachineError, load_machine
 
         choice = cfg["runtime"].get("kernels", "auto")
@@ -272,6 +272,7 @@ class Trainer:
             self.ctx.conv_kernels = conv_kernels(choice, self.rt.device)
         except KernelChoiceError as exc:
             raise UserError(str(exc)) from None
+        gpu_math(choice, self.rt.device, bool(cfg["runtime"].get("tf32", False)))
         if choice != "auto":
             return
         try:
