@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import shutil
-import sysconfig
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_util import assert_close
+from kernel_util import assert_close, require_built
 from lbannpy.layers.kernels import conv as kconv
 from lbannpy.layers.kernels import (KernelShapeError, conv_backward_bias, conv_backward_data,
                                     conv_backward_filter, conv_forward, crop_spatial, pad_spatial)
@@ -125,16 +123,7 @@ def _check(case: ConvCase, x, w, b, rtol, ref=None):
 
 
 def _require_compiled() -> None:
-    """The compiled kernels are optional only where nothing can build them: with a C compiler present, a
-    missing extension is a failed build (pip only warns), which must not pass as a skip."""
-    if kconv._cconv is not None:
-        return
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc):
-        pytest.fail(f"the compiled conv kernels are not built although the C compiler {cc!r} is present: "
-                    f"the optional build of lbannpy.layers.kernels._cconv failed (reinstall with "
-                    f"'pip install -v -e .' to see why)")
-    pytest.skip(f"no C compiler ({cc!r}) in this install: the compiled conv kernels cannot be built")
+    require_built(kconv._cconv, "_cconv")
 
 
 @pytest.fixture(params=["compiled", "numpy"])

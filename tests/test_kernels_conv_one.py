@@ -4,11 +4,16 @@ to the general path with the same result; the extension's own checks."""
 import numpy as np
 import pytest
 import torch
+from kernel_util import require_built
 
 from lbannpy.layers.kernels import _conv_one, aten
 from lbannpy.layers.kernels import conv as kconv
 
-pytestmark = pytest.mark.skipif(_conv_one._conv1c is None, reason="the compiled kernels are not built")
+
+@pytest.fixture(autouse=True)
+def built():
+    require_built(_conv_one._conv1c, "_conv1c")
+
 
 SHAPES = [(32, 32, 32, 6, 5, 5), (4, 40, 37, 8, 5, 3), (3, 20, 13, 7, 3, 3), (2, 9, 12, 4, 2, 2),
           (1, 64, 64, 16, 3, 3), (5, 11, 30, 1, 1, 7)]
