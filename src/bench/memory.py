@@ -7,7 +7,10 @@ float32, SGD with momentum, ``--steps`` steps), one after the other, each proces
 - ``python -m lbannpy.train`` on 1 rank;
 - the same network in PyTorch, one process (the module ``lbannpy.export --torch-module`` writes, as in
   ``bench peer``; NCHW);
-- ``mpiexec -n P python -m lbannpy.train`` with every sample's height split P ways.
+- ``mpiexec -n P python -m lbannpy.train`` with every sample split P ways: by default (``--split auto``) each
+  layer split as the strategy selector chooses for P ranks (``python -m lbannpy.strategy --ranks P``; on the
+  full mesh1k model and two ranks: the height of the first four blocks, whose activations dominate, and the
+  filters of the last two, which hold 77 % of the parameters), or (``--split h``) every layer's height.
 
 Each process reports its own peak resident set (``VmHWM`` of ``/proc/self/status``: a fresh address space
 starts its own high-water mark, whereas ``ru_maxrss`` inherits a forking parent's). The report gives
@@ -71,9 +74,32 @@ def _wrapped(work: str, tag: str, ranks: int, inner: list[str]) -> list[str]:
 RUNS = ("lbannpy", "torch", "split")
 
 
-def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=RUNS) -> dict:
+def split_layers(spec: dict, case: Case, ranks: int, split: str, machine: str | None) -> dict | None:
+    """``parallel.layers`` of the split run: the strategy selector's choice (``split == "auto"``), or None
+    (every layer split along ``split``)."""
+    if split != "auto":
+        return None
+    from lbannpy.strategy import planner
+
+    pl = planner.plan(spec, ranks, machine or planner.DEFAULT_MACHINE, batch_size=case.batch)
+    return pl.parallel_layers()
+
+
+def describe_split(layers: dict | None, split: str, ranks: int) -> str:
+    """``"h2"`` or, for per-layer splits, ``"h2 x36, c2 x19"`` (distribution and layer count)."""
+    if not layers:
+        return f"{split}{ranks}"
+    counts: dict[str, int] = {}
+    for deg in layers.values():
+        key = "".join(f"{k}{v}" for k, v in deg.items() if v > 1) or "r"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=RUNS,
+            layers: dict | None = None, split: str = "h") -> dict:
     """Peak MiB of each process of ``runs``: ``{"lbannpy": [1 rank], "torch": [1 process], "split": [per
-    rank]}``."""
+    rank]}``; the split run splits every layer along ``split``, or as ``layers`` (``parallel.layers``)."""
     spec, params, out_shape = network(case)
     data = os.path.join(work, f"{case.name}.h5")
     write_data(data, spec, out_shape, case.batch * steps)
@@ -87,14 +113,15 @@ def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=
                    "result": os.path.join(work, "torch")}
             inner, what = ["--torch", json.dumps(job)], "PyTorch"
         else:
-            config, _ = lbannpy_config(work, case, spec, data, n, "h", steps, key, timeout)
+            config, _ = lbannpy_config(work, case, spec, data, n, split, steps, key, timeout,
+                                       layers if n > 1 else None)
             inner, what = [config, "--quiet"], f"lbannpy on {n} rank(s)"
         _run(_wrapped(work, key, n, inner), timeout, f"{what}, {case.label}")
         res[key] = _peaks(os.path.join(work, f"peak-{key}"), n)
     return res
 
 
-def report(case: Case, ranks: int, res: dict, target: float) -> list[str]:
+def report(case: Case, ranks: int, res: dict, target: float, how: str = "h") -> list[str]:
     lines = [f"{case.label}, float32, training steps, peak resident set per process (VmHWM)"]
     one, torch = res.get("lbannpy", [0.0])[0], res.get("torch", [0.0])[0]
     split = max(res.get("split", [0.0]))
@@ -104,7 +131,7 @@ def report(case: Case, ranks: int, res: dict, target: float) -> list[str]:
         lines.append(f"  PyTorch 1 process         {torch:8.0f} MiB")
     if split:
         per_rank = ", ".join(f"{p:.0f}" for p in res["split"])
-        lines.append(f"  lbannpy {ranks} ranks (h split)  {split:8.0f} MiB per rank (ranks: {per_rank})")
+        lines.append(f"  lbannpy {ranks} ranks ({how})  {split:8.0f} MiB per rank (ranks: {per_rank})")
     if one and torch:
         lines.append(f"  lbannpy / PyTorch, 1 rank: {one / torch:.2f}x (target <= {TORCH_TARGET:.2f}x)")
     if one and split:
@@ -119,6 +146,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=1024, help="input side")
     ap.add_argument("--ranks", type=int, default=2, help="ranks of the split run")
     ap.add_argument("--steps", type=int, default=2, help="training steps of each run")
+    ap.add_argument("--split", choices=("auto", "h", "w"), default="auto",
+                    help="the split run: each layer as the strategy selector chooses, or every layer's "
+                         "h or w")
+    ap.add_argument("--machine", default=None,
+                    help="machine model of the strategy selector (--split auto; default: its default)")
     ap.add_argument("--target", type=float, default=SPLIT_TARGET, help="the split run's target ratio")
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
@@ -138,11 +170,17 @@ def main(argv=None) -> int:
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-memory-")
     os.makedirs(work, exist_ok=True)
     try:
-        res = measure(case, args.ranks, args.steps, work, args.timeout, args.runs)
-    except (PeerError, OSError) as e:
+        spec = network(case)[0]
+        layers = (split_layers(spec, case, args.ranks, args.split, args.machine) if "split" in args.runs
+                  else None)
+        res = measure(case, args.ranks, args.steps, work, args.timeout, args.runs, layers,
+                      "h" if args.split == "auto" else args.split)
+    except (PeerError, OSError, ValueError) as e:
         print(f"lbannpy.bench memory: {e}", file=sys.stderr)
         return 1
-    print("\n".join(report(case, args.ranks, res, args.target)))
+    how = (("strategy selector: " if layers else "every layer: ")
+           + describe_split(layers, args.split, args.ranks))
+    print("\n".join(report(case, args.ranks, res, args.target, how)))
     return 0
 
 

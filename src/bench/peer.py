@@ -115,9 +115,10 @@ DEVICE = ["cpu"]  # runtime.device of lbannpy's runs and PyTorch's device (--dev
 
 
 def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
-                   tag: str, timeout: float) -> tuple[str, str]:
+                   tag: str, timeout: float, layers: dict | None = None) -> tuple[str, str]:
     """The training config (``.h5``) of the case on ``ranks`` ranks and its output directory; ``split`` is
-    the default distribution's split dimension (``n``: data parallel, ``h``: every sample's height)."""
+    the default distribution's split dimension (``n``: data parallel, ``h``: every sample's height),
+    ``layers`` per-layer split degrees over it (``parallel.layers``)."""
     import yaml
 
     run_dir = os.path.join(work, f"run-{tag}")
@@ -129,6 +130,8 @@ def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, spl
                output={"dir": run_dir, "log_every": 1})
     if ranks > 1:
         cfg["parallel"] = {"default": {split: ranks}}
+        if layers:
+            cfg["parallel"]["layers"] = layers
     spec_path = os.path.join(work, f"{tag}.yaml")
     with open(spec_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
