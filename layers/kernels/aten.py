@@ -56,23 +56,32 @@ def _xp(a):
     return np if isinstance(a, np.ndarray) else __import__("cupy")
 
 
-class _on_stream:
-    """CuPy arrays: run torch's kernels on CuPy's current stream; NumPy arrays: nothing to do."""
+_STREAMS: dict = {}
 
-    def __init__(self, a):
-        self.ctx = None
-        if _xp(a).__name__ == "cupy":
-            t = torch()
-            cp = _xp(a)
-            self.ctx = t.cuda.stream(t.cuda.ExternalStream(cp.cuda.get_current_stream().ptr))
 
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
+def _torch_stream(cp):
+    """torch's handle on CuPy's current stream (``torch.cuda.ExternalStream``), made once per device and
+    stream: building one is a CUDA query each time."""
+    ptr, dev = cp.cuda.get_current_stream().ptr, cp.cuda.runtime.getDevice()
+    s = _STREAMS.get((dev, ptr))
+    if s is None:
+        if len(_STREAMS) > 64:  # streams come and go (a stream's handle may be reused: same stream then)
+            _STREAMS.clear()
+        s = _STREAMS[(dev, ptr)] = torch().cuda.ExternalStream(ptr, device=dev)
+    return s
 
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+
+def _on_device(fn):
+    """Runs ``fn(a, ...)`` as is for NumPy arrays (the step path pays every microsecond of a small layer) and,
+    for CuPy arrays, with torch's current stream set to CuPy's current one for the whole call: the DLPack
+    conversions in and out as well as the operator, so neither side records an event for the other."""
+    @functools.wraps(fn)
+    def run(a, *args, **kwargs):
+        if _host(a):
+            return fn(a, *args, **kwargs)
+        with torch().cuda.stream(_torch_stream(_xp(a))):
+            return fn(a, *args, **kwargs)
+    return run
 
 
 def _host(a) -> bool:
@@ -89,15 +98,6 @@ def _back(result, like, out=None):
         _t(out).copy_(result)
         return out
     return result.numpy() if _host(like) else _xp(like).from_dlpack(result)
-
-
-def _call(like, fn, *args):
-    """``fn(*args)`` on ``like``'s device: on the host straight away (the step path pays every microsecond of
-    a small layer), on a GPU on CuPy's current stream."""
-    if _host(like):
-        return fn(*args)
-    with _on_stream(like):
-        return fn(*args)
 
 
 # the ATen operators themselves (not torch.nn.functional / torch.nn.grad, whose Python layers cost about as
@@ -142,6 +142,7 @@ def _shaped(like, shape):
     return t
 
 
+@_on_device
 def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0):
     """Valid convolution of the window: ``(N, F, *out)``; with ``padding`` (both sides of each spatial
     dimension) the window is the input block, padded with zeros inside the kernel."""
@@ -154,41 +155,45 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0)
     nd = x_window.ndim - 2
     s, p, d = _geom(stride, dilation, nd, padding)
     tb = None if b is None else _t(b)
-    y = _call(x_window, conv, _t(x_window), _t(w), tb, s, p, d, False, _ZEROS[nd], 1)
+    y = conv(_t(x_window), _t(w), tb, s, p, d, False, _ZEROS[nd], 1)
     return _back(y, x_window, out)
 
 
-def _backward(dy, tdy, x, w, stride, dilation, mask, padding, bias_sizes=None):
+def _backward(tdy, x, w, stride, dilation, mask, padding, bias_sizes=None):
     _, bwd = _ops()
     nd = tdy.ndim - 2
     s, p, d = _geom(stride, dilation, nd, padding)
-    return _call(dy, bwd, tdy, x, w, bias_sizes, s, p, d, False, _ZEROS[nd], 1, mask)
+    return bwd(tdy, x, w, bias_sizes, s, p, d, False, _ZEROS[nd], 1, mask)
 
 
+@_on_device
 def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None, padding=0):
     """Gradient w.r.t. the window, of shape ``x_window_shape``."""
     # the operator reads only the input's shape when the filter gradient is not asked for (as torch.nn.grad)
     tdy = _t(dy)
-    dx = _backward(dy, tdy, _shaped(tdy, x_window_shape), _t(w), stride, dilation, _DATA, padding)[0]
+    dx = _backward(tdy, _shaped(tdy, x_window_shape), _t(w), stride, dilation, _DATA, padding)[0]
     return _back(dx, dy, out)
 
 
+@_on_device
 def conv_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
     """:func:`conv_backward_data` given the input itself (what a layer has in hand): oneDNN lays the
     computation out after the input's strides, and on a stride-0 stand-in it ran 1.3-1.6x longer (8×32×8²
     → 32: 0.31 against 0.20 ms; 8×18×64², stride 2: 9.2 against 7.1 ms)."""
     tdy = _t(dy)
-    dx = _backward(dy, tdy, _t(x_window), _t(w), stride, dilation, _DATA, padding)[0]
+    dx = _backward(tdy, _t(x_window), _t(w), stride, dilation, _DATA, padding)[0]
     return _back(dx, dy, out)
 
 
+@_on_device
 def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1, padding=0):
     """Gradient w.r.t. the filter, of shape ``w_shape``."""
     tdy = _t(dy)
-    dw = _backward(dy, tdy, _t(x_window), _shaped(tdy, w_shape), stride, dilation, _FILTER, padding)[1]
+    dw = _backward(tdy, _t(x_window), _shaped(tdy, w_shape), stride, dilation, _FILTER, padding)[1]
     return _back(dw, dy)
 
 
+@_on_device
 def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padding=0):
     """``(filter gradient, bias gradient or None)`` in one operator call, given the filter itself: oneDNN
     lays its filter-gradient computation out after the filter's strides, and a stride-0 stand-in for it (as
@@ -198,7 +203,7 @@ def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padd
     if x_window.shape[1] == 1 and x_window.ndim == 4 and _host(x_window):
         tdy, tx, tw = _one_channel_nhwc(tdy, tx, tw)
     mask, sizes = (_FILTER_BIAS, [int(w.shape[0])]) if bias else (_FILTER, None)
-    _, dw, db = _backward(dy, tdy, tx, tw, stride, dilation, mask, padding, sizes)
+    _, dw, db = _backward(tdy, tx, tw, stride, dilation, mask, padding, sizes)
     return _back(dw, dy), (_back(db, dy) if bias else None)
 
 
