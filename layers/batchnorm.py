@@ -131,14 +131,10 @@ class BatchNorm(Layer):
 
     def bp_compute(self, dy):
         x, mean, var, count, y = self._saved
-        xp = self.ctx.xp
         gamma = self.gamma.value
         tot = K.bn_backward_sums(dy, x, mean, var, self.eps, y=y)
-        c = tot.shape[0] // 2
         # gradients of scale/shift are partial sums over this block; the grad sync sums them
-        dgamma, dbeta = K.bn_backward_params(tot[:c], tot[c:])
-        self.gamma.grad += xp.asarray(dgamma, dtype=self.gamma.grad.dtype)
-        self.beta.grad += xp.asarray(dbeta, dtype=self.beta.grad.dtype)
+        K.bn_add_param_grads(tot, self.gamma.grad, self.beta.grad)
         if self.stats_comm.size > 1:
             tot = self.stats_comm.allreduce(tot)
         dx = K.bn_backward_data_summed(dy, x, mean, var, gamma, self.eps, tot, count, y=y)

@@ -36,6 +36,19 @@ def test_standin_checks():
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
 
 
+def test_standin_kernels_and_the_batchnorm_gpu_path():
+    """ElementwiseKernel/ReductionKernel bodies compiled for the host; batch-norm's kernels checked against
+    the host's compiled ones and counted (tests/gpu_standin/standin_kernels_check.py)."""
+    if shutil.which("g++") is None:  # the stand-in compiles kernel bodies with it; CI's machines have it
+        pytest.fail("g++ not found: the CuPy stand-in compiles ElementwiseKernel bodies with it")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(STANDIN / "standin_kernels_check.py")], env=standin_env(), cwd=TESTS.parent,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", p.stdout)
+    assert passed and int(passed.group(1)) >= 20, p.stdout[-2000:]
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_standin_nccl_moves_bytes_over_mpi(ranks):

@@ -7,9 +7,9 @@ distributed layer hands them — halo and padding included — and return gradie
 from ._geometry import KernelShapeError
 from .activation import (dropout_backward, dropout_forward, dropout_mask, leaky_relu_backward,
                          leaky_relu_forward, relu_backward, relu_forward)
-from .batchnorm import (bn_backward, bn_backward_data, bn_backward_data_summed, bn_backward_params,
-                        bn_backward_sums, bn_forward, bn_local_stats, bn_local_sums, bn_mean_var,
-                        bn_train_forward)
+from .batchnorm import (bn_add_param_grads, bn_backward, bn_backward_data, bn_backward_data_summed,
+                        bn_backward_params, bn_backward_sums, bn_forward, bn_local_stats, bn_local_sums,
+                        bn_mean_var, bn_train_forward)
 from .conv import ConvGeometry, conv_backward_bias, conv_backward_data, conv_backward_filter, conv_forward
 from .padding import crop_spatial, pad_spatial
 from .fc import fc_backward_bias, fc_backward_data, fc_backward_filter, fc_forward
@@ -23,7 +23,7 @@ __all__ = [
     "crop_spatial",
     "max_pool_forward", "max_pool_backward", "avg_pool_forward", "avg_pool_backward",
     "bn_local_stats", "bn_mean_var", "bn_forward", "bn_backward", "bn_backward_data", "bn_backward_params",
-    "bn_local_sums", "bn_train_forward", "bn_backward_sums", "bn_backward_data_summed",
+    "bn_local_sums", "bn_train_forward", "bn_add_param_grads", "bn_backward_sums", "bn_backward_data_summed",
     "relu_forward", "relu_backward", "leaky_relu_forward", "leaky_relu_backward",
     "dropout_mask", "dropout_forward", "dropout_backward",
     "fc_forward", "fc_backward_data", "fc_backward_filter", "fc_backward_bias",

@@ -16,7 +16,8 @@ Compiled path (NumPy float32/float64 C-contiguous blocks, when the ``_cbn`` exte
 (each row about its first element), the forward one pass (optionally with the ReLU of a fused
 batch-norm + ReLU), the backward's two sums one pass and its data gradient one pass. With ``y`` (the fused
 layer's output) the backward first masks ``dy`` where ``y <= 0``: the gradient of ``relu(bn(x))``. On a GPU
-the element-wise passes are CuPy ``ElementwiseKernel``s where CuPy has them, else array expressions.
+every pass is one CuPy kernel (:mod:`._bn_gpu`: reductions, per-channel and element-wise kernels) where
+the array module has ``ElementwiseKernel`` and ``ReductionKernel``, else array expressions.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import os
 import numpy
 
 from lbannpy.backend import array_module
+
+from . import _bn_gpu
 
 try:  # the compiled kernels are optional: no compiler, no extension
     from . import _cbn
@@ -80,6 +83,9 @@ def bn_local_sums(x):
         out = numpy.empty(2 * c)
         _cbn.stats(x.dtype.itemsize, x, n, c, p, out)
         return out
+    gpu = _gpu_kernels(x)
+    if gpu is not None and x.size:
+        return _bn_gpu.local_sums(gpu, x)
     return array_module(x).concatenate(_numpy_stats(x))
 
 
@@ -120,6 +126,10 @@ def bn_train_forward(x, tot, count, gamma, beta, eps, momentum, running_mean, ru
         _cbn.train_fwd(x.dtype.itemsize, x, n, c, p, tot, float(count), gamma, beta, float(eps), int(relu),
                        float(momentum), running_mean, running_var, st, y)
         return y, st[:c], st[c:2 * c], st[2 * c:3 * c], st[3 * c:]
+    gpu = _gpu_kernels(x)
+    if gpu is not None and x.size:
+        return _bn_gpu.train_forward(gpu, x, tot, count, gamma, beta, eps, momentum, running_mean,
+                                     running_var, relu)
     mean, var = bn_mean_var(tot[:c], tot[c:], count)
     unbiased = var * (count / max(count - 1.0, 1.0))
     m = momentum
@@ -145,10 +155,10 @@ def bn_forward(x, mean, var, gamma, beta, eps=1e-5, relu=False):
         _cbn.forward(x.dtype.itemsize, x, n, c, p, _f64(mean), _f64(var), _f64(gamma),
                      None if beta is None else _f64(beta), float(eps), int(relu), y)
         return y
-    scale, shift, _ = _scale_shift(mean, var, gamma, beta, eps, x.dtype)
     gpu = _gpu_kernels(x)
-    if gpu is not None:
-        return gpu[0](x, _per_channel(scale, x.ndim), _per_channel(shift, x.ndim), int(relu))
+    if gpu is not None and x.size:
+        return _bn_gpu.forward(gpu, x, mean, var, gamma, beta, eps, relu)
+    scale, shift, _ = _scale_shift(mean, var, gamma, beta, eps, x.dtype)
     y = x * _per_channel(scale, x.ndim)
     y += _per_channel(shift, x.ndim)
     if relu:
@@ -173,6 +183,9 @@ def bn_backward_sums(dy, x, mean, var, eps=1e-5, y=None):
         out = numpy.empty(2 * c)
         _cbn.bwd_sums(x.dtype.itemsize, dy, x, y, n, c, p, _f64(mean), _f64(var), float(eps), out)
         return out
+    gpu = _gpu_kernels(x)
+    if gpu is not None and x.size:
+        return _bn_gpu.backward_sums(gpu, dy, x, mean, var, eps, y)
     return array_module(x).concatenate(_numpy_backward_sums(dy, x, mean, var, eps, y))
 
 
@@ -205,6 +218,9 @@ def bn_backward_data_summed(dy, x, mean, var, gamma, eps, tot, count, y=None):
         _cbn.bwd_data(x.dtype.itemsize, dy, x, y, n, ch, p, _f64(mean), _f64(var), _f64(gamma), float(eps),
                       tot, float(count), dx)
         return dx
+    gpu = _gpu_kernels(x)
+    if gpu is not None and x.size:
+        return _bn_gpu.backward_data(gpu, dy, x, mean, var, gamma, eps, tot, count, y)
     c = tot.shape[0] // 2
     return _numpy_backward_data(dy, x, mean, var, gamma, eps, tot[:c], tot[c:], count, y)
 
@@ -218,10 +234,6 @@ def _numpy_backward_data(dy, x, mean, var, gamma, eps, sum_dy, sum_dy_xhat, coun
     b = -k * inv_std * sum_dy_xhat / count
     c = -k * sum_dy / count - b * mean
     nd = x.ndim
-    gpu = _gpu_kernels(x)
-    if gpu is not None:
-        pc = [_per_channel(v.astype(x.dtype), nd) for v in (a, b, c)]
-        return gpu[1](dy, x, x if y is None else y, int(y is not None), *pc)
     if y is not None:
         dy = relu_mask(dy, y)
     dx = dy * _per_channel(a.astype(x.dtype), nd)
@@ -235,6 +247,19 @@ def bn_backward_params(sum_dy, sum_dy_xhat):
     return sum_dy_xhat, sum_dy
 
 
+def bn_add_param_grads(tot, gamma_grad, beta_grad):
+    """``gamma_grad += sum dy xhat`` and ``beta_grad += sum dy`` (in their dtype) from the ``(2C,)`` vector
+    of :func:`bn_backward_sums`: one kernel on a GPU."""
+    gpu = _gpu_kernels(gamma_grad)
+    if gpu is not None:
+        _bn_gpu.add_param_grads(gpu, tot, gamma_grad, beta_grad)
+        return
+    c = tot.shape[0] // 2
+    xp = array_module(gamma_grad)
+    gamma_grad += xp.asarray(tot[c:], dtype=gamma_grad.dtype)
+    beta_grad += xp.asarray(tot[:c], dtype=beta_grad.dtype)
+
+
 def relu_mask(dy, y):
     """``dy`` where ``y > 0``, else 0: the gradient through a ReLU whose output is ``y``."""
     if _compiled(dy, y):
@@ -244,8 +269,8 @@ def relu_mask(dy, y):
     return array_module(y).where(y > 0, dy, dy.dtype.type(0))
 
 
-# the GPU's element-wise passes: one CuPy ElementwiseKernel each (built on first use; None where the array
-# module has no working ElementwiseKernel, e.g. NumPy or a CuPy stand-in, which then use array expressions)
+# the GPU's element-wise passes: one CuPy ElementwiseKernel each, with the reductions and per-channel kernels
+# of _bn_gpu (built on first use; None where the array module has no ElementwiseKernel/ReductionKernel)
 _GPU_FWD = (
     "T x, T s, T h, int32 relu", "T y",
     "T v = x * s + h; y = (relu && v < (T)0) ? (T)0 : v;", "lbannpy_bn_relu_fwd")
@@ -256,14 +281,15 @@ _gpu_cache: dict = {}
 
 
 def _gpu_kernels(x):
-    """``(forward, backward)`` ElementwiseKernels of ``x``'s array module, or None."""
+    """The GPU kernels (:class:`._bn_gpu.Kernels`) of ``x``'s array module, or None."""
     xp = array_module(x)
     if xp is numpy:
         return None
     got = _gpu_cache.get(xp, False)
     if got is False:
         try:
-            got = tuple(xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))
+            fwd, bwd = (xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))
+            got = _bn_gpu.Kernels(xp, fwd, bwd)
         except (AttributeError, NotImplementedError, TypeError):
             got = None
         _gpu_cache[xp] = got

@@ -363,12 +363,13 @@ lib = _types.ModuleType("cupy.lib")
 lib.stride_tricks = _StrideTricks("cupy.lib.stride_tricks")
 
 
-class ElementwiseKernel:
+from cupy._kernels import ElementwiseKernel as ElementwiseKernel  # noqa: E402  (compiled on the host)
+from cupy._kernels import ReductionKernel as ReductionKernel  # noqa: E402
+
+
+class RawKernel:
     def __init__(self, *a, **k):
-        raise NotImplementedError("the stand-in has no ElementwiseKernel; lbannpy does not use one")
-
-
-RawKernel = ElementwiseKernel
+        raise NotImplementedError("the stand-in has no RawKernel (CUDA source with thread indices)")
 
 
 def __getattr__(name):

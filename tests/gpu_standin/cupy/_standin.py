@@ -112,9 +112,23 @@ def merge(dst, src):
             dst[k] = v
 
 
+_launches = collections.Counter()
+
+
+def launches():
+    """{what: count} of the launches modelled since the last reset (each CuPy call the stand-in runs counts
+    once for its check and, where it makes a new array, once more for the result)."""
+    return dict(_launches)
+
+
+def reset_launches():
+    _launches.clear()
+
+
 def launch(stream, reads=(), writes=(), what="kernel"):
     """Model one kernel launch on ``stream`` reading/writing the given allocations."""
     with _lock:
+        _launches[what] += 1
         merge(stream._clock, _host_clock)
         for a in list(reads) + list(writes):
             if a is None:

@@ -1,0 +1,121 @@
+"""The stand-in's ElementwiseKernel and ReductionKernel (CuPy's argument rules, the body compiled for the
+host), and batch-norm's GPU path through them: the same numbers as the host's compiled kernels and a fixed
+handful of kernel launches per layer and step. Run by tests/test_gpu_kernels_standin.py in a subprocess
+whose PYTHONPATH starts with tests/gpu_standin."""
+import numpy as np
+import pytest
+
+import cupy
+from cupy import _standin
+
+from lbannpy.layers.kernels import batchnorm as K
+
+RNG = np.random.default_rng(3)
+
+
+def test_elementwise_kernel_binds_types_broadcasts_and_writes_given_outputs():
+    k = cupy.ElementwiseKernel("T x, T s, float64 m, int32 flag", "T y, float64 z",
+                               "y = flag ? x * s : x; z = (double)x + m;", "standin_ek")
+    h = RNG.standard_normal((3, 4)).astype(np.float32)
+    s = RNG.standard_normal((1, 4)).astype(np.float32)
+    y, z = k(cupy.asarray(h), cupy.asarray(s), 0.25, 1)
+    assert y.dtype == np.float32 and z.dtype == np.float64 and y.shape == z.shape == (3, 4)
+    np.testing.assert_array_equal(y.get(), h * s)
+    np.testing.assert_array_equal(z.get(), h.astype(np.float64) + 0.25)
+    out = cupy.zeros((3, 4), dtype=np.float32)
+    zz = cupy.zeros((3, 4))
+    got = k(cupy.asarray(h), cupy.asarray(s), 0.0, 0, out, zz)
+    assert got[0] is out and got[1] is zz
+    np.testing.assert_array_equal(out.get(), h)
+    acc = cupy.ElementwiseKernel("T v", "T a", "a = a + v;", "standin_acc")  # outputs are references
+    a = cupy.asarray(np.ones(5, np.float64))
+    acc(cupy.asarray(np.arange(5.0)), a)
+    np.testing.assert_array_equal(a.get(), 1 + np.arange(5.0))
+
+
+def test_elementwise_kernel_refuses_what_cupy_refuses():
+    k = cupy.ElementwiseKernel("T x, T w", "T y", "y = x + w;", "standin_ek2")
+    x32, x64 = cupy.zeros(3, dtype=np.float32), cupy.zeros(3)
+    with pytest.raises(TypeError, match="mismatched"):
+        k(x32, x64)
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        k(x32, np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="Wrong number of arguments"):
+        k(x32)
+    with pytest.raises(RuntimeError, match="does not compile"):
+        cupy.ElementwiseKernel("T x", "T y", "y = no_such_function(x);", "standin_bad")(x32)
+
+
+def test_kernels_are_ordered_on_streams_like_any_launch():
+    k = cupy.ElementwiseKernel("T x", "T y", "y = x * 2;", "standin_twice")
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        x = cupy.arange(4, dtype=np.float32)
+    with pytest.raises(_standin.RaceError):
+        k(x)  # written on the side stream, read on the current one with nothing ordering them
+    ev = side.record()
+    cupy.cuda.get_current_stream().wait_event(ev)
+    np.testing.assert_array_equal(k(x).get(), 2 * np.arange(4))
+
+
+def test_reduction_kernel_over_axes():
+    k = cupy.ReductionKernel("T x, T s", "float64 r", "((double)x - s) * ((double)x - s)", "a + b", "r = a",
+                             "0", "standin_sq")
+    h = RNG.standard_normal((2, 3, 5)).astype(np.float32)
+    s = h[0:1, :, 0:1]
+    ref = ((h.astype(np.float64) - s) ** 2)
+    for axis, keep in (((0, 2), False), ((0, 2), True), (None, False), (1, False)):
+        got = k(cupy.asarray(h), cupy.asarray(np.ascontiguousarray(s)), axis=axis, keepdims=keep)
+        want = ref.sum(axis=axis, keepdims=keep)
+        assert got.shape == np.shape(want) and got.dtype == np.float64
+        np.testing.assert_allclose(got.get(), want, rtol=1e-13)
+    mx = cupy.ReductionKernel("T x", "T m", "x", "max(a, b)", "m = a", "-1e300", "standin_max")
+    np.testing.assert_array_equal(mx(cupy.asarray(h), axis=2).get(), h.max(axis=2))
+
+
+def _bn_step(xp, h, dy, relu, dtype):
+    """One training step of a batch-norm layer's kernels (as layers/batchnorm.py calls them)."""
+    c = h.shape[1]
+    x, d = xp.asarray(h.astype(dtype)), xp.asarray(dy.astype(dtype))
+    g = xp.asarray(np.linspace(0.5, 1.5, c).astype(dtype))
+    b = xp.asarray(np.linspace(-0.2, 0.3, c).astype(dtype))
+    rm, rv = xp.asarray(np.full(c, 0.1)), xp.asarray(np.full(c, 0.9))
+    gg, gb = xp.asarray(np.full(c, 1.0, dtype)), xp.asarray(np.full(c, -1.0, dtype))
+    count = float(h.size // c)
+    if xp is cupy:
+        _standin.reset_launches()
+    tot = K.bn_local_sums(x)
+    y, mean, var, rm2, rv2 = K.bn_train_forward(x, tot, count, g, b, 1e-5, 0.1, rm, rv, relu=relu)
+    t2 = K.bn_backward_sums(d, x, mean, var, 1e-5, y=y if relu else None)
+    K.bn_add_param_grads(t2, gg, gb)
+    dx = K.bn_backward_data_summed(d, x, mean, var, g, 1e-5, t2, count, y=y if relu else None)
+    ev = K.bn_forward(x, rm2, rv2, g, b, 1e-5, relu=relu)
+    launched = _standin.launches() if xp is cupy else None
+    out = [y, mean, var, rm2, rv2, tot, t2, gg, gb, dx, ev]
+    return [cupy.asnumpy(a) if xp is cupy else a for a in out], launched
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (1, 4, 7), (3, 2, 2, 3, 2), (4, 6)])
+def test_batchnorm_gpu_path_equals_the_host_kernels(shape, relu, dtype):
+    h = (RNG.standard_normal(shape) * 3 + 5).astype(dtype)  # an offset mean: the sums' precision shows
+    dy = RNG.standard_normal(shape).astype(dtype)
+    gpu, launched = _bn_step(cupy, h, dy, relu, dtype)
+    host, _ = _bn_step(np, h, dy, relu, dtype)
+    names = ["y", "mean", "var", "running_mean", "running_var", "sums", "backward sums", "dgamma", "dbeta",
+             "dx", "eval y"]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name, a, b in zip(names, gpu, host):
+        assert a.dtype == b.dtype, name
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, np.abs(b).max()), err_msg=name)
+    kernels = {k: v for k, v in launched.items() if k.startswith("kernel ")}
+    # forward: 2 reductions, the sums, the statistics, normalise; backward: 2 reductions, the sums, the
+    # parameter gradients, the coefficients, the data gradient; evaluation: scale/shift and normalise
+    assert sum(kernels.values()) == 13, kernels
+    assert all(v == 1 or k.endswith("relu_fwd") for k, v in kernels.items()), kernels
+    # nothing else but views and the two (2C,) sum vectors' allocations (the stand-in counts a reshape or a
+    # slice as a call; on a GPU they launch nothing)
+    others = {k: v for k, v in launched.items() if not k.startswith("kernel ")}
+    assert set(others) <= {"ndarray.reshape", "getitem", "cupy.empty"}, others
+    assert others.get("cupy.empty", 0) == 2
