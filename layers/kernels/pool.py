@@ -19,6 +19,7 @@ import numpy
 
 from lbannpy.backend import array_module
 
+from . import _pool_gpu
 from ._geometry import KernelShapeError, per_dim, tap_slices, valid_output_shape
 
 try:  # the compiled kernels (built by pip install where a C compiler is present; see _cconv.c)
@@ -112,6 +113,9 @@ def max_pool_forward(x_window, kernel, stride=None, dilation=1):
     xp = array_module(x_window)
     k, s, d, out, at = _plan(x_window.shape, kernel, stride, dilation)
     idx_dtype = numpy.int8 if len(at) <= 127 else numpy.int16
+    gpu = _pool_gpu.kernels(xp)
+    if gpu is not None and x_window.size:  # one kernel (the array expressions below launch ~5 a tap)
+        return _pool_gpu.max_forward(xp, gpu, x_window, k, s, d, out, idx_dtype)
     y = x_window[at[0]].copy()
     for sl in at[1:]:
         xp.maximum(y, x_window[sl], out=y)  # NaN propagates
@@ -154,6 +158,9 @@ def max_pool_backward(dy, argmax, x_window_shape, kernel, stride=None, dilation=
     xp = array_module(dy)
     k, s, d, out, at = _plan(x_window_shape, kernel, stride, dilation)
     _check(dy, x_window_shape, out)
+    gpu = _pool_gpu.kernels(xp)
+    if gpu is not None and dy.size:
+        return _pool_gpu.max_backward(xp, gpu, dy, argmax, x_window_shape, k, s, d, out)
     dx = xp.zeros(tuple(x_window_shape), dtype=dy.dtype)
     for t, sl in enumerate(at):
         dx[sl] += dy * (argmax == t)

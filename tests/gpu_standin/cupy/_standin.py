@@ -113,11 +113,13 @@ def merge(dst, src):
 
 
 _launches = collections.Counter()
+_NOT_KERNELS = frozenset({"cupy.empty"})  # allocations launch nothing
 
 
 def launches():
-    """{what: count} of the launches modelled since the last reset (each CuPy call the stand-in runs counts
-    once for its check and, where it makes a new array, once more for the result)."""
+    """{what: count} of the device operations modelled since the last reset that write memory: kernels,
+    copies, NCCL calls (a view, a reshape or an allocation launches nothing on a GPU and is not counted; an
+    array expression that makes a new array counts once, an in-place one once)."""
     return dict(_launches)
 
 
@@ -128,7 +130,8 @@ def reset_launches():
 def launch(stream, reads=(), writes=(), what="kernel"):
     """Model one kernel launch on ``stream`` reading/writing the given allocations."""
     with _lock:
-        _launches[what] += 1
+        if writes and what not in _NOT_KERNELS:
+            _launches[what] += 1
         merge(stream._clock, _host_clock)
         for a in list(reads) + list(writes):
             if a is None:
