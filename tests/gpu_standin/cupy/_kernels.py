@@ -125,23 +125,52 @@ class ElementwiseKernel:
     def _dtype(self, p, types):
         return types[p.type] if p.placeholder else _np.dtype(_DTYPES[p.type])
 
-    # -- the call ----------------------------------------------------------------------------------------
-    def __call__(self, *args, size=None, stream=None, block_size=None):
-        from cupy import cuda, ndarray
+    def _checked(self, args):
+        """The arguments padded with None for outputs not given, after CuPy's checks (count, host arrays,
+        device)."""
+        from cupy import ndarray
 
+        kind = type(self).__name__
         n_in, n_out = len(self.in_params), len(self.out_params)
         if len(args) not in (n_in, n_in + n_out):
             raise TypeError(f"Wrong number of arguments for {self.name!r}: {len(args)} given, "
                             f"{n_in} or {n_in + n_out} expected")
-        for a in args:
-            if isinstance(a, _np.ndarray):
-                raise TypeError(f"ElementwiseKernel {self.name}: unsupported type <class 'numpy.ndarray'>")
         dev = _standin.local.device
         for a in args:
+            if isinstance(a, _np.ndarray):
+                raise TypeError(f"{kind} {self.name}: unsupported type <class 'numpy.ndarray'>")
             if isinstance(a, ndarray) and a._alloc.device != dev:
-                raise ValueError(f"ElementwiseKernel {self.name}: array on device {a._alloc.device} used "
-                                 f"while device {dev} is current")
-        full = list(args) + [None] * (n_in + n_out - len(args))
+                raise ValueError(f"{kind} {self.name}: array on device {a._alloc.device} used while device "
+                                 f"{dev} is current")
+        return list(args) + [None] * (n_in + n_out - len(args))
+
+    def _outputs(self, full, types, shape, stream):
+        """The outputs (given, checked against ``shape``, or allocated), after one launch on ``stream``
+        that reads the inputs and writes them."""
+        from cupy import cuda, ndarray
+
+        n_in, outs = len(self.in_params), []
+        for p, a in zip(self.out_params, full[n_in:]):
+            dt = self._dtype(p, types)
+            if a is None:
+                a = ndarray(shape, dt)
+            elif not isinstance(a, ndarray):
+                raise TypeError(f"{type(self).__name__} {self.name}: output {p.name} must be an array")
+            elif a.dtype != dt or (not p.raw and a.shape != shape):
+                raise ValueError(f"{type(self).__name__} {self.name}: output {p.name} is {a.dtype}{a.shape}, "
+                                 f"the kernel writes {dt}{shape}")
+            outs.append(a)
+        reads = [a._alloc for a in full[:n_in] if isinstance(a, ndarray)]
+        _standin.launch(stream or cuda.get_current_stream(), reads=reads, writes=[o._alloc for o in outs],
+                        what=f"kernel {self.name}")
+        return outs
+
+    # -- the call ----------------------------------------------------------------------------------------
+    def __call__(self, *args, size=None, stream=None, block_size=None):
+        from cupy import ndarray
+
+        full = self._checked(args)
+        n_in = len(self.in_params)
         types = self._bind_types(full)
         params = self.in_params + self.out_params
         shaped = [a._a.shape for p, a in zip(params, full) if isinstance(a, ndarray) and not p.raw]
@@ -151,24 +180,11 @@ class ElementwiseKernel:
             shape = (int(size),)
         else:
             raise ValueError(f"ElementwiseKernel {self.name}: no array argument; pass size=")
-        outs = []
-        for p, a in zip(self.out_params, full[n_in:]):
-            dt = self._dtype(p, types)
-            if a is None:
-                a = ndarray(shape, dt)
-            elif not isinstance(a, ndarray):
-                raise TypeError(f"ElementwiseKernel {self.name}: output {p.name} must be an array")
-            elif a.dtype != dt or (not p.raw and a.shape != shape):
-                raise ValueError(f"ElementwiseKernel {self.name}: output {p.name} is {a.dtype}{a.shape}, the "
-                                 f"kernel writes {dt}{shape}")
-            outs.append(a)
-        stream = stream or cuda.get_current_stream()
-        reads = [a._alloc for a in full[:n_in] if isinstance(a, ndarray)]
-        _standin.launch(stream, reads=reads, writes=[o._alloc for o in outs], what=f"kernel {self.name}")
+        outs = self._outputs(full, types, shape, stream)
         self._run(full[:n_in], outs, shape, types)
         if self.no_return:
             return None
-        if n_out == 1 and not self.return_tuple:
+        if len(outs) == 1 and not self.return_tuple:
             return outs[0]
         return tuple(outs)
 
@@ -254,19 +270,10 @@ class ReductionKernel(ElementwiseKernel):
         self.identity, self.reduce_type = str(identity), reduce_type
 
     def __call__(self, *args, axis=None, keepdims=False, stream=None):
-        from cupy import cuda, ndarray
+        from cupy import ndarray
 
-        n_in, n_out = len(self.in_params), len(self.out_params)
-        if len(args) not in (n_in, n_in + n_out):
-            raise TypeError(f"Wrong number of arguments for {self.name!r}: {len(args)} given, "
-                            f"{n_in} or {n_in + n_out} expected")
-        full = list(args) + [None] * (n_in + n_out - len(args))
-        for a in full:
-            if isinstance(a, _np.ndarray):
-                raise TypeError(f"ReductionKernel {self.name}: unsupported type <class 'numpy.ndarray'>")
-            if isinstance(a, ndarray) and a._alloc.device != _standin.local.device:
-                raise ValueError(f"ReductionKernel {self.name}: array on device {a._alloc.device} used "
-                                 f"while device {_standin.local.device} is current")
+        full = self._checked(args)
+        n_in = len(self.in_params)
         types = self._bind_types(full)
         shape = _np.broadcast_shapes(*[a._a.shape for p, a in zip(self.in_params, full[:n_in])
                                        if isinstance(a, ndarray) and not p.raw])
@@ -276,18 +283,7 @@ class ReductionKernel(ElementwiseKernel):
         kept = [d for d in range(nd) if d not in axes]
         out_shape = tuple(1 if d in axes else shape[d] for d in range(nd)) if keepdims else \
             tuple(shape[d] for d in kept)
-        outs = []
-        for p, a in zip(self.out_params, full[n_in:]):
-            dt = self._dtype(p, types)
-            if a is None:
-                a = ndarray(out_shape, dt)
-            elif a.dtype != dt or a.shape != out_shape:
-                raise ValueError(f"ReductionKernel {self.name}: output {p.name} is {a.dtype}{a.shape}, the "
-                                 f"kernel writes {dt}{out_shape}")
-            outs.append(a)
-        stream = stream or cuda.get_current_stream()
-        reads = [a._alloc for a in full[:n_in] if isinstance(a, ndarray)]
-        _standin.launch(stream, reads=reads, writes=[o._alloc for o in outs], what=f"kernel {self.name}")
+        outs = self._outputs(full, types, out_shape, stream)
         nred = int(_np.prod([shape[d] for d in axes]))
         nout = int(_np.prod([shape[d] for d in kept]))
         order = kept + list(axes)
@@ -303,7 +299,7 @@ class ReductionKernel(ElementwiseKernel):
         fn(ctypes.c_int64(nout), ctypes.c_int64(nred), *cargs)
         for o, h in back:
             o._a[...] = h
-        return outs[0] if n_out == 1 else tuple(outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _source(self, types, kinds):
         src = super()._source(types, kinds)
