@@ -45,6 +45,7 @@ _ELT = (  # (in, out, operation, name)
     ("float64 s1, float64 s2, float64 var, float64 eps", "float64 t1, float64 t2",
      "t1 = s1; t2 = s2 / sqrt(var + eps);", "lbannpy_bn_bwd_sums"),
     ("float64 t2, float64 t1", "T gg, T gb", "gg = gg + (T)t2; gb = gb + (T)t1;", "lbannpy_bn_add_grads"),
+    ("T dy, T y", "T dx", "dx = y > (T)0 ? dy : (T)0;", "lbannpy_relu_bwd"),
     ("float64 mean, float64 var, T gamma, float64 eps, float64 t1, float64 t2, float64 count",
      "T a, T b, T c",
      "double inv = 1.0 / sqrt(var + eps); double k = (double)gamma * inv;"
@@ -59,8 +60,8 @@ class Kernels:
     def __init__(self, xp, fwd, bwd):
         self.xp, self.fwd, self.bwd = xp, fwd, bwd
         self.sum, self.sumsq, self.sum_dy, self.sum_dy_xc = (xp.ReductionKernel(*k) for k in _RED)
-        self.sums, self.stats, self.scale_shift, self.bwd_sums, self.add_grads, self.coefficients = (
-            xp.ElementwiseKernel(*k) for k in _ELT)
+        (self.sums, self.stats, self.scale_shift, self.bwd_sums, self.add_grads, self.relu_mask,
+         self.coefficients) = (xp.ElementwiseKernel(*k) for k in _ELT)
 
 
 def _ncp(x):

@@ -266,6 +266,9 @@ def relu_mask(dy, y):
         dx = numpy.empty_like(dy)
         _cbn.relu_bwd(dy.dtype.itemsize, dy, y, dy.size, dx)
         return dx
+    gpu = _gpu_kernels(y)
+    if gpu is not None:  # one kernel (where(y > 0, ...) is two)
+        return gpu.relu_mask(dy, y)
     return array_module(y).where(y > 0, dy, dy.dtype.type(0))
 
 

@@ -185,3 +185,18 @@ def test_max_pool_gpu_path_is_one_kernel_each_way_and_equals_the_host(shape, ker
     hdx = pool.max_pool_backward(dy, harg, shape, kernel, stride, dilation)
     np.testing.assert_allclose(dx.get(), hdx, rtol=1e-6 if dtype == np.float32 else 1e-14, atol=1e-6)
     assert fwd == {"kernel lbannpy_maxpool_fwd": 1} and bwd == {"kernel lbannpy_maxpool_bwd": 1}, (fwd, bwd)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_backward_is_one_kernel_and_equals_the_host(dtype):
+    from lbannpy.layers.kernels import relu_backward
+
+    y = RNG.standard_normal((3, 4, 5)).astype(dtype)
+    y.reshape(-1)[::7] = 0.0
+    y.reshape(-1)[::11] = np.nan
+    dy = RNG.standard_normal(y.shape).astype(dtype)
+    d_dy, d_y = cupy.asarray(dy), cupy.asarray(y)
+    _standin.reset_launches()
+    got = relu_backward(d_dy, d_y)
+    assert _standin.launches() == {"kernel lbannpy_relu_bwd": 1}
+    np.testing.assert_array_equal(got.get(), relu_backward(dy, y))
