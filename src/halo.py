@@ -183,6 +183,78 @@ class HaloPlan:
         """Ranks this plan exchanges messages with (either direction)."""
         return tuple(sorted({s.peer for s in self.recvs} | {s.peer for s in self.sends}))
 
+    # -- the kernel-padded (windowless) form -------------------------------------------------------
+    def kernel_padding_fits(self, pads: Sequence[int]) -> bool:
+        """Whether a kernel that pads the local block by ``pads`` (both sides of each spatial dimension)
+        computes exactly this rank's output block, every output reading the global input rows it should,
+        with the ghost rows of the window read as zeros: each dimension's block starts on a stride
+        (``o0 * s == lo``) and the padded block gives as many outputs as the block holds. Then the output
+        is that convolution plus, on the boundary boxes only, the convolution of the ghost values
+        (:attr:`ghost_pieces`): no window is built."""
+        pads = (0, 0) + tuple(int(p) for p in pads)
+        if len(pads) != len(self.stencil.dims):
+            return False
+        for w, p, (lo, hi), (o0, o1) in zip(self.stencil.dims, pads, self.input_box, self.output_box):
+            if w.pad_lo != p or w.pad_hi != p or o0 * w.stride != lo:
+                return False
+            if (hi - lo + 2 * p - w.reach) // w.stride + 1 != o1 - o0:
+                return False
+        return True
+
+    @functools.cached_property
+    def ghost_pieces(self) -> tuple[GhostPiece, ...]:
+        """The boundary boxes whose input window meets a received part, each with the pieces of the
+        receive buffer that land in it (see :class:`GhostPiece`)."""
+        return _ghost_pieces(self)
+
+    def start_ghosts(self, comm: Communicator, local) -> "HaloExchange":
+        """:meth:`start` without a window: only the ghost values move (point to point, same group);
+        ``wait()`` returns the receive buffer (``recv_size`` elements, laid out as ``recvs``)."""
+        check_comm(comm, self.dist, self.rank, "halo exchange")
+        check_array(local, self.local_shape, "halo exchange input block", self.rank)
+        xp = array_module(local)
+        recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
+        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.recvs]
+        sendbuf = pack(local, self.sends)
+        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.sends]
+        comm.flush()
+        return HaloExchange(None, handles, lambda: recvbuf, (recvbuf, sendbuf, local),
+                            f"halo rank {self.rank}", received=recvbuf)
+
+    def ghost_window(self, received, piece: GhostPiece):
+        """Not collective: the input window of ``piece`` with its received values in place and zeros
+        elsewhere (owned rows and padding: what the kernel-padded convolution already accounted for)."""
+        g = array_module(received).zeros(piece.shape, dtype=received.dtype)
+        for j, psl, ssl in piece.links:
+            seg = self.recvs[j]
+            g[psl] = received[seg.offset:seg.stop].reshape(seg.shape)[ssl]
+        return g
+
+    def add_ghost_gradient(self, packed, piece: GhostPiece, grad_window) -> None:
+        """Adds the gradient of ``piece``'s window (``grad_window``) at its received positions into
+        ``packed`` (``recv_size`` elements, the layout of ``recvs``), for :meth:`accumulate_ghosts_start`."""
+        for j, psl, ssl in piece.links:
+            seg = self.recvs[j]
+            packed[seg.offset:seg.stop].reshape(seg.shape)[ssl] += grad_window[psl]
+
+    def accumulate_ghosts_start(self, comm: Communicator, packed, grad) -> Handle:
+        """Adjoint of :meth:`start_ghosts` (point to point, same group): sends the ghost gradients
+        ``packed`` to their owners and, on ``wait()``, adds what this rank's block receives into ``grad``
+        (this rank's input gradient block, in place), which it returns."""
+        check_comm(comm, self.dist, self.rank, "halo accumulate")
+        check_array(grad, self.local_shape, "halo accumulate output block", self.rank)
+        xp = array_module(grad)
+        recvbuf = xp.empty(self.send_size, dtype=grad.dtype)
+        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.sends]
+        handles += [comm.isend(packed[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.recvs]
+
+        def finish():
+            return unpack(recvbuf, self.sends, grad, add=True)
+
+        comm.flush()
+        return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
+                      (recvbuf, packed, grad), f"halo accumulate rank {self.rank}")
+
     # -- execution ----------------------------------------------------------------------------------
     def start(self, comm: Communicator, local, out=None) -> "HaloExchange":
         """Point to point among the ranks of this rank's replica group; every rank of the distribution
@@ -268,6 +340,33 @@ class HaloPlan:
         comm.flush()
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, sendbuf, grad, grad_window), f"halo accumulate rank {self.rank}")
+
+
+class GhostPiece:
+    """One boundary box of a plan's output block, for the kernel-padded (windowless) form: ``out_slices``
+    select it from the local output; ``shape`` is the input window it reads; ``links`` are ``(j, piece
+    slices, segment slices)``: where received segment ``j`` meets that window."""
+
+    __slots__ = ("out_slices", "shape", "links")
+
+    def __init__(self, out_slices, shape, links):
+        self.out_slices, self.shape, self.links = out_slices, shape, links
+
+
+def _ghost_pieces(plan: "HaloPlan") -> tuple[GhostPiece, ...]:
+    out0 = tuple(lo for lo, _ in plan.output_box)
+    pieces = []
+    for b in plan.boundary_boxes:
+        win = plan.stencil.input_window(b)
+        links = []
+        for j, seg in enumerate(plan.recvs):
+            meet = intersect(win, seg.box)
+            if meet is not None:
+                links.append((j, relative_slices(meet, [lo for lo, _ in win]),
+                              relative_slices(meet, [lo for lo, _ in seg.box])))
+        if links:  # a box next to padding only reads nothing that differs from the kernel's zeros
+            pieces.append(GhostPiece(relative_slices(b, out0), box_shape(win), tuple(links)))
+    return tuple(pieces)
 
 
 class HaloExchange(Handle):

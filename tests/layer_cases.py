@@ -48,10 +48,16 @@ def global_data(case: Case, out_shape, seed: int = 0):
     return x, dy
 
 
-def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True):
+def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True,
+                kernels: str | None = None):
     """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays; ``fuse``
-    False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU)."""
+    False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU); ``kernels`` names
+    the convolution kernel set (``runtime.kernels``; default lbannpy's own)."""
     ctx = LayerContext(comm, xp, "float64", seed=seed, overlap=overlap, fuse=fuse)
+    if kernels is not None:
+        from lbannpy.layers.kernels.select import conv_kernels
+
+        ctx.conv_kernels = conv_kernels(kernels)
     model = Model(case.spec(), case.input_shape[0], ctx, case.parallel)
     x, dy = global_data(case, model.output.out_shape)
     xt = DistTensor.scatter(xp.asarray(x), model.input_dist, comm)
@@ -141,9 +147,13 @@ def _apply(layer, ins, params):
     raise ValueError(f"no torch reference for layer type {ltype}")
 
 
-def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10):
-    """Collective: run both; return a list of mismatch messages (empty when everything agrees)."""
-    y, dx, grads, values, model = run_lbannpy(case, comm, xp, overlap)
+def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10, kernels: str | None = None,
+            out: list | None = None):
+    """Collective: run both; return a list of mismatch messages (empty when everything agrees); the
+    lbannpy model is appended to ``out`` when given."""
+    y, dx, grads, values, model = run_lbannpy(case, comm, xp, overlap, kernels=kernels)
+    if out is not None:
+        out.append(model)
     ty, tdx, tgrads = torch_reference(case, values, model.output.out_shape)
     bad = []
 

@@ -169,14 +169,19 @@ def test_fc_spatial_split_is_refused(comm):
     raises_all(comm, (LayerError, ValueError), run_lbannpy, case, comm, match="f")
 
 
-@pytest.mark.parametrize("layer", [{"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1},
-                                   {"name": "p", "type": "pool", "kernel": 3, "stride": 1, "padding": 1}],
-                         ids=["conv", "pool"])
-def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layer):
+_CONV = {"name": "c", "type": "conv", "filters": 8, "kernel": 3, "padding": 1}
+
+
+@pytest.mark.parametrize("layers,kernels", [((_CONV,), None),
+                                            (({"name": "p", "type": "pool", "kernel": 3, "stride": 1,
+                                               "padding": 1},), None),
+                                            (({"name": "r", "type": "relu"}, _CONV), "aten")],
+                         ids=["conv", "pool", "conv-windowless"])
+def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layers, kernels):
     """Rank 1 enters the layer late, so rank 0's halo data cannot arrive before then. Rank 0 must have
-    finished its interior (convolution or pooling: the base class's stencil template) before that (it ran
-    while the exchange was in flight), and then waited for the exchange; the numbers equal the run without
-    overlap."""
+    finished its interior (convolution or pooling: the base class's stencil template; a windowless
+    convolution: its whole kernel-padded block) before that (it ran while the exchange was in flight), and
+    then waited for the exchange; the numbers equal the run without overlap."""
     if comm.size != 2:
         pytest.skip("the late-peer schedule is written for 2 ranks (decided by comm.size on every rank)")
     import time
@@ -188,13 +193,20 @@ def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layer):
     from lbannpy.tensor import DistTensor
 
     delay = 0.5  # seconds rank 1 waits before its forward
-    spec = {"input": {"channels": 4, "spatial": [64, 32]}, "layers": [layer]}
+    if kernels is not None:
+        pytest.importorskip("torch")
+    spec = {"input": {"channels": 4, "spatial": [64, 32]}, "layers": list(layers)}
     x = np.random.default_rng(0).standard_normal((2, 4, 64, 32))
     outs = {}
     for overlap in (True, False):
         timer = Timer(events=[])
         ctx = LayerContext(comm, np, "float64", seed=1, overlap=overlap, timer=timer)
+        if kernels is not None:
+            from lbannpy.layers.kernels.select import conv_kernels
+
+            ctx.conv_kernels = conv_kernels(kernels)
         model = Model(spec, 2, ctx, {"default": {"h": 2}})
+        assert_all(comm, (kernels is not None) == bool(_windowless(model)), "windowless or not, as meant")
         xt = DistTensor.scatter(x, model.input_dist, comm)
         comm.barrier()
         t_enter = time.perf_counter()
@@ -226,3 +238,35 @@ def test_a_whole_input_needs_no_redistribution_for_a_filter_split(comm):
         model = run_lbannpy(case, comm)[4]
         plans = model.layers[0]._in_plans
         assert_all(comm, plans == [None], f"{case.id}: planned {plans}")
+
+
+def _windowless(model) -> list[str]:
+    return [lay.name for lay in model.layers
+            if lay.type == "conv" and lay.kernel_pads is not None and not lay.halo.local]
+
+
+@pytest.mark.parametrize("kernels", ["own", "aten"])
+def test_split_convolutions_without_a_window_match_pytorch(comm, kernels):
+    """A split convolution whose kernel pads its local block (ATen: every one; lbannpy's own: those of its
+    one-call path) where the padding lands each output on its own rows (blocks starting on a stride) runs
+    without a window: the local block's convolution plus the ghost rows' terms on the boundary outputs,
+    forward and backward, under every spatial split, 2-D and 3-D, strided, dilated, uneven blocks; equal to
+    PyTorch to 1e-10. A ReLU first, so the convolution does not read the model input (that one keeps its
+    window)."""
+    pytest.importorskip("torch")
+    relu = {"name": "r0", "type": "relu"}
+    cases = [Case("windowless" + "".join(f"-{k}{v[k]}" for k in v), (relu, conv(**v)), (N, C, H, W),
+                  {"default": par})
+             for v in CONV_VARIANTS for par in splits(comm.size, ("n", "h", "w"))]
+    cases += [Case("windowless-even", (relu, conv(kernel=3, stride=2, padding=1)), (4, 3, 16, 24),
+                   {"default": par}) for par in splits(comm.size, ("h", "w"))]
+    cases += [Case("windowless3d", (relu, conv(kernel=3, padding=1, stride=(1, 2, 1))), (5, 2, 8, 8, 12),
+                   {"default": par}) for par in splits(comm.size, ("n", "h", "w"))]
+    bad, taken = [], 0
+    for case in cases:
+        models = []
+        bad += compare(case, comm, kernels=kernels, out=models)
+        taken += len(_windowless(models[0]))
+    # every rank count above one has splits whose blocks start on a stride: some convolutions go windowless
+    ok = not bad and (comm.size == 1 or taken > 0)
+    assert_all(comm, ok, "\n".join(bad) or f"no convolution ran without a window ({kernels})")
