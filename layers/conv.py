@@ -45,6 +45,13 @@ from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
 
 
+#: a split convolution goes windowless only where its boundary boxes (each convolved again over its own
+#: small window for the ghost terms: extra work in proportion) hold at most this share of its output block;
+#: thinner blocks keep the window, which is small there anyway (mesh1k 512² on 2 ranks, blocks of 16-128
+#: rows: the ghost terms cost about 2 % of the step, and at 1024² the saved copies outweigh them)
+WINDOWLESS_MAX_BOUNDARY = 1 / 16
+
+
 def _infer(lay: LayerArgs) -> Inferred:
     needs_image(lay, "move the layer before the fully-connected layers")
     x, p = lay.x, lay.params
@@ -150,7 +157,8 @@ class Conv(Layer):
             # belongs (:meth:`~lbannpy.halo.HaloPlan.kernel_padding_fits`); with a halo to exchange too
             # (windowless), unless the filters are split or the layer keeps its window (the model input)
             ok = (kern.pads and self.halo.kernel_padding_fits(pads)
-                  and (self.halo.local or (self.cgroup is None and not self.keeps_window)))
+                  and (self.halo.local or (self.cgroup is None and not self.keeps_window
+                                           and self.halo.ghost_fraction <= WINDOWLESS_MAX_BOUNDARY)))
             local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
             wshape = self.w.value.shape
             if ok and callable(kern.pads):  # the set pads some convolutions only

@@ -34,6 +34,7 @@ geometry overlap (the activation halo and the error-signal halo of one layer, sa
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from typing import Sequence
 
@@ -206,6 +207,14 @@ class HaloPlan:
         """The boundary boxes whose input window meets a received part, each with the pieces of the
         receive buffer that land in it (see :class:`GhostPiece`)."""
         return _ghost_pieces(self)
+
+    @functools.cached_property
+    def ghost_fraction(self) -> float:
+        """The share of this rank's output block in :attr:`ghost_pieces` (boxes whose ghost terms a
+        windowless convolution computes again over a window of their own)."""
+        inside = sum(math.prod(sl.stop - sl.start for sl in p.out_slices) for p in self.ghost_pieces)
+        n = box_size(self.output_box)
+        return inside / n if n else 0.0
 
     def start_ghosts(self, comm: Communicator, local) -> "HaloExchange":
         """:meth:`start` without a window: only the ghost values move (point to point, same group);

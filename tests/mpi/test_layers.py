@@ -246,7 +246,7 @@ def _windowless(model) -> list[str]:
 
 
 @pytest.mark.parametrize("kernels", ["own", "aten"])
-def test_split_convolutions_without_a_window_match_pytorch(comm, kernels):
+def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkeypatch):
     """A split convolution whose kernel pads its local block (ATen: every one; lbannpy's own: those of its
     one-call path) where the padding lands each output on its own rows (blocks starting on a stride) runs
     without a window: the local block's convolution plus the ghost rows' terms on the boundary outputs,
@@ -254,6 +254,9 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels):
     PyTorch to 1e-10. A ReLU first, so the convolution does not read the model input (that one keeps its
     window)."""
     pytest.importorskip("torch")
+    from lbannpy.layers import conv as conv_layer
+
+    monkeypatch.setattr(conv_layer, "WINDOWLESS_MAX_BOUNDARY", 1.0)  # these small blocks are all boundary
     relu = {"name": "r0", "type": "relu"}
     cases = [Case("windowless" + "".join(f"-{k}{v[k]}" for k in v), (relu, conv(**v)), (N, C, H, W),
                   {"default": par})
@@ -270,3 +273,21 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels):
     # every rank count above one has splits whose blocks start on a stride: some convolutions go windowless
     ok = not bad and (comm.size == 1 or taken > 0)
     assert_all(comm, ok, "\n".join(bad) or f"no convolution ran without a window ({kernels})")
+
+
+def test_thin_blocks_keep_their_window(comm):
+    """Windowless only where the boundary boxes (convolved again for their ghost terms) are at most
+    ``WINDOWLESS_MAX_BOUNDARY`` of the output block: 64 rows over 2 ranks go windowless (1 boundary row of
+    32), 16 rows keep the window (1 of 8); both equal PyTorch."""
+    if comm.size != 2:
+        pytest.skip("written for 2 ranks (decided by comm.size on every rank)")
+    pytest.importorskip("torch")
+    relu = {"name": "r0", "type": "relu"}
+    bad = []
+    for rows, want in ((64, True), (16, False)):
+        models = []
+        case = Case(f"rows{rows}", (relu, conv(kernel=3, padding=1)), (1, 3, rows, 16), {"default": {"h": 2}})
+        bad += compare(case, comm, kernels="aten", out=models)
+        if bool(_windowless(models[0])) != want:
+            bad.append(f"{rows} rows: windowless {not want}, meant {want}")
+    assert_all(comm, not bad, "\n".join(bad))
