@@ -270,11 +270,11 @@ class Conv(Layer):
                 dw, db = plan.backward_params(x, dy, bias)
             else:
                 dw, db = kern.conv_backward_params(x, dy, w, bias, self.stride, self.dilation, padding=pads)
-            for _, g, dyp in ghosts:
-                dw = dw + kern.conv_backward_params(g, dyp, w, False, self.stride, self.dilation)[0]
             self.w.accumulate(dw)
             if db is not None:
                 self.b.accumulate(db)
+            for _, g, dyp in ghosts:  # added into the gradient in place: no filter-sized temporary
+                self.w.accumulate(kern.conv_backward_params(g, dyp, w, False, self.stride, self.dilation)[0])
         if not self.needs_input_grad:
             weight_grads()
             return [None]

@@ -206,7 +206,19 @@ class HaloPlan:
     def ghost_pieces(self) -> tuple[GhostPiece, ...]:
         """The boundary boxes whose input window meets a received part, each with the pieces of the
         receive buffer that land in it (see :class:`GhostPiece`)."""
-        return _ghost_pieces(self)
+        out0 = tuple(lo for lo, _ in self.output_box)
+        pieces = []
+        for b in self.boundary_boxes:
+            win = self.stencil.input_window(b)
+            links = []
+            for j, seg in enumerate(self.recvs):
+                meet = intersect(win, seg.box)
+                if meet is not None:
+                    links.append((j, relative_slices(meet, [lo for lo, _ in win]),
+                                  relative_slices(meet, [lo for lo, _ in seg.box])))
+            if links:  # a box next to padding only reads nothing that differs from the kernel's zeros
+                pieces.append(GhostPiece(relative_slices(b, out0), box_shape(win), tuple(links)))
+        return tuple(pieces)
 
     @functools.cached_property
     def ghost_fraction(self) -> float:
@@ -223,10 +235,8 @@ class HaloPlan:
         check_array(local, self.local_shape, "halo exchange input block", self.rank)
         xp = array_module(local)
         recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
-        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.recvs]
         sendbuf = pack(local, self.sends)
-        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.sends]
-        comm.flush()
+        handles = self._post(comm, recvbuf, self.recvs, sendbuf, self.sends, 2 * self.tag)
         return HaloExchange(None, handles, lambda: recvbuf, (recvbuf, sendbuf, local),
                             f"halo rank {self.rank}", received=recvbuf)
 
@@ -254,17 +264,25 @@ class HaloPlan:
         check_array(grad, self.local_shape, "halo accumulate output block", self.rank)
         xp = array_module(grad)
         recvbuf = xp.empty(self.send_size, dtype=grad.dtype)
-        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.sends]
-        handles += [comm.isend(packed[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.recvs]
+        handles = self._post(comm, recvbuf, self.sends, packed, self.recvs, 2 * self.tag + 1)
 
         def finish():
             return unpack(recvbuf, self.sends, grad, add=True)
 
-        comm.flush()
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, packed, grad), f"halo accumulate rank {self.rank}")
 
     # -- execution ----------------------------------------------------------------------------------
+    @staticmethod
+    def _post(comm: Communicator, recvbuf, recv_segs, sendbuf, send_segs, tag: int) -> list:
+        """Posts one receive per segment of ``recv_segs`` into ``recvbuf`` and one send per segment of
+        ``send_segs`` from ``sendbuf`` (the exchange and its adjoint swap the two), then flushes: backends
+        that batch point-to-point operations start them now, before the interior work."""
+        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, tag) for s in recv_segs]
+        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, tag) for s in send_segs]
+        comm.flush()
+        return handles
+
     def start(self, comm: Communicator, local, out=None) -> "HaloExchange":
         """Point to point among the ranks of this rank's replica group; every rank of the distribution
         starts its own plan. ``local`` is this rank's input block; ``out`` (optional) receives the window.
@@ -273,14 +291,12 @@ class HaloPlan:
         window = self.local_window(local, out)
         xp = array_module(local)
         recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
-        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.recvs]
         sendbuf = pack(local, self.sends)
-        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag) for s in self.sends]
+        handles = self._post(comm, recvbuf, self.recvs, sendbuf, self.sends, 2 * self.tag)
 
         def finish():
             return unpack(recvbuf, self.recvs, window)
 
-        comm.flush()  # backends that batch point-to-point operations start them now, before interior work
         return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
                             f"halo rank {self.rank}", received=recvbuf)
 
@@ -339,14 +355,12 @@ class HaloPlan:
         if self.owned_box is not None:
             grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
         recvbuf = xp.empty(self.send_size, dtype=grad_window.dtype)
-        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.sends]
         sendbuf = pack(grad_window, self.recvs)
-        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, 2 * self.tag + 1) for s in self.recvs]
+        handles = self._post(comm, recvbuf, self.sends, sendbuf, self.recvs, 2 * self.tag + 1)
 
         def finish():
             return unpack(recvbuf, self.sends, grad, add=True)
 
-        comm.flush()
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, sendbuf, grad, grad_window), f"halo accumulate rank {self.rank}")
 
@@ -360,22 +374,6 @@ class GhostPiece:
 
     def __init__(self, out_slices, shape, links):
         self.out_slices, self.shape, self.links = out_slices, shape, links
-
-
-def _ghost_pieces(plan: "HaloPlan") -> tuple[GhostPiece, ...]:
-    out0 = tuple(lo for lo, _ in plan.output_box)
-    pieces = []
-    for b in plan.boundary_boxes:
-        win = plan.stencil.input_window(b)
-        links = []
-        for j, seg in enumerate(plan.recvs):
-            meet = intersect(win, seg.box)
-            if meet is not None:
-                links.append((j, relative_slices(meet, [lo for lo, _ in win]),
-                              relative_slices(meet, [lo for lo, _ in seg.box])))
-        if links:  # a box next to padding only reads nothing that differs from the kernel's zeros
-            pieces.append(GhostPiece(relative_slices(b, out0), box_shape(win), tuple(links)))
-    return tuple(pieces)
 
 
 class HaloExchange(Handle):

@@ -193,8 +193,6 @@ def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layers, kernel
     from lbannpy.tensor import DistTensor
 
     delay = 0.5  # seconds rank 1 waits before its forward
-    if kernels is not None:
-        pytest.importorskip("torch")
     spec = {"input": {"channels": 4, "spatial": [64, 32]}, "layers": list(layers)}
     x = np.random.default_rng(0).standard_normal((2, 4, 64, 32))
     outs = {}
@@ -253,7 +251,6 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkey
     forward and backward, under every spatial split, 2-D and 3-D, strided, dilated, uneven blocks; equal to
     PyTorch to 1e-10. A ReLU first, so the convolution does not read the model input (that one keeps its
     window)."""
-    pytest.importorskip("torch")
     from lbannpy.layers import conv as conv_layer
 
     monkeypatch.setattr(conv_layer, "WINDOWLESS_MAX_BOUNDARY", 1.0)  # these small blocks are all boundary
@@ -281,7 +278,6 @@ def test_thin_blocks_keep_their_window(comm):
     32), 16 rows keep the window (1 of 8); both equal PyTorch."""
     if comm.size != 2:
         pytest.skip("written for 2 ranks (decided by comm.size on every rank)")
-    pytest.importorskip("torch")
     relu = {"name": "r0", "type": "relu"}
     bad = []
     for rows, want in ((64, True), (16, False)):
