@@ -22,7 +22,9 @@ part; the ghosts' gradients come from the boundary boxes' ``dy`` alone and go ba
 filter gradient gains the boundary boxes' ghost terms. Only ghost rows move and are stored: no copy of the
 block, no window workspace, no window gradient to crop (on one 1024² sample of mesh1k split over two ranks,
 the per-rank peak went from 1963 to 1787 MiB). Ranks decide this each for itself (their messages are the
-same either way). Filter-split layers and the layer reading the model input keep the window.
+same either way). The layer reading the model input goes windowless too: it keeps its input block (a
+fresh array every step, as on one rank), not its own window (on mesh1k 1024² over two ranks a 36 MiB
+window alive all run). Filter-split layers keep the window.
 
 Overlap (the stencil template of :class:`~lbannpy.layers.base.Layer`, shared with pooling)
 -------
@@ -150,14 +152,14 @@ class Conv(Layer):
         kernel set."""
         kern = self.kern
         cached = self.__dict__.get("_pads")
-        if cached is None or cached[0] is not kern or cached[3] is not self.keeps_window:
+        if cached is None or cached[0] is not kern:
             sp = self.stencil.dims[2:]
             pads = tuple(w.pad_lo for w in sp)
             # kernel-padded: the local block itself, when the kernel's padding lands every output where it
             # belongs (:meth:`~lbannpy.halo.HaloPlan.kernel_padding_fits`); with a halo to exchange too
-            # (windowless), unless the filters are split or the layer keeps its window (the model input)
+            # (windowless), unless the filters are split or the boundary is too large a share of the block
             ok = (kern.pads and self.halo.kernel_padding_fits(pads)
-                  and (self.halo.local or (self.cgroup is None and not self.keeps_window
+                  and (self.halo.local or (self.cgroup is None
                                            and self.halo.ghost_fraction <= WINDOWLESS_MAX_BOUNDARY)))
             local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
             wshape = self.w.value.shape
@@ -166,8 +168,8 @@ class Conv(Layer):
             plan = None
             if ok and kern.plan is not None:
                 plan = kern.plan(local, wshape, self.stride, self.dilation, pads, self.w.value.dtype)
-            cached = self._pads = (kern, pads if ok else None, plan, self.keeps_window)
-        return cached[:3]
+            cached = self._pads = (kern, pads if ok else None, plan)
+        return cached
 
     def _conv(self, xwin, out=None, index=None):
         return self.kern.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,

@@ -49,10 +49,11 @@ def global_data(case: Case, out_shape, seed: int = 0):
 
 
 def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True,
-                kernels: str | None = None):
+                kernels: str | None = None, input_grad: bool = True):
     """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays; ``fuse``
     False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU); ``kernels`` names
-    the convolution kernel set (``runtime.kernels``; default lbannpy's own)."""
+    the convolution kernel set (``runtime.kernels``; default lbannpy's own); ``input_grad`` False
+    back-propagates as training does (no gradient w.r.t. the model input: dx is None)."""
     ctx = LayerContext(comm, xp, "float64", seed=seed, overlap=overlap, fuse=fuse)
     if kernels is not None:
         from lbannpy.layers.kernels.select import conv_kernels
@@ -63,14 +64,14 @@ def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fu
     xt = DistTensor.scatter(xp.asarray(x), model.input_dist, comm)
     y = model.forward(xt)
     dyt = DistTensor.scatter(xp.asarray(dy), y.dist, comm)
-    dx = model.backward(dyt)
+    dx = model.backward(dyt, input_grad=input_grad)
     grads, values = {}, {}
     for p in model.params:
         gc = ctx.block_comm(p.dist, p.reduce_dims)
         g = gc.allreduce(p.grad) if gc.size > 1 else p.grad
         grads[p.name] = assemble(comm, p.global_shape, p.box, g)
         values[p.name] = assemble(comm, p.global_shape, p.box, p.value)
-    return (_np(y.gather(comm)), _np(dx.gather(comm)), grads, values, model)
+    return (_np(y.gather(comm)), None if dx is None else _np(dx.gather(comm)), grads, values, model)
 
 
 def _np(a):
@@ -148,10 +149,11 @@ def _apply(layer, ins, params):
 
 
 def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10, kernels: str | None = None,
-            out: list | None = None):
+            out: list | None = None, input_grad: bool = True):
     """Collective: run both; return a list of mismatch messages (empty when everything agrees); the
-    lbannpy model is appended to ``out`` when given."""
-    y, dx, grads, values, model = run_lbannpy(case, comm, xp, overlap, kernels=kernels)
+    lbannpy model is appended to ``out`` when given; ``input_grad`` False: training's backward, no input
+    gradient to compare."""
+    y, dx, grads, values, model = run_lbannpy(case, comm, xp, overlap, kernels=kernels, input_grad=input_grad)
     if out is not None:
         out.append(model)
     ty, tdx, tgrads = torch_reference(case, values, model.output.out_shape)
@@ -164,7 +166,8 @@ def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10, 
             bad.append(f"{case.id} {what}: relative error {err:.3g} (shape {a.shape} vs {b.shape})")
 
     check("output", y, ty)
-    check("input gradient", dx, tdx)
+    if input_grad:
+        check("input gradient", dx, tdx)
     for k in grads:
         check(f"gradient of {k}", grads[k], tgrads[k])
     return bad

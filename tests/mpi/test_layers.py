@@ -249,8 +249,8 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkey
     one-call path) where the padding lands each output on its own rows (blocks starting on a stride) runs
     without a window: the local block's convolution plus the ghost rows' terms on the boundary outputs,
     forward and backward, under every spatial split, 2-D and 3-D, strided, dilated, uneven blocks; equal to
-    PyTorch to 1e-10. A ReLU first, so the convolution does not read the model input (that one keeps its
-    window)."""
+    PyTorch to 1e-10. A ReLU first, so the convolution's input gradient is wanted (see below for the layer
+    reading the model input)."""
     from lbannpy.layers import conv as conv_layer
 
     monkeypatch.setattr(conv_layer, "WINDOWLESS_MAX_BOUNDARY", 1.0)  # these small blocks are all boundary
@@ -270,6 +270,27 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkey
     # every rank count above one has splits whose blocks start on a stride: some convolutions go windowless
     ok = not bad and (comm.size == 1 or taken > 0)
     assert_all(comm, ok, "\n".join(bad) or f"no convolution ran without a window ({kernels})")
+
+
+def test_the_convolution_reading_the_model_input_goes_windowless(comm, monkeypatch):
+    """The layer reading the model input runs without a window too (keeping its input block, not a window
+    of its own from step to step): with and without the input gradient (training's backward computes the
+    filter gradient only), under every spatial split, equal to PyTorch."""
+    from lbannpy.layers import conv as conv_layer
+
+    monkeypatch.setattr(conv_layer, "WINDOWLESS_MAX_BOUNDARY", 1.0)  # 4 ranks: 1 boundary row of 12
+    bad, taken = [], 0
+    for par in splits(comm.size, ("h", "w")):
+        for input_grad in (True, False):
+            models = []
+            case = Case("input-windowless" + "".join(f"-{k}{v}" for k, v in par.items()),
+                        (conv(kernel=3, padding=1, stride=2),), (2, 3, 96, 96), {"default": par})
+            bad += compare(case, comm, kernels="aten", out=models, input_grad=input_grad)
+            taken += len(_windowless(models[0]))
+            if (models[0].layers[0]._window_buf is None) != bool(_windowless(models[0])) and comm.size > 1:
+                bad.append(f"{case.id}: a window kept, or none kept by the window path")
+    ok = not bad and (comm.size == 1 or taken > 0)
+    assert_all(comm, ok, "\n".join(bad) or "the model input's convolution kept its window")
 
 
 def test_thin_blocks_keep_their_window(comm):
