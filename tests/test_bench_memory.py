@@ -33,8 +33,10 @@ def test_the_selector_splits_mesh1k_by_height_then_by_filters():
 @pytest.mark.parametrize("split", ["auto", "h"])
 def test_a_small_run_reports_every_peak(tmp_path, split):
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    kernels = "own" if split == "h" else "auto"  # lbannpy's runs, with either kernel set
     cmd = [sys.executable, "-m", "lbannpy.bench", "memory", "--model", "mesh_tiny", "--size", "32",
-           "--steps", "1", "--runs", "lbannpy", "split", "--split", split, "--dir", str(tmp_path)]
+           "--steps", "1", "--runs", "lbannpy", "split", "--split", split, "--dir", str(tmp_path),
+           "--kernels", kernels]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=580)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
@@ -46,3 +48,7 @@ def test_a_small_run_reports_every_peak(tmp_path, split):
     assert re.search(r"2 ranks / 1 rank, per rank: [0-9.]+x \(target <= 0.55x\)", out), out
     written = yaml.safe_load(open(tmp_path / "split.yaml", encoding="utf-8"))
     assert ("layers" in written["parallel"]) == (split == "auto")
+    assert f"lbannpy's kernels: {kernels}" in out, out
+    for tag in ("split", "lbannpy"):
+        cfg = yaml.safe_load(open(tmp_path / f"{tag}.yaml", encoding="utf-8"))
+        assert cfg["runtime"]["kernels"] == kernels, tag

@@ -12,6 +12,11 @@ float32, SGD with momentum, ``--steps`` steps), one after the other, each proces
   full mesh1k model and two ranks: the height of the first four blocks, whose activations dominate, and the
   filters of the last two, which hold 77 % of the parameters), or (``--split h``) every layer's height.
 
+lbannpy's runs use ``--kernels`` (``runtime.kernels``, default ``auto``: ATen where torch imports). The
+kernel set moves the ratio: ATen's runs carry torch's process image (~185 MiB a process, ~260 MiB with
+Python, NumPy and MPI) on every rank, a fixed cost that the split does not halve; lbannpy's own kernels
+import no torch.
+
 Each process reports its own peak resident set (``VmHWM`` of ``/proc/self/status``: a fresh address space
 starts its own high-water mark, whereas ``ru_maxrss`` inherits a forking parent's). The report gives
 lbannpy's 1-rank peak against PyTorch's (target: at most 1×) and the largest per-rank peak of the split
@@ -27,6 +32,7 @@ import os
 import sys
 import tempfile
 
+from . import peer
 from .peer import (Case, PeerError, _launcher, _launcher_rank, _run, lbannpy_config, network,
                    write_data)
 
@@ -121,8 +127,10 @@ def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=
     return res
 
 
-def report(case: Case, ranks: int, res: dict, target: float, how: str = "h") -> list[str]:
-    lines = [f"{case.label}, float32, training steps, peak resident set per process (VmHWM)"]
+def report(case: Case, ranks: int, res: dict, target: float, how: str = "h",
+           kernels: str = "auto") -> list[str]:
+    lines = [f"{case.label}, float32, training steps, peak resident set per process (VmHWM); lbannpy's "
+             f"kernels: {kernels}"]
     one, torch = res.get("lbannpy", [0.0])[0], res.get("torch", [0.0])[0]
     split = max(res.get("split", [0.0]))
     if one:
@@ -153,6 +161,8 @@ def main(argv=None) -> int:
                     help="machine model of the strategy selector (--split auto; default: its default)")
     ap.add_argument("--target", type=float, default=SPLIT_TARGET, help="the split run's target ratio")
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
+    ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="auto",
+                    help="runtime.kernels of lbannpy's runs")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3000, help="seconds allowed for each run")
     ap.add_argument("--peak-worker", default=None, help=argparse.SUPPRESS)
@@ -167,6 +177,7 @@ def main(argv=None) -> int:
         print("lbannpy.bench memory: needs PyTorch (pip install torch)", file=sys.stderr)
         return 2
     case = Case(f"{args.model}-{args.size}", args.model, args.size, 1)
+    peer.KERNELS[0] = args.kernels
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-memory-")
     os.makedirs(work, exist_ok=True)
     try:
@@ -180,7 +191,7 @@ def main(argv=None) -> int:
         return 1
     how = (("strategy selector: " if layers else "every layer: ")
            + describe_split(layers, args.split, args.ranks))
-    print("\n".join(report(case, args.ranks, res, args.target, how)))
+    print("\n".join(report(case, args.ranks, res, args.target, how, args.kernels)))
     return 0
 
 
