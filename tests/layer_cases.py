@@ -51,14 +51,15 @@ def global_data(case: Case, out_shape, seed: int = 0):
 def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True,
                 kernels: str | None = None, input_grad: bool = True):
     """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays; ``fuse``
-    False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU); ``kernels`` names
-    the convolution kernel set (``runtime.kernels``; default lbannpy's own); ``input_grad`` False
-    back-propagates as training does (no gradient w.r.t. the model input: dx is None)."""
+    False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU); ``kernels``: the
+    convolution kernel set, a ``runtime.kernels`` name or a :class:`ConvKernels` (default lbannpy's own);
+    ``input_grad`` False back-propagates as training does (no gradient w.r.t. the model input: dx is
+    None)."""
     ctx = LayerContext(comm, xp, "float64", seed=seed, overlap=overlap, fuse=fuse)
     if kernels is not None:
         from lbannpy.layers.kernels.select import conv_kernels
 
-        ctx.conv_kernels = conv_kernels(kernels)
+        ctx.conv_kernels = conv_kernels(kernels) if isinstance(kernels, str) else kernels
     model = Model(case.spec(), case.input_shape[0], ctx, case.parallel)
     x, dy = global_data(case, model.output.out_shape)
     xt = DistTensor.scatter(xp.asarray(x), model.input_dist, comm)

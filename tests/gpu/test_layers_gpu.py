@@ -11,7 +11,12 @@ Each case runs this file under ``mpiexec -n P`` (see ``conftest.launch``): on th
 - row 2: the loss statistics are reduced by NCCL on the device (NCCL refuses host arrays) and equal the
   NumPy path's;
 - row 8: the loss (forward statistics and backward), batch norm and max/avg pooling forward and backward
-  make no host synchronisation; the metrics of a logged step make exactly one.
+  make no host synchronisation; the metrics of a logged step make exactly one;
+- split convolutions without a window (the block's own convolution plus the ghost rows' terms, ghosts
+  moved by NCCL): every windowless case of tests/mpi/test_layers.py equals PyTorch, and a windowless
+  forward and backward make no host synchronisation. On a GPU only a kernel set that pads the block itself
+  takes this path (ATen's cuDNN; lbannpy's own pads on the host only), so the worker makes the own set pad
+  every convolution, and on a real GPU with torch's CUDA also runs ATen.
 """
 from __future__ import annotations
 
@@ -67,6 +72,19 @@ def test_batchnorm_and_pooling_make_no_host_sync(gpu_launch, ranks):
             print(f"rank {row['rank']} {name}: host syncs in forward+backward {r['syncs']}")
             assert r["syncs"] == 0, (name, r["sites"])
             assert r["err"] <= 1e-10, (name, r)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_split_convolutions_without_a_window_on_gpus(gpu_launch, ranks):
+    rows = gpu_launch(HERE, "windowless", ranks, timeout=400)
+    for row in rows:
+        assert row["device"] == row["rank"], row
+        assert row["error"] is None, row["error"]
+        assert row["bad"] == [], "\n".join(row["bad"])
+        print(f"rank {row['rank']}: kernel sets {row['sets']}, {row['taken']} windowless convolutions in "
+              f"{row['cases']} cases; host syncs in a windowless forward+backward {row['syncs']}")
+        assert row["taken"] > 0 and row["cases"] >= 20, row
+        assert row["syncs"] == 0, row["sites"]
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -219,6 +237,57 @@ def _case_syncs(comm, host, cupy, out):
             r["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
 
 
+def _case_windowless(comm, host, cupy, out):
+    import dataclasses
+
+    from layer_cases import Case, compare, global_data
+    from test_layers import _windowless, conv, windowless_cases
+    from lbannpy.layers import conv as conv_layer
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.kernels import select
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    conv_layer.WINDOWLESS_MAX_BOUNDARY = 1.0  # these small blocks are all boundary
+    sets = {"own": dataclasses.replace(select.own(), pads=True, plan=None)}  # pads every convolution
+    try:
+        sets["aten"] = select.conv_kernels("aten", "gpu")  # a real GPU with torch's CUDA
+    except select.KernelChoiceError:
+        pass
+    out.update(sets=sorted(sets), bad=[], taken=0, cases=0, error=None, syncs=None, sites={})
+    try:
+        for name in sets:
+            for case in windowless_cases(comm.size):
+                models = []
+                out["bad"] += [f"{name}: {m}" for m in compare(case, comm, xp=cupy, kernels=sets[name],
+                                                               out=models)]
+                out["taken"] += len(_windowless(models[0]))
+                out["cases"] += 1
+        # host synchronisations of one windowless forward and backward (after a first, set-up pass)
+        probe = _sync_probe(cupy)
+        relu = {"name": "r0", "type": "relu"}
+        case = Case("syncs", (relu, conv(kernel=3, padding=1)), (2, 3, 16 * comm.size, 12),
+                    {"default": {"h": comm.size}})
+        ctx = LayerContext(comm, cupy, "float64", seed=3)
+        ctx.conv_kernels = sets["own"]
+        model = Model(case.spec(), 2, ctx, case.parallel)
+        assert _windowless(model), "the sync case must run windowless"
+        x, dy = global_data(case, model.output.out_shape)
+        xt = DistTensor.scatter(cupy.asarray(x), model.input_dist, comm)
+        dyt = DistTensor.scatter(cupy.asarray(dy), model.output.out_dist, comm)
+        model.forward(xt)
+        model.backward(dyt)
+        probe.reset_host_syncs()
+        model.forward(xt)
+        model.backward(dyt)
+        sites = probe.host_syncs()
+        out.update(syncs=_total(sites), sites=_named(sites))
+    except Exception as exc:
+        import traceback
+
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
+
+
 def _sync_probe(cupy):
     """The host-synchronisation counter: the stand-in's (every call site that waits for the device), or on
     real CuPy :class:`_SpinProbe`."""
@@ -291,7 +360,8 @@ if __name__ == "__main__":
     comm = make_communicator(backend, device="gpu")  # the GPU communicator under test
     host = make_communicator("mpi")                  # the NumPy path's, over the same ranks
     out = {"rank": comm.rank, "device": _device_id(cupy)}
-    {"tier": _case_tier, "loss": _case_loss, "syncs": _case_syncs}[case](comm, host, cupy, out)
+    {"tier": _case_tier, "loss": _case_loss, "syncs": _case_syncs,
+     "windowless": _case_windowless}[case](comm, host, cupy, out)
     print("RESULT " + json.dumps(out), flush=True)
     host.free()
     comm.free()

@@ -243,6 +243,21 @@ def _windowless(model) -> list[str]:
             if lay.type == "conv" and lay.kernel_pads is not None and not lay.halo.local]
 
 
+def windowless_cases(size: int) -> list[Case]:
+    """Split convolutions that can go windowless (blocks starting on a stride under some splits), a ReLU
+    first so that the input gradient is wanted: every conv variant, even blocks with stride 2, 3-D (shared
+    with the GPU tier, tests/gpu/test_layers_gpu.py)."""
+    relu = {"name": "r0", "type": "relu"}
+    cases = [Case("windowless" + "".join(f"-{k}{v[k]}" for k in v), (relu, conv(**v)), (N, C, H, W),
+                  {"default": par})
+             for v in CONV_VARIANTS for par in splits(size, ("n", "h", "w"))]
+    cases += [Case("windowless-even", (relu, conv(kernel=3, stride=2, padding=1)), (4, 3, 16, 24),
+                   {"default": par}) for par in splits(size, ("h", "w"))]
+    cases += [Case("windowless3d", (relu, conv(kernel=3, padding=1, stride=(1, 2, 1))), (5, 2, 8, 8, 12),
+                   {"default": par}) for par in splits(size, ("n", "h", "w"))]
+    return cases
+
+
 @pytest.mark.parametrize("kernels", ["own", "aten"])
 def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkeypatch):
     """A split convolution whose kernel pads its local block (ATen: every one; lbannpy's own: those of its
@@ -254,16 +269,8 @@ def test_split_convolutions_without_a_window_match_pytorch(comm, kernels, monkey
     from lbannpy.layers import conv as conv_layer
 
     monkeypatch.setattr(conv_layer, "WINDOWLESS_MAX_BOUNDARY", 1.0)  # these small blocks are all boundary
-    relu = {"name": "r0", "type": "relu"}
-    cases = [Case("windowless" + "".join(f"-{k}{v[k]}" for k in v), (relu, conv(**v)), (N, C, H, W),
-                  {"default": par})
-             for v in CONV_VARIANTS for par in splits(comm.size, ("n", "h", "w"))]
-    cases += [Case("windowless-even", (relu, conv(kernel=3, stride=2, padding=1)), (4, 3, 16, 24),
-                   {"default": par}) for par in splits(comm.size, ("h", "w"))]
-    cases += [Case("windowless3d", (relu, conv(kernel=3, padding=1, stride=(1, 2, 1))), (5, 2, 8, 8, 12),
-                   {"default": par}) for par in splits(comm.size, ("n", "h", "w"))]
     bad, taken = [], 0
-    for case in cases:
+    for case in windowless_cases(comm.size):
         models = []
         bad += compare(case, comm, kernels=kernels, out=models)
         taken += len(_windowless(models[0]))
