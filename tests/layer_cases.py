@@ -49,7 +49,7 @@ def global_data(case: Case, out_shape, seed: int = 0):
 
 
 def run_lbannpy(case: Case, comm, xp=np, overlap: bool = True, seed: int = 7, fuse: bool = True,
-                kernels: str | None = None, input_grad: bool = True):
+                kernels=None, input_grad: bool = True):
     """Collective over ``comm``: (y, dx, {param: grad}, {param: value}) as global NumPy arrays; ``fuse``
     False runs every layer on its own (no fused batch-norm + ReLU, no in-place ReLU); ``kernels``: the
     convolution kernel set, a ``runtime.kernels`` name or a :class:`ConvKernels` (default lbannpy's own);
@@ -149,7 +149,7 @@ def _apply(layer, ins, params):
     raise ValueError(f"no torch reference for layer type {ltype}")
 
 
-def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10, kernels: str | None = None,
+def compare(case: Case, comm, xp=np, overlap: bool = True, rtol: float = 1e-10, kernels=None,
             out: list | None = None, input_grad: bool = True):
     """Collective: run both; return a list of mismatch messages (empty when everything agrees); the
     lbannpy model is appended to ``out`` when given; ``input_grad`` False: training's backward, no input
