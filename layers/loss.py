@@ -3,7 +3,8 @@
 * ``cross_entropy``: logits ``(N, K)`` split by samples; labels ``(N,)`` integers.
 * ``pixel_cross_entropy``: logits ``(N, K, [D,] H, W)`` split by samples and space; labels stored at the
   *input* resolution ``(N, [D,] H0, W0)`` with ``H0 = f·H``; a prediction cell is positive if any input
-  pixel under it is (Dryden et al.'s mesh-tangling label reduction), done inside the loss.
+  pixel under it is (Dryden et al.'s mesh-tangling label reduction), done inside the loss, or once by the
+  reader as it reads the labels (``HDF5Reader(label_factors=loss.factors)``, as the trainer builds it).
 
 Both are means over the global number of predictions, so the gradient of every rank's block is a partial
 of the global loss and sums of partials over ranks are exact. Metrics are counts (correct predictions;
@@ -137,13 +138,16 @@ class Loss:
         them into numbers with :meth:`metrics` on the steps that are logged.
 
         ``labels_local`` are host (NumPy) labels as the reader returns them: their range is checked here,
-        before the upload, because the same check on a device array would stall every step."""
+        before the upload, because the same check on a device array would stall every step. Per-pixel labels
+        come either at the input's resolution (the block :meth:`label_box` names; reduced here, every call)
+        or already reduced to this rank's prediction cells (a reader given ``label_factors=self.factors``
+        reduces them once, as it reads them)."""
         ctx, xp = self.ctx, self.ctx.xp
         z = logits.local if self.plan is None else self.plan.start(ctx.comm, logits.local).wait()
         if isinstance(labels_local, np.ndarray):
             check_label_range(labels_local, self.num_classes)
         labels = xp.asarray(labels_local)
-        if self.factors:
+        if self.factors and tuple(labels.shape[1:]) != tuple(z.shape[2:]):  # not yet in prediction cells
             labels = K.downsample_labels_any(labels, self.factors)
         loss_sum, self._grad = K.cross_entropy(z, labels, self.count, labels_checked=True)
         tp, fp, fn = K.iou_counts(z, labels, self.num_classes)

@@ -84,6 +84,26 @@ def test_pixel_label_names_the_global_pixel(tmp_path):
                          f"(labels 0..1)")]
 
 
+@pytest.mark.parametrize("preload", ["never", "always"])
+def test_pixel_label_checked_before_the_reduction_to_prediction_cells(tmp_path, preload):
+    # the reader that reduces labels to 2 x 2 prediction cells checks the file's pixels first: the -1 under
+    # a cell whose largest label is 1 (the reduction alone would hide it) is still found and named
+    y = np.zeros((4, 4, 4), np.int8)
+    y[2, 3, 1], y[2, 2, 0] = -1, 1
+    path = _write(tmp_path / "d.h5", n=4, labels=y)
+    dist = Distribution((1, 1, 2, 1), 2)
+    found = []
+    for rank in range(2):
+        try:
+            with HDF5Reader(path, dist=dist, rank=rank, batch_size=4, seed=0, prefetch=False, num_classes=2,
+                            preload=preload, label_factors=(2, 2)) as r:
+                assert r.next().labels.shape == (4, 1, 2)
+        except DataError as exc:
+            found.append((rank, str(exc)))
+    assert found == [(1, f"{path}: sample 2 has label -1 at pixel (3, 1); the model has 2 classes "
+                         f"(labels 0..1)")]
+
+
 def test_label_problem():
     assert label_problem(np.array([0, 1, 1]), 0, 1) is None
     assert label_problem(np.array([0, 3, -1, 2]), 0, 1) == ((1,), 3, 3)

@@ -399,3 +399,39 @@ def test_preloaded_reader_still_sees_a_changed_file(tmp_path):
         os.replace(path + ".new", path)
         with pytest.raises(DataError, match="changed while training"):
             r.next()  # the first batch of epoch 1 checks the file, as a streaming reader does
+
+
+@pytest.mark.parametrize("preload", ["never", "always"])
+def test_labels_reduced_to_prediction_cells_as_read(mesh_file, file_arrays, preload):
+    # inputs split over samples, labels over a 2 x 2 spatial grid of a prediction with 5 x 2 pixel cells:
+    # every rank's batch holds its cells, each the largest label under it (a global NumPy reference)
+    _, ys = file_arrays
+    dist, ldist = Distribution.make(4, ranks=4, n=4), Distribution.make(4, ranks=4, h=2, w=2)
+    f = (5, 2)
+    readers = [HDF5Reader(mesh_file, dist=dist, label_dist=ldist, rank=r, batch_size=4, seed=3,
+                          prefetch=False, preload=preload, label_factors=f, num_classes=2) for r in range(4)]
+    for epoch in range(2):  # one step an epoch (7 samples, batch 4)
+        batches = [r.next() for r in readers]
+        ids = readers[0].batch_ids(epoch, 0)
+        want = ys[ids].reshape(4, SIZE // 5, 5, SIZE // 2, 2).max(axis=(2, 4))
+        got = np.full_like(want, 255)
+        for r, b in zip(readers, batches):
+            assert b.labels.shape == (4, SIZE // 2 // 5, SIZE // 2 // 2) == r.label_local_shape
+            got[(slice(None),) + tuple(slice(lo // k, hi // k) for (lo, hi), k in zip(r.label_box[1:], f))] \
+                = b.labels
+        assert np.array_equal(got, want)
+    # the preloaded store holds cells: 7 samples of (1, 5, 20, 20) float32 inputs and 2 x 5 uint8 cells
+    assert readers[0].store_bytes == N_SAMPLES * (CHANNELS * SIZE * SIZE * 4 + 2 * 5)
+    for r in readers:
+        r.close()
+
+
+def test_label_factors_refused_where_they_cannot_apply(mesh_file, blobs_file):
+    ldist = Distribution.make(4, ranks=2, h=2)  # rank 1's label rows start at 10
+    with pytest.raises(DataError, match=r"rank 1: its label block starts at pixel \(10, 0\), not on a "
+                                        r"boundary of the \(3, 1\) prediction cells"):
+        HDF5Reader(mesh_file, dist=ldist, rank=1, batch_size=2, prefetch=False, label_factors=(3, 1))
+    with pytest.raises(DataError, match="one factor of at least 1 for each of the 2 spatial"):
+        HDF5Reader(mesh_file, batch_size=2, prefetch=False, label_factors=(2,))
+    with pytest.raises(DataError, match="need per-pixel labels"):
+        HDF5Reader(blobs_file, batch_size=2, prefetch=False, label_factors=(3, 3))

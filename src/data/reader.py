@@ -70,7 +70,8 @@ class Batch:
     """This rank's block of one mini-batch."""
 
     inputs: np.ndarray          # (local samples, local channels, *local spatial), dtype of the file
-    labels: np.ndarray          # (local samples,) or (local samples, *local spatial of label_dist)
+    labels: np.ndarray          # (local samples,) or (local samples, *local spatial of label_dist), in
+                                # prediction cells when the reader reduces them (``label_factors``)
     epoch: int
     step: int                   # step within the epoch
     sample_ids: np.ndarray      # file indices of the local samples, in batch order
@@ -100,6 +101,12 @@ class HDF5Reader:
     num_classes : when given, every block's labels are checked against ``[0, num_classes)`` as read (before
         any down-sampling); a bad label raises :class:`DataError` naming the sample, pixel and value.
     name : how messages name the data set (e.g. ``data.train``); default the path.
+    label_factors : per spatial dimension, the input pixels under one prediction cell (the loss's
+        ``factors``): per-pixel labels are then reduced to the prediction's cells as they are read (each cell
+        keeps the largest label under it, as :func:`lbannpy.layers.kernels.loss.downsample_labels_any`),
+        after the ``num_classes`` check on the file's pixels; the preloaded store and every batch hold the
+        reduced labels (``prod(label_factors)`` times smaller). Each rank's label box must start on a
+        cell boundary. Default: labels at the file's resolution.
     preload : ``auto``, ``always`` or ``never``: keep this rank's part of the set in memory (see Preload).
 
     The file's identity (size, modification time, inode, device) is recorded when it is opened and compared
@@ -113,7 +120,7 @@ class HDF5Reader:
                  label_dist: Distribution | None = None, depth: int = 2, comm=None,
                  expected_channels: int | None = None, expected_spatial: Sequence[int] | None = None,
                  piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = "",
-                 preload: str = "never"):
+                 preload: str = "never", label_factors: Sequence[int] = ()):
         self.path = str(path)
         self.name = name or self.path
         self.num_classes = None if num_classes is None else int(num_classes)
@@ -140,7 +147,7 @@ class HDF5Reader:
         error = None
         try:
             self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial)
-            self._setup(dist, label_dist, indices)
+            self._setup(dist, label_dist, indices, label_factors)
             if comm is not None and (comm.size != self.dist.ranks or comm.rank != self.rank):
                 raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but "
                                 f"runs on rank {comm.rank} of a communicator of {comm.size}")
@@ -152,7 +159,7 @@ class HDF5Reader:
         self._agree(error)
 
     # -- set-up ---------------------------------------------------------------------------------------
-    def _setup(self, dist, label_dist, indices):
+    def _setup(self, dist, label_dist, indices, label_factors=()):
         info = self.info
         ndim = 1 + len(info.sample_shape)
         if self.batch_size < 1:
@@ -190,7 +197,12 @@ class HDF5Reader:
             lshape = (self.batch_size,) + ld.split[1:]
             ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
             self.label_box = (ld.box(lshape, self.rank)[0],)
-        self.label_local_shape = tuple(hi - lo for lo, hi in self.label_box)
+        self._label_read_shape = tuple(hi - lo for lo, hi in self.label_box)
+        self.label_factors = self._cells(label_factors)
+        self.label_local_shape = self._label_read_shape
+        if self.label_factors:
+            self.label_local_shape = self._label_read_shape[:1] + tuple(
+                -(-n // f) for n, f in zip(self._label_read_shape[1:], self.label_factors))
 
         m = info.num_samples
         if indices is None:
@@ -215,7 +227,7 @@ class HDF5Reader:
         self._decide_preload(lshape)
         # refuse blocks that cannot fit before anything is allocated: depth queued + one in use + one read
         block = math.prod(self.local_shape) * info.input_dtype.itemsize
-        block += math.prod(self.label_local_shape) * info.label_dtype.itemsize
+        block += math.prod(self._label_read_shape) * info.label_dtype.itemsize
         need = block * ((self.depth + 2) if self.prefetch else 1)
         need += self.store_bytes if self.preloaded else 0
         avail = _physical_memory()
@@ -231,11 +243,32 @@ class HDF5Reader:
                 f"{self.depth} it needs {need / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
                 f"split the samples over more ranks, lower the batch size or the prefetch depth")
 
+    def _cells(self, factors) -> tuple[int, ...]:
+        """``label_factors`` checked against the labels and this rank's label box (``()``: no reduction)."""
+        factors = tuple(int(f) for f in factors)
+        if not factors or all(f == 1 for f in factors):
+            return ()
+        if not self.info.per_pixel:
+            raise DataError(f"{self.path}: label_factors {factors} need per-pixel labels; "
+                            f"'{self.info.labels}' holds one label per sample")
+        nsp = len(self.info.label_shape)
+        if len(factors) != nsp or min(factors) < 1:
+            raise DataError(f"label_factors {factors} must give one factor of at least 1 for each of the "
+                            f"{nsp} spatial dimensions of the labels")
+        starts = [lo for lo, _ in self.label_box[1:]]
+        if any(s % f for s, f in zip(starts, factors)):
+            raise DataError(f"rank {self.rank}: its label block starts at pixel {tuple(starts)}, not on a "
+                            f"boundary of the {factors} prediction cells; choose a spatial split that "
+                            f"divides the prediction's size")
+        return factors
+
     def _decide_preload(self, label_shape) -> None:
         """Preload or not: decided on the largest rank's part, so every rank decides the same."""
         info = self.info
         big = max_local_shape(self.global_shape, self.dist)
         big_labels = max_local_shape(label_shape, self.label_dist)[2:] if info.per_pixel else ()
+        if self.label_factors:
+            big_labels = tuple(-(-n // f) for n, f in zip(big_labels, self.label_factors))
         self.store_bytes = store_bytes(len(self.indices), big[1:], info.input_dtype.itemsize, big_labels,
                                        info.label_dtype.itemsize)
         self.preloaded = preloads(self.preload_mode, self.store_bytes)
@@ -321,7 +354,8 @@ class HDF5Reader:
         except Exception:
             check_identity(self.path, self._identity)  # a failed read of a changed file: say so
             raise
-        check_labels(y, lids, self.num_classes, self.name, [lo for lo, _ in self.label_box[1:]])
+        if not self.label_factors:  # reduced labels were checked as read, at the file's resolution
+            check_labels(y, lids, self.num_classes, self.name, [lo for lo, _ in self.label_box[1:]])
         dt = time.perf_counter() - t0
         return Batch(x, y, epoch, step, mine.copy(), read_s=dt)
 
@@ -334,11 +368,32 @@ class HDF5Reader:
         for f0, d0, k in read_runs(ids):
             self._read_run(self._dx, x, f0, d0, k, self.box[1:])
         y = None
-        if self.info.per_pixel:
+        if self.info.per_pixel and self.label_factors:
+            y = self._read_cells(ids)
+        elif self.info.per_pixel:
             y = np.empty((ids.size,) + self.label_local_shape[1:], dtype=self.info.label_dtype)
             for f0, d0, k in read_runs(ids):
                 self._read_run(self._dy, y, f0, d0, k, self.label_box[1:])
         self._store = (x, y)
+
+    def _read_cells(self, ids: np.ndarray) -> np.ndarray:
+        """This rank's labels of the file samples ``ids`` (in that order) reduced to prediction cells: read
+        at the file's resolution a few samples at a time (at most ``piece_bytes`` of them, at least one),
+        checked against ``num_classes`` there (messages name the file's pixel), then reduced."""
+        from lbannpy.layers.kernels.loss import downsample_labels_any
+
+        raw_sample = self._label_read_shape[1:]
+        per = max(1, self.piece_bytes // max(1, math.prod(raw_sample) * self.info.label_dtype.itemsize))
+        out = np.empty((ids.size,) + self.label_local_shape[1:], dtype=self.info.label_dtype)
+        raw = np.empty((min(per, ids.size),) + raw_sample, dtype=self.info.label_dtype)
+        offset = [lo for lo, _ in self.label_box[1:]]
+        for f0, d0, k in read_runs(ids):
+            for j in range(0, k, per):
+                n = min(per, k - j)
+                self._read_run(self._dy, raw, f0 + j, 0, n, self.label_box[1:])
+                check_labels(raw[:n], ids[d0 + j:d0 + j + n], self.num_classes, self.name, offset)
+                out[d0 + j:d0 + j + n] = downsample_labels_any(raw[:n], self.label_factors)
+        return out
 
     def _read_block(self, mine: np.ndarray, lids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self._store is not None:  # preloaded: a gather from memory
@@ -349,7 +404,9 @@ class HDF5Reader:
         x = np.empty(self.local_shape, dtype=self.info.input_dtype)
         for f0, d0, k in read_runs(mine):
             self._read_run(self._dx, x, f0, d0, k, self.box[1:])
-        if self.info.per_pixel:
+        if self.info.per_pixel and self.label_factors:
+            y = self._read_cells(lids)
+        elif self.info.per_pixel:
             y = np.empty(self.label_local_shape, dtype=self.info.label_dtype)
             for f0, d0, k in read_runs(lids):
                 self._read_run(self._dy, y, f0, d0, k, self.label_box[1:])

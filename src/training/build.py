@@ -134,7 +134,8 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     common = dict(inputs=train["inputs"], labels=train["labels"], dist=model.input_dist,
                   rank=world.rank, batch_size=batch_size, label_dist=loss.label_dist,
                   comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:],
-                  num_classes=loss.num_classes, preload=data.get("preload", "auto"))
+                  num_classes=loss.num_classes, preload=data.get("preload", "auto"),
+                  label_factors=loss.factors)  # per-pixel labels reduced to prediction cells once, as read
     depth = int(data.get("prefetch", 2))
     reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
                         prefetch=depth > 0, depth=max(depth, 1), name=f"data.train ({train['path']})",
