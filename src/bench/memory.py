@@ -141,10 +141,18 @@ def report(case: Case, ranks: int, res: dict, target: float, how: str = "h",
         per_rank = ", ".join(f"{p:.0f}" for p in res["split"])
         lines.append(f"  lbannpy {ranks} ranks ({how})  {split:8.0f} MiB per rank (ranks: {per_rank})")
     if one and torch:
-        lines.append(f"  lbannpy / PyTorch, 1 rank: {one / torch:.2f}x (target <= {TORCH_TARGET:.2f}x)")
+        lines.append(f"  lbannpy / PyTorch, 1 rank: {one / torch:.3f}x (target <= {TORCH_TARGET:.2f}x: "
+                     f"{_verdict(one / torch, TORCH_TARGET)})")
     if one and split:
-        lines.append(f"  {ranks} ranks / 1 rank, per rank: {split / one:.2f}x (target <= {target:.2f}x)")
+        lines.append(f"  {ranks} ranks / 1 rank, per rank: {split / one:.3f}x (target <= {target:.2f}x: "
+                     f"{_verdict(split / one, target)})")
     return lines
+
+
+def _verdict(ratio: float, target: float) -> str:
+    """Compared unrounded: 0.5524 against 0.55 is not met, though both print as 0.55."""
+    return "met" if ratio <= target else "NOT met"
+
 
 
 def main(argv=None) -> int:
