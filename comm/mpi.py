@@ -330,6 +330,7 @@ class MPICommunicator(Communicator):
                     lambda every: None if len(set(every)) == 1 else
                     f"ranks give different shapes/dtypes {every}; every rank must give the same")
         out = self._empty(send, (self._size,) + tuple(send.shape))
+        out, _ = self._prepare(out, "allgather (output)", writable=True)
         req = self._call("allgather", comm.Iallgather, [send, dt], [out, dt])
         return self._request("allgather", req, lambda: out, (send, out))
 
@@ -344,6 +345,7 @@ class MPICommunicator(Communicator):
                     f"ranks disagree on counts: {every}")
         send, dt = self._prepare(buf.reshape(-1), "allgatherv")
         out = self._empty(send, (sum(counts),))
+        out, _ = self._prepare(out, "allgatherv (output)", writable=True)
         displs = _displs(counts)
         req = self._call("allgatherv", comm.Iallgatherv, [send, dt], [out, (counts, displs), dt])
         return self._request("allgatherv", req, lambda: out, (send, out))
@@ -357,6 +359,7 @@ class MPICommunicator(Communicator):
                     f"ranks disagree on counts: {every}")
         send, dt = self._prepare(buf.reshape(-1), "reduce_scatter")
         out = self._empty(send, (counts[self._rank],))
+        out, _ = self._prepare(out, "reduce_scatter (output)", writable=True)
         req = self._call("reduce_scatter", comm.Ireduce_scatter, [send, dt], [out, dt], counts, _OPS[op])
         return self._request("reduce_scatter", req, lambda: out, (send, out))
 
