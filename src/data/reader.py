@@ -179,30 +179,7 @@ class HDF5Reader:
         self.box = self.dist.box(self.global_shape, self.rank)
         self.local_shape = tuple(hi - lo for lo, hi in self.box)
 
-        self.label_dist = label_dist if label_dist is not None else self.dist
-        if not 0 <= self.rank < self.label_dist.ranks:
-            raise DataError(f"rank {self.rank} outside the {self.label_dist.ranks} ranks of label "
-                            f"distribution {self.label_dist}")
-        ld = self.label_dist
-        if info.per_pixel:
-            if ld.ndim != ndim:
-                raise DataError(f"{self.path}: per-pixel labels '{info.labels}' need a label distribution "
-                                f"over (n, c, {', '.join(ld.dim_names[2:]) or 'spatial'}) with {ndim} "
-                                f"dimensions; got {ld} with {ld.ndim}")
-            lshape = (self.batch_size, ld.split[1]) + info.label_shape
-            ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
-            lbox = ld.box(lshape, self.rank)
-            self.label_box = (lbox[0],) + lbox[2:]
-        else:
-            lshape = (self.batch_size,) + ld.split[1:]
-            ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
-            self.label_box = (ld.box(lshape, self.rank)[0],)
-        self._label_read_shape = tuple(hi - lo for lo, hi in self.label_box)
-        self.label_factors = self._cells(label_factors)
-        self.label_local_shape = self._label_read_shape
-        if self.label_factors:
-            self.label_local_shape = self._label_read_shape[:1] + tuple(
-                -(-n // f) for n, f in zip(self._label_read_shape[1:], self.label_factors))
+        lshape = self._setup_labels(label_dist, ndim, label_factors)
 
         m = info.num_samples
         if indices is None:
@@ -242,6 +219,36 @@ class HDF5Reader:
                 f"(local shape {shape_str(self.local_shape)}, {info.input_dtype}); with prefetch depth "
                 f"{self.depth} it needs {need / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
                 f"split the samples over more ranks, lower the batch size or the prefetch depth")
+
+    def _setup_labels(self, label_dist, ndim: int, label_factors) -> tuple:
+        """This rank's label box, as read and as returned (``label_factors``); returns the global label
+        shape the distribution splits."""
+        info = self.info
+        self.label_dist = label_dist if label_dist is not None else self.dist
+        if not 0 <= self.rank < self.label_dist.ranks:
+            raise DataError(f"rank {self.rank} outside the {self.label_dist.ranks} ranks of label "
+                            f"distribution {self.label_dist}")
+        ld = self.label_dist
+        if info.per_pixel:
+            if ld.ndim != ndim:
+                raise DataError(f"{self.path}: per-pixel labels '{info.labels}' need a label distribution "
+                                f"over (n, c, {', '.join(ld.dim_names[2:]) or 'spatial'}) with {ndim} "
+                                f"dimensions; got {ld} with {ld.ndim}")
+            lshape = (self.batch_size, ld.split[1]) + info.label_shape
+            ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
+            lbox = ld.box(lshape, self.rank)
+            self.label_box = (lbox[0],) + lbox[2:]
+        else:
+            lshape = (self.batch_size,) + ld.split[1:]
+            ld.check_shape(lshape, f"labels of {self.path}:{info.labels}")
+            self.label_box = (ld.box(lshape, self.rank)[0],)
+        self._label_read_shape = tuple(hi - lo for lo, hi in self.label_box)
+        self.label_factors = self._cells(label_factors)
+        self.label_local_shape = self._label_read_shape
+        if self.label_factors:
+            self.label_local_shape = self._label_read_shape[:1] + tuple(
+                -(-n // f) for n, f in zip(self._label_read_shape[1:], self.label_factors))
+        return lshape
 
     def _cells(self, factors) -> tuple[int, ...]:
         """``label_factors`` checked against the labels and this rank's label box (``()``: no reduction)."""
