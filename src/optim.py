@@ -1,7 +1,9 @@
 """Optimizers (SGD with momentum and weight decay, Adam) and learning-rate schedules.
 
 They update each parameter's local piece from its (already synchronised) gradient; the state (momentum,
-moments) has the shape of the local piece and is saved in checkpoints in global form by the trainer.
+moments) has the shape of the local piece, or with ``optimizer.shard_state`` only this rank's share of the
+elements of replicated parameters (:mod:`lbannpy.training.shards`), and is saved in checkpoints in global
+form by the trainer.
 ``step_params`` updates a subset, so the overlap engine can update a bucket as soon as its reduction
 completes; its ``t`` lets an update that is applied late (replicated fully-connected gradients, applied
 just before the layer's next forward) use the learning rate and moments of the step it belongs to.
@@ -96,6 +98,21 @@ class Optimizer:
         self.total_steps = total_steps
         self.t = 0  # optimizer steps taken
         self.state: dict[str, dict] = {p.name: {} for p in self.params}
+        self.shards = None  # a lbannpy.training.shards.StateShards keeps part of the state (shard_state)
+
+    def has_state(self) -> bool:
+        """Whether the optimizer keeps state per parameter element (momentum, moments)."""
+        return False
+
+    def unshard_state(self) -> None:
+        """Who calls: every rank (collective when the state is sharded): whole state, for a checkpoint."""
+        if self.shards is not None:
+            self.shards.unshard()
+
+    def reshard_state(self) -> None:
+        """This rank's part of the state again, after a checkpoint or a resume (no communication)."""
+        if self.shards is not None:
+            self.shards.reshard()
 
     @property
     def lr(self) -> float:
@@ -111,11 +128,22 @@ class Optimizer:
         lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
         for p in params:
             p.settle()
-            self._update(p, p.grad, lr, self.state[p.name], t)
+            self._update(p.value, p.grad, lr, self.state[p.name], t)
 
-    def _decayed(self, p, g):
+    def step_pieces(self, pieces, t: int | None = None) -> None:
+        """Update elements ``[a, b)`` of each flattened parameter of ``pieces`` ``(param, a, b)``, keeping
+        the state of those elements only (see :mod:`lbannpy.training.shards`)."""
+        from lbannpy.training.shards import flat
+
+        t = self.t if t is None else int(t)
+        lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
+        for p, a, b in pieces:
+            p.settle()
+            self._update(flat(p.value)[a:b], flat(p.grad)[a:b], lr, self.state[p.name], t)
+
+    def _decayed(self, value, g):
         """The gradient with weight decay added (the host path; the GPU kernels add it themselves)."""
-        return g + self.weight_decay * p.value if self.weight_decay else g
+        return g + self.weight_decay * value if self.weight_decay else g
 
     def finish_step(self) -> None:
         self.t += 1
@@ -136,20 +164,23 @@ class SGD(Optimizer):
         self.momentum = float(momentum)
         self.nesterov = nesterov
 
-    def _update(self, p, g, lr, st, t):
+    def has_state(self) -> bool:
+        return bool(self.momentum)
+
+    def _update(self, value, g, lr, st, t):
         gpu = _gpu_updates(g)
         if gpu is not None:
             if not self.momentum:
-                gpu["sgd"](g, self.weight_decay, lr, p.value)
+                gpu["sgd"](g, self.weight_decay, lr, value)
                 return
             buf = st.get("momentum")
             first = buf is None
             if first:  # its contents are replaced by the first update's (decayed) gradient
                 buf = st["momentum"] = g.copy()
-            gpu["momentum"](g, self.weight_decay, lr, self.momentum, int(first), int(self.nesterov), p.value,
+            gpu["momentum"](g, self.weight_decay, lr, self.momentum, int(first), int(self.nesterov), value,
                             buf)
             return
-        g = self._decayed(p, g)
+        g = self._decayed(value, g)
         if self.momentum:
             buf = st.get("momentum")
             if buf is None:
@@ -157,13 +188,13 @@ class SGD(Optimizer):
                 first = True
             else:
                 first = False
-            for v, gv, bv in _pieces(p.value, g, buf):
+            for v, gv, bv in _pieces(value, g, buf):
                 if not first:
                     bv *= self.momentum
                     bv += gv
                 v -= lr * (gv + self.momentum * bv if self.nesterov else bv)
             return
-        for v, gv in _pieces(p.value, g):
+        for v, gv in _pieces(value, g):
             v -= lr * gv
 
 
@@ -173,7 +204,10 @@ class Adam(Optimizer):
         self.b1, self.b2 = (float(b) for b in betas)
         self.eps = float(eps)
 
-    def _update(self, p, g, lr, st, t):
+    def has_state(self) -> bool:
+        return True
+
+    def _update(self, value, g, lr, st, t):
         if "m" not in st:
             st["m"] = g * 0
             st["v"] = g * 0
@@ -182,16 +216,16 @@ class Adam(Optimizer):
         if gpu is not None:
             b1, b2, k = self.b1, self.b2, t + 1
             gpu["adam"](g, self.weight_decay, lr, b1, 1 - b1, b2, 1 - b2, 1 - b1 ** k, 1 - b2 ** k, self.eps,
-                        p.value, m, v)
+                        value, m, v)
             return
-        g = self._decayed(p, g)
+        g = self._decayed(value, g)
         m *= self.b1
         m += (1 - self.b1) * g
         v *= self.b2
         v += (1 - self.b2) * g * g
         mhat = m / (1 - self.b1 ** (t + 1))
         vhat = v / (1 - self.b2 ** (t + 1))
-        p.value -= lr * mhat / (vhat ** 0.5 + self.eps)
+        value -= lr * mhat / (vhat ** 0.5 + self.eps)
 
 
 def make_optimizer(cfg: dict, params, total_steps: int) -> Optimizer:

@@ -21,6 +21,7 @@ DEFAULTS = {
     "trainer.eval_every": 0, "trainer.watchdog_s": 600.0,
     "optimizer.type": "sgd", "optimizer.lr": 0.01, "optimizer.momentum": 0.0, "optimizer.nesterov": False,
     "optimizer.weight_decay": 0.0, "optimizer.betas": [0.9, 0.999], "optimizer.eps": 1e-8,
+    "optimizer.shard_state": False,
     "optimizer.schedule.type": "none", "optimizer.schedule.warmup_steps": 0,
     "optimizer.schedule.step_size": 1000, "optimizer.schedule.gamma": 0.1,
     "parallel.default.n": 1, "parallel.default.c": 1, "parallel.default.d": 1, "parallel.default.h": 1,

@@ -12,7 +12,9 @@ float32, SGD with momentum, ``--steps`` steps), one after the other, each proces
   full mesh1k model and two ranks: the height of the first four blocks, whose activations dominate, and the
   filters of the last two, which hold 77 % of the parameters), or (``--split h``) every layer's height.
 
-lbannpy's runs use ``--kernels`` (``runtime.kernels``, default ``auto``: ATen where torch imports). The
+lbannpy's runs use ``--kernels`` (``runtime.kernels``, default ``auto``: ATen where torch imports) and, with
+``--shard-state``, ``optimizer.shard_state`` (the split run then keeps its share of the replicated
+parameters' momentum only). The
 kernel set moves the ratio: ATen's runs carry torch's process image (~185 MiB a process, ~260 MiB with
 Python, NumPy and MPI) on every rank, a fixed cost that the split does not halve; lbannpy's own kernels
 import no torch.
@@ -171,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs")
     ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="auto",
                     help="runtime.kernels of lbannpy's runs")
+    ap.add_argument("--shard-state", action="store_true",
+                    help="optimizer.shard_state in lbannpy's runs: the split run keeps 1/P of the replicated "
+                         "parameters' momentum a rank")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3000, help="seconds allowed for each run")
     ap.add_argument("--peak-worker", default=None, help=argparse.SUPPRESS)
@@ -186,6 +191,7 @@ def main(argv=None) -> int:
         return 2
     case = Case(f"{args.model}-{args.size}", args.model, args.size, 1)
     peer.KERNELS[0] = args.kernels
+    peer.SHARD_STATE[0] = bool(args.shard_state)
     work = args.dir or tempfile.mkdtemp(prefix="lbannpy-memory-")
     os.makedirs(work, exist_ok=True)
     try:
@@ -199,7 +205,8 @@ def main(argv=None) -> int:
         return 1
     how = (("strategy selector: " if layers else "every layer: ")
            + describe_split(layers, args.split, args.ranks))
-    print("\n".join(report(case, args.ranks, res, args.target, how, args.kernels)))
+    kernels = args.kernels + ("; optimizer state sharded over replicas" if args.shard_state else "")
+    print("\n".join(report(case, args.ranks, res, args.target, how, kernels)))
     return 0
 
 

@@ -112,6 +112,7 @@ def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, 
 
 KERNELS = ["auto"]  # runtime.kernels of lbannpy's runs (--kernels)
 DEVICE = ["cpu"]  # runtime.device of lbannpy's runs and PyTorch's device (--device)
+SHARD_STATE = [False]  # optimizer.shard_state of lbannpy's runs (bench memory --shard-state)
 
 
 def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
@@ -125,7 +126,8 @@ def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, spl
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = dict(spec, data={"train": {"path": data}},
                trainer={"batch_size": case.batch, "steps": steps, "seed": 1, "dtype": "float32"},
-               optimizer=dict(OPTIMIZER), runtime={"threads": 1, "kernels": KERNELS[0], "device": DEVICE[0]},
+               optimizer=dict(OPTIMIZER, shard_state=SHARD_STATE[0]),
+               runtime={"threads": 1, "kernels": KERNELS[0], "device": DEVICE[0]},
                checkpoint={"dir": os.path.join(run_dir, "ckpt")},
                output={"dir": run_dir, "log_every": 1})
     if ranks > 1:

@@ -165,6 +165,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("weight_decay", Float(0.0), 0.0, "L2 penalty"),
         Key("betas", ListOf(Float(0.0, 1.0, hi_open=True), 2, 2), [0.9, 0.999], "adam decay rates"),
         Key("eps", Float(0.0, lo_open=True), 1e-8, "adam denominator term"),
+        Key("shard_state", Bool(), False, "split the optimizer state of replicated parameters over their "
+                                          "replicas (ZeRO stage 1): 1/g of it a rank, one more allgather a "
+                                          "bucket and step; results unchanged"),
         Section("schedule", "learning-rate schedule", (
             Key("type", Str(("none", "step", "cosine")), "none", "none, step decay or cosine decay"),
             Key("warmup_steps", Int(0), 0, "linear warm-up steps"),

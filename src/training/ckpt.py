@@ -21,7 +21,9 @@ _CHANGES_SHOWN = 4  # changes named in the refusal line; the rest are counted
 def computation(cfg: dict) -> dict:
     """The part of a validated config that changes what a step computes (not where or how often)."""
     model = {k: v for k, v in cfg["model"].items() if k not in ("name", "init")}
-    return {"model": model, "optimizer": cfg["optimizer"],
+    # shard_state changes where the optimizer state lives, not a bit of what a step computes
+    optimizer = {k: v for k, v in cfg["optimizer"].items() if k != "shard_state"}
+    return {"model": model, "optimizer": optimizer,
             "trainer": {"dtype": cfg["trainer"].get("dtype", "float32")}}
 
 
@@ -92,7 +94,11 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
 
     meta = {"reader": reader.state(), "rows": rows, "evals": evals, "computation": record,
             "computation_digest": digest(record)}
-    checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers)
+    optimizer.unshard_state()  # collective where the state is sharded: checkpoints hold it whole
+    try:
+        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers)
+    finally:
+        optimizer.reshard_state()
     if world.rank == 0:
         try:
             checkpoint.prune(ckpt_dir, keep)
@@ -134,6 +140,7 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
         path, data = checkpoint.resume(world, ckpt_dir, model.params, optimizer, model.layers, xp, check)
     except checkpoint.CheckpointRefused as exc:
         raise UserError(f"--resume: {exc}") from None
+    optimizer.reshard_state()  # the state was read whole: keep this rank's part
     if path is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
                         f"--resume to start from scratch")

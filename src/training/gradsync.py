@@ -19,7 +19,8 @@ class GradSync:
     """Who calls: every rank, in the same order (the constructor creates group communicators and the
     replicated layers' gather communicators: collective)."""
 
-    def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress):
+    def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress,
+                 shard_state: bool = False):
         from lbannpy.comm.overlap import OverlapEngine
 
         self.optimizer = optimizer
@@ -51,6 +52,11 @@ class GradSync:
             overlap=bool(cfg_comm["overlap"]), chunk_layers=k or None,
             thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp,
             device_timing=clock.name != "host")
+        self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas
+        if shard_state and optimizer.has_state():
+            from .shards import StateShards
+
+            self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
 
     # -- one step, in call order -------------------------------------------------------------------------
     def before_forward(self, layer) -> None:
@@ -78,7 +84,11 @@ class GradSync:
         """After backprop: wait for the buckets (each updated as soon as it is reduced), schedule the
         replicated updates and end the optimizer step. Returns this step's bucket records
         ``(bucket, nbytes, _, start, end)``."""
-        self.engine.finish(on_bucket=self.optimizer.step_params)
+        if self.shards is None:
+            self.engine.finish(on_bucket=self.optimizer.step_params)
+        else:  # each rank updates its range of a sharded bucket; then one allgather a bucket
+            self.engine.finish(on_bucket=self.shards.on_bucket)
+            self.shards.gather_values()
         for layer in self.replicated:  # their errors are still being gathered: updated before next forward
             self._pending_t[layer.name] = self.optimizer.t
         self.optimizer.finish_step()
@@ -119,7 +129,9 @@ class GradSync:
         for b in engine.buckets:
             times = [e - s for i, _, _, s, e in engine.records if i == b.index]
             out.append({"index": b.index, "bytes": int(b.nbytes), "params": [p.name for p in b.params],
-                        "median_s": float(np.median(times)) if times else None})
+                        "median_s": float(np.median(times)) if times else None,
+                        # the part of the bucket's optimizer state this rank keeps (optimizer.shard_state)
+                        "state_share": 1.0 if self.shards is None else self.shards.share(b.index)})
         return out
 
 

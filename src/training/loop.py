@@ -85,7 +85,8 @@ class Trainer:
 
             self.reader = DeviceUploader(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes)
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
-                             self.clock, self.watchdog.progress)
+                             self.clock, self.watchdog.progress,
+                             shard_state=bool(cfg["optimizer"].get("shard_state", False)))
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         self.record = ckpt.computation(cfg)
         if resume:

@@ -175,11 +175,33 @@ def test_checkpoint_and_resume_on_gpus(work, train):
     assert_same_run(work, "resume", ref, 1e-10, "resumed on GPUs")
 
 
-def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch):
+@pytest.mark.parametrize("backend", ["nccl", "mpi"], ids=["nccl", "cuda-aware-mpi"])
+def test_sharded_optimizer_state_on_gpus(work, train, backend):
+    """``optimizer.shard_state`` on GPUs (tiny buckets: pieces cross parameters; over NCCL, or CUDA-aware
+    MPI): stopped after a checkpoint on 2 ranks and resumed sharded on 4, the weights and losses of the
+    NumPy run; rank 0 kept a share of every bucket's momentum."""
+    ref = "cls-cpu"
+    if not (work / ref / "ckpt").is_dir():
+        train(1, spec(work, "cls", ref))
+    tag, comm = f"shard-{backend}", {"bucket_mb": 0.001, "first_bucket_mb": 0.0005}
+    on = ("--set", "runtime.device=gpu", "--set", f"runtime.backend={backend}", "--set",
+          "optimizer.shard_state=true")
+    env = {"LBANNPY_CUDA_AWARE_MPI": "1"} if backend == "mpi" else None
+    train(2, spec(work, "cls", tag, {"default": {"n": 2}}, comm, steps=2), *on, env=env)
+    shares = [b["state_share"] for b in summary(work, tag)["buckets"]]
+    assert len(shares) > 2 and all(0 < x <= 0.75 for x in shares), shares
+    train(4, spec(work, "cls", tag, {"default": {"n": 2, "h": 2}}, comm), "--resume", *on, env=env)
+    assert_same_run(work, tag, ref, 1e-10, f"sharded optimizer state over {backend}")
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["", "sharded-state"])
+def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch, shard):
     """Steps that are not logged make no host synchronisation at all (the batch is uploaded ahead from
-    pinned memory, the loss statistics stay on the device); a logged step stays within the budget."""
+    pinned memory, the loss statistics stay on the device); a logged step stays within the budget. With
+    ``optimizer.shard_state`` too (its allgathers are NCCL calls on the streams)."""
     cfg = spec(work, "seg", "budget", {"default": {"h": 2}}, steps=5)
-    rows = gpu_launch(HERE, "budget", 2, cfg, "--set", "output.log_every=5", timeout=240)
+    rows = gpu_launch(HERE, "budget", 2, cfg, "--set", "output.log_every=5",
+                      "--set", f"optimizer.shard_state={str(shard).lower()}", timeout=240)
     for row in rows:
         per_step = row["per_step"]
         print(f"rank {row['rank']} (device {row['device']}): host syncs per training step {per_step} "
