@@ -67,7 +67,7 @@ SUITES = [Suite(1), Suite(2), Suite(3), Suite(4), Suite(8, "ranks8")]
 @pytest.mark.timeout(SUITE_TIMEOUT + 60)
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.id)
 def test_mpi_suite(suite, tmp_path):
-    argv = ["-m", "mpi4py", "-m", "pytest", str(TESTS / "mpi"), "-q", "-p", "no:cacheprovider",
+    argv = ["-m", "mpi4py", "-m", "pytest", str(TESTS / "mpi"), "-q", "--color=no", "-p", "no:cacheprovider",
             "-o", "console_output_style=classic"]
     if suite.marker:
         argv += ["-m", suite.marker]
@@ -118,8 +118,8 @@ def harness_dir(tmp_path: Path, body: str) -> Path:
 @needs_mpiexec
 def test_harness_fails_every_rank_when_one_fails(tmp_path):
     d = harness_dir(tmp_path, HARNESS_TESTS)
-    code, out, secs = run_mpi(3, ["-m", "mpi4py", "-m", "pytest", str(d), "-q", "-p", "no:cacheprovider"],
-                              mpi_env(), d, 120)
+    code, out, secs = run_mpi(3, ["-m", "mpi4py", "-m", "pytest", str(d), "-q", "--color=no", "-p",
+                                  "no:cacheprovider"], mpi_env(), d, 120)
     assert code not in (0, None), f"a test failing on rank 2 must fail the job (code {code}):\n{tail(out)}"
     assert "failed on rank(s) [2] of 3" in out, f"rank 0 must report rank 2's failure:\n{tail(out)}"
     assert "deliberate failure on the last rank" in out, tail(out)
@@ -129,8 +129,8 @@ def test_harness_fails_every_rank_when_one_fails(tmp_path):
 @needs_mpiexec
 def test_harness_aborts_when_a_failed_rank_skips_a_collective(tmp_path):
     d = harness_dir(tmp_path, HANG_TESTS)
-    code, out, secs = run_mpi(3, ["-m", "mpi4py", "-m", "pytest", str(d), "-q", "-p", "no:cacheprovider"],
-                              mpi_env(LBANNPY_MPI_SKEW_TIMEOUT=3), d, 90)
+    code, out, secs = run_mpi(3, ["-m", "mpi4py", "-m", "pytest", str(d), "-q", "--color=no", "-p",
+                                  "no:cacheprovider"], mpi_env(LBANNPY_MPI_SKEW_TIMEOUT=3), d, 90)
     assert code is not None, f"the job hung (killed after {secs:.0f} s):\n{tail(out)}"
     assert code != 0 and secs < 45, f"code {code} after {secs:.1f} s:\n{tail(out)}"
     assert "[rank 2 of 3]" in out and "deliberate failure before a collective" in out, tail(out)

@@ -1,7 +1,8 @@
 """The NCCL communicator and the runtime's device choice, on the CUDA/CuPy/NCCL stand-in (tests/gpu_standin).
 
-Each case runs this file under ``mpiexec -n P`` with the stand-in first on ``PYTHONPATH`` (MPICH gives
-every rank ``MPI_LOCALRANKID``, so rank r must land on device r):
+Each case runs this file under ``mpiexec -n P`` with the stand-in first on ``PYTHONPATH`` (each rank
+must land on the device of its node-local rank, which MPICH's ``MPI_LOCALRANKID`` makes its rank; Open
+MPI's mapping may order them otherwise):
 
 - row 12: ``make_communicator("nccl", device="gpu")`` and ``Runtime`` select the rank's GPU (one code path);
   children made by ``split``/``dup`` stay on it, and the MPI bootstrap is handed over with
@@ -74,8 +75,9 @@ def test_each_rank_gets_its_own_gpu(ranks):
     assert len(rows) == ranks
     for row in rows:
         assert row["ok"], row
-        assert row["made"] == row["runtime"] == row["rank"], row
-        assert set(row["children"]) == {row["rank"]}, row
+        assert row["made"] == row["runtime"] == row["local"], row
+        assert set(row["children"]) == {row["local"]}, row
+    assert sorted(row["local"] for row in rows) == list(range(ranks)), rows  # one GPU each
 
 
 @needs
@@ -205,6 +207,9 @@ def _devices(out: dict) -> None:  # pragma: no cover - runs under mpiexec
 
     from lbannpy.comm import Runtime, make_communicator
 
+    from lbannpy.comm.runtime import _env_local_rank
+
+    out["local"] = _env_local_rank()  # the launcher's node-local rank (MPICH's equals the rank)
     c = make_communicator("nccl", device="gpu")
     out["made"] = c._device.id
     cupy.cuda.Device(0).use()  # the Runtime must select the device again, whatever is current
