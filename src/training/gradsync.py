@@ -88,7 +88,9 @@ class GradSync:
             self.engine.finish(on_bucket=self.optimizer.step_params)
         else:  # each rank updates its range of a sharded bucket; then one allgather a bucket
             self.engine.finish(on_bucket=self.shards.on_bucket)
+            t0 = self.clock.now()
             self.shards.gather_values()
+            self.timer.add(("optimizer", "state_gather"), t0, self.clock.now())
         for layer in self.replicated:  # their errors are still being gathered: updated before next forward
             self._pending_t[layer.name] = self.optimizer.t
         self.optimizer.finish_step()
