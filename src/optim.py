@@ -102,7 +102,11 @@ class Optimizer:
 
     def has_state(self) -> bool:
         """Whether the optimizer keeps state per parameter element (momentum, moments)."""
-        return False
+        return bool(self.slot_names())
+
+    def slot_names(self) -> list[str]:
+        """The state slots every updated parameter has (sorted), the same on every rank."""
+        return []
 
     def unshard_state(self) -> None:
         """Who calls: every rank (collective when the state is sharded): whole state, for a checkpoint."""
@@ -164,8 +168,8 @@ class SGD(Optimizer):
         self.momentum = float(momentum)
         self.nesterov = nesterov
 
-    def has_state(self) -> bool:
-        return bool(self.momentum)
+    def slot_names(self) -> list[str]:
+        return ["momentum"] if self.momentum else []
 
     def _update(self, value, g, lr, st, t):
         gpu = _gpu_updates(g)
@@ -204,8 +208,8 @@ class Adam(Optimizer):
         self.b1, self.b2 = (float(b) for b in betas)
         self.eps = float(eps)
 
-    def has_state(self) -> bool:
-        return True
+    def slot_names(self) -> list[str]:
+        return ["m", "v"]
 
     def _update(self, value, g, lr, st, t):
         if "m" not in st:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import shutil as _sh
 
 import numpy as np
 import pytest
 
 from train_util import PY, build_config, make_data, model_spec, sh
 
-MPIEXEC = _sh.which("mpiexec")
+MPIEXEC = shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
 
 CLS = [  # no bias before a batch-norm: its gradient is zero, its value round-off (no relative error)

@@ -108,9 +108,10 @@ class StateShards:
         """Who calls: every rank (collective over each sharded bucket's group): the optimizer state of every
         sharded parameter made whole, for a checkpoint; :meth:`reshard` undoes it."""
         state = self.optimizer.state
+        # every sharded bucket is updated every step: after the first, each piece has every slot (known
+        # on every rank, also one without pieces: no exchange of names)
+        slots = self.optimizer.slot_names() if self.optimizer.t > 0 else []
         for s in self.shards:
-            mine = sorted(state[s.pieces[0][0].name]) if s.pieces else []
-            slots = max(s.comm.allgather_obj(mine), key=len)  # a rank without pieces has no state
             for slot in slots:
                 full = self._gather(s, lambda p, a, b, slot=slot: flat(state[p.name][slot]))
                 for p, off in zip(s.params, s.offsets):
