@@ -17,7 +17,7 @@ The price is memory: the kept blocks fragment differently from run to run, and o
 limit the peak moves with them (the full mesh1k model on one 1024² sample with ATen kernels: 2917–2974 MiB
 on 1 rank, 1672–1824 MiB per rank split over 2). ``MALLOC_MMAP_THRESHOLD_=4194304`` in the environment gives
 the lower, steady end of those ranges at the cost of fresh pages for every block above 4 MiB (mesh1k 256² at
-batch 2 trains 1.17x slower so; see the README's memory section).
+batch 2, whose activations are 25 MiB, trains measurably slower so; see the README's memory section).
 """
 from __future__ import annotations
 
