@@ -18,7 +18,10 @@ only (``pip install torch``).
 ``--device gpu`` runs both sides on the node's GPU (lbannpy with ``runtime.device: gpu``, PyTorch CUDA), one
 process each, step times from CUDA events on both sides, float32 convolutions in float32 on both (PyTorch's
 TF32 default is switched off, as lbannpy's ``runtime.tf32`` is by default); the 2-rank tables are left out
-(they would need two GPUs). Each round's times are printed as the round ends.
+(they would need two GPUs). PyTorch runs twice there: eagerly, and with its whole step (forward, loss,
+backward, optimizer) captured once as a CUDA graph and replayed (``torch.cuda.graph``, warmed up on a side
+stream), in the faster eager layout; lbannpy's ratio to each is printed. Each round's times are printed as
+the round ends.
 """
 from __future__ import annotations
 
@@ -113,6 +116,7 @@ def write_data(path: str, spec: dict, out_shape: tuple[int, ...], samples: int, 
 KERNELS = ["auto"]  # runtime.kernels of lbannpy's runs (--kernels)
 DEVICE = ["cpu"]  # runtime.device of lbannpy's runs and PyTorch's device (--device)
 SHARD_STATE = [False]  # optimizer.shard_state of lbannpy's runs (bench memory --shard-state)
+CUDA_GRAPH = [None]  # runtime.cuda_graph of lbannpy's runs (--cuda-graph; None: the config's default)
 
 
 def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, split: str, steps: int,
@@ -127,7 +131,8 @@ def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, spl
     cfg = dict(spec, data={"train": {"path": data}},
                trainer={"batch_size": case.batch, "steps": steps, "seed": 1, "dtype": "float32"},
                optimizer=dict(OPTIMIZER, shard_state=SHARD_STATE[0]),
-               runtime={"threads": 1, "kernels": KERNELS[0], "device": DEVICE[0]},
+               runtime={"threads": 1, "kernels": KERNELS[0], "device": DEVICE[0],
+                        **({"cuda_graph": CUDA_GRAPH[0]} if CUDA_GRAPH[0] else {})},
                checkpoint={"dir": os.path.join(run_dir, "ckpt")},
                output={"dir": run_dir, "log_every": 1})
     if ranks > 1:
@@ -157,16 +162,18 @@ def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split
 
 
 def torch_step(work: str, case: Case, ranks: int, layout: str, steps: int, params: int,
-               timeout: float) -> float:
+               timeout: float, graph: bool = False) -> float:
     """Median step (s) of the case in PyTorch: one process, or DDP (gloo) over ``ranks`` processes sharing
-    the global batch. The worker checks the parameter count against lbannpy's ``params``."""
+    the global batch; ``graph``: the step captured as a CUDA graph and replayed (one process on a GPU). The
+    worker checks the parameter count against lbannpy's ``params``."""
     tag = os.path.join(work, f"torch-{time.time_ns()}")
     cmd = _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "peer", "--torch-worker",
                               json.dumps({"zoo": case.zoo, "size": case.size, "batch": case.batch,
                                           "layout": layout, "steps": steps, "params": params,
-                                          "device": DEVICE[0],
+                                          "device": DEVICE[0], "graph": graph,
                                           "rendezvous": tag + ".gloo", "result": tag})]
-    _run(cmd, timeout, f"PyTorch {case.label} ({layout}, {ranks} process(es))")
+    how = f"{layout}, CUDA graph" if graph else layout
+    _run(cmd, timeout, f"PyTorch {case.label} ({how}, {ranks} process(es))")
     times = []
     for rank in range(ranks):
         try:
@@ -222,6 +229,8 @@ def torch_worker(args: dict) -> int:
         loss.backward()
         opt.step()
 
+    if args.get("graph"):
+        step = _graphed_step(torch, F, net, opt, x, labels)
     times = _step_times(torch, step, args["steps"], gpu)
     with open(f"{args['result']}.{rank}.json", "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "median_step_s": statistics.median(times)}, f)
@@ -233,6 +242,27 @@ def torch_worker(args: dict) -> int:
         sys.stdout.flush()
         os._exit(0)
     return 0
+
+
+def _graphed_step(torch, F, net, opt, x, labels):
+    """The whole training step captured once as a CUDA graph, as PyTorch's documentation does it: a few
+    warm-up steps on a side stream (so the caching allocator and cuDNN settle outside the capture), then
+    forward, loss, backward and the optimizer step captured with gradients left allocated (the graph keeps
+    writing the same gradient buffers); the returned callable replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), labels).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        F.cross_entropy(net(x), labels).backward()
+        opt.step()
+    return graph.replay
 
 
 def _step_times(torch, step, steps: int, gpu: bool) -> list[float]:
@@ -319,6 +349,7 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     ddp = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     split = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     scale = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
+    graphed = {c.name: Row(c.label, [], [], []) for c, *_ in prepared}
     for r in range(rounds):
         for case, spec, params, data in prepared:
             n = steps * case.steps_scale
@@ -329,6 +360,11 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
             one[case.name].ours.append(ours)
             one[case.name].peer.append(layouts[best])
             one[case.name].peer_note.append(f"({best})")
+            if DEVICE[0] == "gpu":
+                layouts[f"{best} graphed"] = torch_step(work, case, 1, best, n, params, timeout, graph=True)
+                graphed[case.name].ours.append(ours)
+                graphed[case.name].peer.append(layouts[f"{best} graphed"])
+                graphed[case.name].peer_note.append("(CUDA graph)")
             print(f"  round {r + 1}: {case.label}: lbannpy {ours * 1e3:.2f} ms, PyTorch "
                   + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in layouts.items()), flush=True)
             if not two_ranks:
@@ -347,6 +383,9 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
             row.peer.append(layouts[best])
             row.peer_note.append("(1 process)")
     tables = [("1 process: lbannpy / PyTorch (best of NCHW and channels-last)", list(one.values()))]
+    if DEVICE[0] == "gpu":
+        tables.append(("1 process: lbannpy / PyTorch with its whole step as a CUDA graph",
+                       list(graphed.values())))
     if two_ranks:
         tables.append(("2 ranks data parallel: lbannpy / PyTorch DDP (gloo), same global batch",
                        [r for r in ddp.values() if r.ours]))
@@ -379,9 +418,12 @@ def main(argv=None) -> int:
                     help="gpu: lbannpy (runtime.device gpu, CuPy) against PyTorch CUDA on this node's first "
                          "GPU, one process each (the 2-rank tables need 2 GPUs and are left out); step times "
                          "from CUDA events on both sides. Without a GPU: one line saying why, exit 0")
+    ap.add_argument("--cuda-graph", choices=("auto", "on", "off"), default=None,
+                    help="lbannpy's runtime.cuda_graph for its runs (default: the config's default)")
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     KERNELS[0] = args.kernels
+    CUDA_GRAPH[0] = args.cuda_graph
     DEVICE[0] = args.device
     if args.torch_worker is not None:
         return torch_worker(json.loads(args.torch_worker))
