@@ -397,3 +397,42 @@ def test_a_freed_block_is_reused_inside_one_capture():
     g.launch(s)
     s.synchronize()
     np.testing.assert_allclose(acc.get(), (h + 1) * 2 + (h + 3), rtol=1e-15)
+
+
+def test_lbannpy_batchnorm_and_pooling_kernels_replay_as_the_host_kernels():
+    """lbannpy's GPU kernels of a batch-norm + ReLU + max-pool forward and backward, captured once and
+    replayed on new batches, give its host kernels' numbers on each batch."""
+    from lbannpy.layers.kernels import batchnorm as K
+    from lbannpy.layers.kernels import pool as P
+
+    shape, c = (2, 3, 6, 4), 3
+
+    def step(x, d, g, b, rm, rv, gg, gb):
+        count = float(np.prod(shape) // c)
+        tot = K.bn_local_sums(x)
+        y, mean, var, rm2, rv2 = K.bn_train_forward(x, tot, count, g, b, 1e-5, 0.1, rm, rv, relu=True)
+        t2 = K.bn_backward_sums(d, x, mean, var, 1e-5, y=y)
+        K.bn_add_param_grads(t2, gg, gb)                  # accumulates into gg, gb
+        dx = K.bn_backward_data_summed(d, x, mean, var, g, 1e-5, t2, count, y=y)
+        py, arg = P.max_pool_forward(y, (2, 2), (2, 2), 1)
+        pdx = P.max_pool_backward(py, arg, shape, (2, 2), (2, 2), 1)
+        return [y, mean, var, rm2, rv2, dx, py, pdx, gg, gb]
+
+    def params(xp):
+        return [xp.asarray(np.linspace(0.5, 1.5, c)), xp.asarray(np.linspace(-0.2, 0.3, c)),
+                xp.asarray(np.full(c, 0.1)), xp.asarray(np.full(c, 0.9)), xp.zeros(c), xp.zeros(c)]
+
+    x, d, dev, host = cupy.zeros(shape), cupy.zeros(shape), params(cupy), params(np)
+    pool, s = cupy.cuda.MemoryPool(), side_stream()
+    with cupy.cuda.using_allocator(pool.malloc), s:
+        s.begin_capture()
+        outs = step(x, d, *dev)
+        g = s.end_capture()
+    for _ in range(3):
+        h, dy = RNG.standard_normal(shape) * 3 + 5, RNG.standard_normal(shape)
+        x.set(h, stream=s)
+        d.set(dy, stream=s)
+        g.launch(s)
+        s.synchronize()
+        for got, want in zip(outs, step(h, dy, *host)):
+            np.testing.assert_allclose(got.get(), want, rtol=1e-12, atol=1e-12)

@@ -17,19 +17,22 @@ c = nccl.NcclCommunicator(n, uid, r)
 x = cupy.zeros(6)
 ring = cupy.zeros(3)
 pool = cupy.cuda.MemoryPool()
-s, comm_s = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+s, comm_s, recv_s = (cupy.cuda.Stream(non_blocking=True) for _ in range(3))
 s.wait_event(cupy.cuda.get_current_stream().record())
 with cupy.cuda.using_allocator(pool.malloc), s:
     s.begin_capture()
     y = x * 2.0
     z = cupy.empty(6)
-    comm_s.wait_event(s.record())             # the collectives on their own stream, joined by events
+    forked = s.record()
+    comm_s.wait_event(forked)                 # the collectives on their own streams, joined by events
+    recv_s.wait_event(forked)
     c.allReduce(y.data.ptr, z.data.ptr, 6, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, comm_s.ptr)
-    nccl.groupStart()
+    nccl.groupStart()                         # one group over two streams of the capture
     c.send(x.data.ptr, 3, nccl.NCCL_FLOAT64, (r + 1) % n, comm_s.ptr)
-    c.recv(ring.data.ptr, 3, nccl.NCCL_FLOAT64, (r - 1) % n, comm_s.ptr)
+    c.recv(ring.data.ptr, 3, nccl.NCCL_FLOAT64, (r - 1) % n, recv_s.ptr)
     nccl.groupEnd()
     s.wait_event(comm_s.record())
+    s.wait_event(recv_s.record())
     out = z + 1.0
     g = s.end_capture()
 assert np.isnan(out.get()).all()  # nothing moved at capture

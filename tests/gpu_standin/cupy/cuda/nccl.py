@@ -100,11 +100,13 @@ def groupEnd():
         if not captured:
             _execute(ops)
             return
-        if len({op.stream._uid for op in captured}) != 1:
-            raise NcclError(NCCL_ERROR_INVALID_USAGE, "the stand-in captures a group on one stream only")
+        from cupy.cuda import _graph
+        if len({id(_graph.capture_of(op.stream)) for op in captured}) != 1:
+            raise NcclError(NCCL_ERROR_INVALID_USAGE, "a group's calls are on streams of different captures")
         makes = [op.make for op in captured]
-        # the group is one node of the capture: each launch of the graph posts it again, on every rank
-        _standin.launch(captured[0].stream, what="nccl group", count=False,
+        # the group is one node of the capture, after its calls' nodes: each launch of the graph posts the
+        # whole group again, on every rank
+        _standin.launch(captured[-1].stream, what="nccl group", count=False,
                         replay=lambda: _execute([m() for m in makes]))
 
 
