@@ -202,8 +202,8 @@ def _check_outside(stream, allocs, what):
             continue
         if stream.ptr == 0 and any(not s.non_blocking for s in cap.streams.values()):
             _fail(cap, f"cudaErrorStreamCaptureImplicit (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT): {what} on the "
-                       f"legacy default stream while a "
-                       f"blocking stream is in {cap.describe()} (capture on Stream(non_blocking=True))")
+                       f"legacy default stream while a blocking stream is in {cap.describe()} (capture on "
+                       f"Stream(non_blocking=True))")
         for a in allocs:
             if a is not None and a in cap.last_write:
                 _fail(cap, f"{what} on {stream!r}, which did not join {cap.describe()}, touches buffer "
