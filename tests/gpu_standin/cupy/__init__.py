@@ -166,8 +166,23 @@ class ndarray:
         _standin.launch(s, reads=[self._alloc], what=kind)
         _standin.host_observes(s._clock)
 
-    def get(self, stream=None, order="C", out=None):
-        self._sync("ndarray.get")
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if not blocking:  # CuPy: the copy runs on ``stream`` (or the current one); the host does not wait
+            s = cuda.get_current_stream() if stream is None else stream
+            _standin.launch(s, reads=[self._alloc], what="ndarray.get (async)")
+            snapshot = _np.array(self._a, order=order)
+            dest = _np.empty_like(snapshot) if out is None else out
+
+            def land():
+                dest[...] = snapshot
+            _standin.defer(s, land)
+            return dest
+        if stream is not None:
+            _standin.count_sync("ndarray.get")
+            _standin.launch(stream, reads=[self._alloc], what="ndarray.get")
+            _standin.host_observes(stream._clock)
+        else:
+            self._sync("ndarray.get")
         if out is not None:
             out[...] = self._a
             return out
@@ -201,7 +216,8 @@ class ndarray:
         if not isinstance(arr, _np.ndarray):
             raise TypeError("set() takes a numpy.ndarray")
         self._a[...] = arr
-        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="ndarray.set")
+        _standin.launch(cuda.get_current_stream() if stream is None else stream, writes=[self._alloc],
+                        what="ndarray.set")
 
     # --- NumPy protocols: operate on the NumPy views, keep results on the device
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -304,9 +320,9 @@ def array(a, dtype=None, copy=True, order="K", ndmin=0):
     return asarray(_np.array(a, dtype=dtype, ndmin=ndmin))
 
 
-def asnumpy(a, stream=None, order="C", out=None):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
-        return a.get(order=order, out=out)
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return _np.asarray(a, order=order)
 
 
