@@ -134,6 +134,9 @@ class MPICommunicator(Communicator):
         self.check = check
         self._children: list[Communicator] = []
         self._unposted = 0  # host-staged operations issued but not yet posted to MPI (hoststaged.py)
+        # CuPy arrays through host memory: None follows the probe (cuda_aware_mpi); True forces it (the
+        # benchmarks compare it with device pointers or NCCL on the same ranks)
+        self.host_staged: bool | None = None
 
     # -- identity -------------------------------------------------------------------------------------
     @property
@@ -214,7 +217,9 @@ class MPICommunicator(Communicator):
     def _staged(self, buf) -> bool:
         """Whether ``buf`` travels through pinned host memory (a CuPy array on an MPI that is not
         CUDA-aware)."""
-        return _is_cupy(buf) and not cuda_aware_mpi()
+        if not _is_cupy(buf):
+            return False
+        return not cuda_aware_mpi() if self.host_staged is None else self.host_staged
 
     def _stage(self, what: str, buf, after=None):
         from .hoststaged import StagedOp
