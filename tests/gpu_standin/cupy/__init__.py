@@ -166,7 +166,18 @@ class ndarray:
         _standin.launch(s, reads=[self._alloc], what=kind)
         _standin.host_observes(s._clock)
 
+    def _check_host(self, arr, what):
+        # CuPy's checks of get(out=) and set(arr)
+        if not isinstance(arr, _np.ndarray) or isinstance(arr, ndarray):
+            raise TypeError(f"{what}: only numpy.ndarray can be copied to or from cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{what}: {arr.dtype} array cannot be copied to or from a {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"{what}: shape mismatch: {self.shape} and {arr.shape}")
+
     def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None:
+            self._check_host(out, "ndarray.get(out=)")
         if not blocking:  # CuPy: the copy runs on ``stream`` (or the current one); the host does not wait
             s = cuda.get_current_stream() if stream is None else stream
             _standin.launch(s, reads=[self._alloc], what="ndarray.get (async)")
@@ -215,6 +226,7 @@ class ndarray:
     def set(self, arr, stream=None):
         if not isinstance(arr, _np.ndarray):
             raise TypeError("set() takes a numpy.ndarray")
+        self._check_host(arr, "ndarray.set")
         self._a[...] = arr
         _standin.launch(cuda.get_current_stream() if stream is None else stream, writes=[self._alloc],
                         what="ndarray.set")
