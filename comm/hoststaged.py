@@ -11,9 +11,13 @@ the Runtime, never a copy hidden inside a primitive. Every operation runs in fou
    copies are done (the host never blocks on the GPU), then the non-blocking MPI call is posted on the
    pinned buffers;
 3. ``wait()`` on the consumer's thread completes the MPI request (as the MPI backend does for host arrays);
-4. the consumer's stream (the current stream of the thread that waits) waits on the copy event, copies the
-   received pinned buffers into the device arrays (``ndarray.set(pinned, stream=...)``) and records a
-   completion event, which the pinned buffers carry back to the pool: they are reused once it is done.
+4. the consumer's stream (the current stream of the thread that waits) copies the received pinned buffers
+   into the device arrays (``ndarray.set(pinned, stream=...)``) and records a completion event, which the
+   pinned buffers carry back to the pool: they are reused once it is done.
+
+On a real GPU ``wait()`` of a staged operation blocks the waiting thread until MPI is done, and MPI starts
+only once the copy down is: unlike NCCL, the host waits for the device there (by polling and MPI, never a
+CUDA synchronisation call).
 
 Collectives on one communicator are posted by the staging thread in the order they were issued. An
 operation that the MPI backend issues directly on the same communicator (host arrays, pickled metadata,
@@ -219,9 +223,8 @@ class StagedOp:
             landed = None
             if self.recvs:
                 with cuda.Device(self.device_id):
+                    # no wait on the copy down, even in place: the staging thread saw it done before MPI
                     consumer = cuda.get_current_stream()
-                    if self.copied is not None:  # an in-place buffer is read by the copy down first
-                        consumer.wait_event(self.copied)
                     for arr, host, _ in self.recvs:
                         arr.set(host, stream=consumer)
                     landed = cuda.Event(disable_timing=True)

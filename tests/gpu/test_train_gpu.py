@@ -213,6 +213,7 @@ def test_sharded_optimizer_state_on_gpus(work, train, backend):
     assert_same_run(work, tag, ref, 1e-10, f"sharded optimizer state over {backend}")
 
 
+@pytest.mark.skipif(REAL, reason="counts the stand-in's modelled host synchronisations and launches")
 @pytest.mark.parametrize("shard,staged", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["", "sharded-state", "host-staged", "sharded-state-host-staged"])
 def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch, shard, staged):
