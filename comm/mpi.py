@@ -10,9 +10,13 @@ passes ``after=``, an event recorded on the producing stream (the overlap engine
 or else the calling thread's current stream *on the buffer's device* is synchronized (right when the
 caller is the thread that launched the producers). CuPy's current device and stream are per thread, so
 the calling thread's current stream of its current device can be another GPU's, or a stream that never
-saw the producer. An MPI that is not
-CUDA-aware is refused with :class:`CommError`: copying through the host behind the caller's back would
-hide a large cost (use the NCCL backend on GPUs instead).
+saw the producer.
+
+On an MPI that is not CUDA-aware (the probe, or ``LBANNPY_CUDA_AWARE_MPI=0``) every operation on CuPy
+arrays goes through the host-staged path of :mod:`lbannpy.comm.hoststaged` instead: pinned host buffers,
+a copy stream ordered after the producer, MPI posted by a staging thread once the copies are done, and the
+copies back on the consumer's stream. The Runtime says so in one line at start, so the cost is never
+hidden.
 """
 from __future__ import annotations
 
@@ -129,6 +133,10 @@ class MPICommunicator(Communicator):
         self._freed = False
         self.check = check
         self._children: list[Communicator] = []
+        self._unposted = 0  # host-staged operations issued but not yet posted to MPI (hoststaged.py)
+        # CuPy arrays through host memory: None follows the probe (cuda_aware_mpi); True forces it (the
+        # benchmarks compare it with device pointers or NCCL on the same ranks)
+        self.host_staged: bool | None = None
 
     # -- identity -------------------------------------------------------------------------------------
     @property
@@ -185,6 +193,7 @@ class MPICommunicator(Communicator):
         self._children.clear()
         self._freed = True
         if self._owned and not MPI.Is_finalized():
+            self._drain()
             self._comm.Free()
 
     @property
@@ -199,7 +208,34 @@ class MPICommunicator(Communicator):
         abort_job(self._comm if not self._freed else MPI.COMM_WORLD, code)
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        # a direct call must not overtake this communicator's staged operations issued before it
+        if self._unposted:
+            from .hoststaged import process
+            process(sys.modules["cupy"]).drain(self)
+
+    def _staged(self, buf) -> bool:
+        """Whether ``buf`` travels through pinned host memory (a CuPy array on an MPI that is not
+        CUDA-aware)."""
+        if not _is_cupy(buf):
+            return False
+        return not cuda_aware_mpi() if self.host_staged is None else self.host_staged
+
+    def _stage(self, what: str, buf, after=None):
+        from .hoststaged import StagedOp
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            raise CommError(f"{self._where()}: host-staged {what} posts MPI from a staging thread, which "
+                            f"needs MPI_THREAD_MULTIPLE; this MPI gives {query_thread()}")
+        return StagedOp(self, what, buf.device.id, after)
+
+    def _writable_device(self, out, what: str):
+        if not out.flags.c_contiguous:
+            raise CommError(f"{self._where()}: {what} writes into a non-contiguous array of shape "
+                            f"{out.shape}; pass a contiguous buffer (e.g. xp.ascontiguousarray)")
+        return out
+
     def _call(self, what: str, fn, *args):
+        self._drain()
         try:
             return fn(*args)
         except MPI.Exception as exc:
@@ -310,6 +346,17 @@ class MPICommunicator(Communicator):
         stream that wrote ``buf`` (see the module docstring)."""
         check_op(op)
         comm = self._live()
+        if self._staged(buf):
+            st, dt = self._stage("allreduce", buf, after), self._datatype(buf.dtype, "allreduce")
+            if out is buf:
+                host = st.send(self._writable_device(buf, "allreduce (in place)"))
+                st.recv(buf, host)
+                return st.start(lambda: comm.Iallreduce(MPI.IN_PLACE, [host, dt], _OPS[op]), lambda: out)
+            if out is None:
+                out = self._empty(buf, buf.shape)
+            self._check_like(out, buf, "allreduce")
+            send, recv = st.send(buf), st.recv(self._writable_device(out, "allreduce (output)"))
+            return st.start(lambda: comm.Iallreduce([send, dt], [recv, dt], _OPS[op]), lambda: out)
         if out is buf:
             out, dt = self._prepare(buf, "allreduce (in place)", writable=True, after=after)
             req = self._call("allreduce", comm.Iallreduce, MPI.IN_PLACE, [out, dt], _OPS[op])
@@ -325,10 +372,15 @@ class MPICommunicator(Communicator):
     def iallgather(self, buf) -> Handle:
         """Collective: ``buf`` has the same shape on every rank; ``wait()`` returns ``(size, *shape)``."""
         comm = self._live()
-        send, dt = self._prepare(buf, "allgather")
+        send, dt = (buf, None) if self._staged(buf) else self._prepare(buf, "allgather")
         self._agree("allgather", (tuple(send.shape), str(send.dtype)),
                     lambda every: None if len(set(every)) == 1 else
                     f"ranks give different shapes/dtypes {every}; every rank must give the same")
+        if self._staged(buf):
+            st, dt = self._stage("allgather", buf), self._datatype(buf.dtype, "allgather")
+            out = self._empty(buf, (self._size,) + tuple(buf.shape))
+            send, recv = st.send(buf), st.recv(out)
+            return st.start(lambda: comm.Iallgather([send, dt], [recv, dt]), lambda: out)
         out = self._empty(send, (self._size,) + tuple(send.shape))
         out, _ = self._prepare(out, "allgather (output)", writable=True)
         req = self._call("allgather", comm.Iallgather, [send, dt], [out, dt])
@@ -343,6 +395,12 @@ class MPICommunicator(Communicator):
                             f"counts[{self._rank}] = {counts[self._rank]} (counts {counts})")
         self._agree("allgatherv", counts, lambda every: None if all(c == every[0] for c in every) else
                     f"ranks disagree on counts: {every}")
+        if self._staged(buf):
+            st, dt = self._stage("allgatherv", buf), self._datatype(buf.dtype, "allgatherv")
+            out = self._empty(buf, (sum(counts),))
+            send, recv = st.send(buf.reshape(-1)), st.recv(out)
+            return st.start(lambda: comm.Iallgatherv([send, dt], [recv, (counts, _displs(counts)), dt]),
+                            lambda: out)
         send, dt = self._prepare(buf.reshape(-1), "allgatherv")
         out = self._empty(send, (sum(counts),))
         out, _ = self._prepare(out, "allgatherv (output)", writable=True)
@@ -357,6 +415,12 @@ class MPICommunicator(Communicator):
         counts = self._check_counts(counts, "reduce_scatter", buf.size)
         self._agree("reduce_scatter", counts, lambda every: None if all(c == every[0] for c in every) else
                     f"ranks disagree on counts: {every}")
+        if self._staged(buf):
+            st, dt = self._stage("reduce_scatter", buf), self._datatype(buf.dtype, "reduce_scatter")
+            out = self._empty(buf, (counts[self._rank],))
+            send, recv = st.send(buf.reshape(-1)), st.recv(out)
+            return st.start(lambda: comm.Ireduce_scatter([send, dt], [recv, dt], counts, _OPS[op]),
+                            lambda: out)
         send, dt = self._prepare(buf.reshape(-1), "reduce_scatter")
         out = self._empty(send, (counts[self._rank],))
         out, _ = self._prepare(out, "reduce_scatter (output)", writable=True)
@@ -381,6 +445,16 @@ class MPICommunicator(Communicator):
             return None
 
         self._agree("alltoallv", (sendcounts, recvcounts), rule)
+        if self._staged(sendbuf):
+            st, dt = self._stage("alltoallv", sendbuf), self._datatype(sendbuf.dtype, "alltoallv")
+            if out is None:
+                out = self._empty(sendbuf, (sum(recvcounts),))
+            self._check_like(out, sendbuf, "alltoallv", shape=(sum(recvcounts),))
+            send = st.send(sendbuf.reshape(-1))
+            recv = st.recv(self._writable_device(out, "alltoallv (output)")).reshape(-1)
+            return st.start(lambda: comm.Ialltoallv([send, (sendcounts, _displs(sendcounts)), dt],
+                                                    [recv, (recvcounts, _displs(recvcounts)), dt]),
+                            lambda: out)
         send, dt = self._prepare(sendbuf.reshape(-1), "alltoallv")
         if out is None:
             out = self._empty(send, (sum(recvcounts),))
@@ -399,6 +473,11 @@ class MPICommunicator(Communicator):
         self._agree("bcast", (buf.size, str(buf.dtype)),
                     lambda every: None if len(set(every)) == 1 else
                     f"ranks give buffers of different sizes/dtypes {every}")
+        if self._staged(buf):
+            st, dt = self._stage("bcast", buf), self._datatype(buf.dtype, "bcast")
+            self._writable_device(buf, "bcast")
+            host = st.send(buf) if self._rank == root else st.recv(buf)
+            return st.start(lambda: comm.Ibcast([host, dt], root), lambda: buf)
         arr, dt = self._prepare(buf, "bcast", writable=True)
         req = self._call("bcast", comm.Ibcast, [arr, dt], root)
         return self._request("bcast", req, lambda: buf, (arr,))
@@ -411,6 +490,10 @@ class MPICommunicator(Communicator):
     def isend(self, buf, dest: int, tag: int = 0) -> Handle:
         """Point to point: send ``buf`` (copied first if not contiguous) to ``dest``."""
         self._check_rank(dest, "destination")
+        if self._staged(buf):
+            st, dt = self._stage(f"send to {dest}", buf), self._datatype(buf.dtype, "send")
+            host = st.send(buf)
+            return st.start(lambda: self._live().Isend([host, dt], dest, tag), lambda: None)
         send, dt = self._prepare(buf, "send")
         req = self._call("send", self._live().Isend, [send, dt], dest, tag)
         return self._request(f"send to {dest}", req, None, (send,))
@@ -419,6 +502,20 @@ class MPICommunicator(Communicator):
         """Point to point: receive exactly ``buf.size`` elements from ``source`` into the contiguous
         ``buf``; a shorter or longer message is a :class:`CommError`."""
         self._check_rank(source, "source")
+        if self._staged(buf):
+            st, dt = self._stage(f"recv from {source}", buf), self._datatype(buf.dtype, "recv")
+            host = st.recv(self._writable_device(buf, "recv"))
+            status = MPI.Status()
+
+            def landed():
+                got = status.Get_count(dt)
+                if got != buf.size:
+                    raise CommError(f"{self._where()}: received {got} elements from rank {source} "
+                                    f"(tag {tag}) into a buffer of {buf.size}; sender and receiver sizes "
+                                    f"must match")
+                return buf
+
+            return st.start(lambda: self._live().Irecv([host, dt], source, tag), landed, status)
         arr, dt = self._prepare(buf, "recv", writable=True)
         status = MPI.Status()
         req = self._call("recv", self._live().Irecv, [arr, dt], source, tag)

@@ -72,6 +72,7 @@ class Bucket:
     pending: int = 0
     mode: str = "inline"  # "stream" (NCCL, enqueued by the main thread), "thread" (MPI), "inline"
     ready: object = None  # GPU: event recorded on the compute stream when the bucket is posted
+    reduced: object = None  # GPU, thread mode: event after the reduction on the thread's stream
     handle: object = None  # stream mode: the allreduce in flight on the communicator's stream
     error: BaseException | None = None
     t_post: float = 0.0
@@ -218,6 +219,10 @@ class OverlapEngine:
             if bucket.comm.size > 1:
                 if bucket.ready is not None:
                     bucket.comm.allreduce(bucket.buffer, out=bucket.buffer, after=bucket.ready)
+                    if bucket.mode == "thread":  # a host-staged MPI copied the sums back on this thread's
+                        cuda = self._xp.cuda     # stream: the compute stream waits for it in finish()
+                        bucket.reduced = bucket.reduced or cuda.Event(disable_timing=True)
+                        bucket.reduced.record(cuda.get_current_stream())
                 else:
                     bucket.comm.allreduce(bucket.buffer, out=bucket.buffer)
         except BaseException as exc:  # handed to the main thread, which raises it
@@ -321,6 +326,9 @@ class OverlapEngine:
             if bucket.error is not None:
                 raise CommError(f"gradient reduction of bucket {bucket.index} failed: {bucket.error}") \
                     from bucket.error
+            if bucket.reduced is not None:
+                with self._xp.cuda.Device(self._device_id):
+                    self._xp.cuda.get_current_stream().wait_event(bucket.reduced)
             for p, off, view in zip(bucket.params, bucket.offsets, bucket.views):
                 if p.grad is not view:
                     p.grad.reshape(-1)[...] = bucket.buffer[off:off + p.grad.size]

@@ -181,10 +181,11 @@ def _refuse_single_under_launcher() -> None:
                         f"'auto', or launch one process")
 
 
-def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
+def _build(backend: str, device: str, mpi_comm, check: bool, share_gpu: bool = False) -> _Built:
     """The one set-up path of :func:`make_communicator` and :class:`Runtime`: validate, find the node-local
     rank, select the rank's GPU (before anything touches CUDA, so no rank opens a context on GPU 0), build
-    the communicator of the chosen backend."""
+    the communicator of the chosen backend. More ranks on a node than GPUs is refused unless
+    ``share_gpu``; NCCL on a shared GPU is always refused."""
     if backend not in BACKENDS:
         raise CommError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if device not in DEVICES:
@@ -205,13 +206,18 @@ def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
     base = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
     rank, size = base.Get_rank(), base.Get_size()
     local_rank, local_size = _node_local(MPI, base)
-    device_id = _select_gpu(local_rank, rank, size) if device == "gpu" else None
+    shared = False
+    if device == "gpu":
+        shared = _gpus_shared(local_size, rank, size, share_gpu, backend)
+        device_id = _select_gpu(local_rank, rank, size)
+    else:
+        device_id = None
     level = thread_level_name(MPI.Query_thread())
     if backend == "auto":
         if size == 1 and mpi_comm is None:
             return _Built(SingleCommunicator(), "single", rank, size, local_rank, local_size, device_id,
                           level)
-        backend = "nccl" if device == "gpu" and _nccl_available() else "mpi"
+        backend = "nccl" if device == "gpu" and not shared and _nccl_available() else "mpi"
     mpi = MPICommunicator(base.Dup(), owned=True, check=check)
     comm: Communicator = mpi
     if backend == "nccl":
@@ -225,13 +231,14 @@ def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
 
 
 def make_communicator(backend: str = "auto", *, device: str = "cpu", mpi_comm=None,
-                      check: bool = False) -> Communicator:
+                      check: bool = False, share_gpu: bool = False) -> Communicator:
     """Collective over ``mpi_comm`` (default a duplicate of ``COMM_WORLD``): a communicator of the given
     backend. ``auto`` picks ``single`` for one rank without MPI, ``nccl`` for GPUs when CuPy has NCCL,
     else ``mpi``. With ``device='gpu'`` it first makes the rank's GPU (node-local rank modulo the visible
     GPUs) the current device of the calling thread. ``single`` under a launcher that started more than
-    one rank is refused. The result owns what it created; free it with ``free()``."""
-    return _build(backend, device, mpi_comm, check).comm
+    one rank is refused, and so are more ranks on a node than GPUs unless ``share_gpu`` (see
+    :func:`_gpus_shared`). The result owns what it created; free it with ``free()``."""
+    return _build(backend, device, mpi_comm, check, share_gpu).comm
 
 
 def _nccl_available() -> bool:
@@ -259,6 +266,25 @@ def _node_local(MPI, base) -> tuple[int, int]:
         node.Free()
 
 
+def _gpus_shared(local_size: int, rank: int, size: int, share_gpu: bool, backend: str) -> bool:
+    """Whether this node's ranks share GPUs (more ranks than visible devices). That is a misconfiguration
+    in production, refused unless ``share_gpu`` (tests, small GPUs); NCCL cannot run two ranks on one
+    device at all, so it is refused even then, pointing at the host-staged MPI backend."""
+    from lbannpy.backend import get_xp
+    count = get_xp("cupy").cuda.runtime.getDeviceCount()
+    if count < 1 or local_size <= count:
+        return False
+    where = f"rank {rank} of {size}: {local_size} ranks on this node but {count} GPU(s) visible"
+    if not share_gpu:
+        raise CommError(f"{where}: ranks would share a GPU; launch at most {count} rank(s) per node, or set "
+                        f"runtime.share_gpu: true to allow it")
+    if backend == "nccl":
+        raise CommError(f"{where}: NCCL cannot run two ranks on one GPU; use runtime.backend: mpi, which "
+                        f"stages GPU arrays through pinned host memory (host-staged) on an MPI that is not "
+                        f"CUDA-aware (LBANNPY_CUDA_AWARE_MPI=0)")
+    return True
+
+
 def _select_gpu(local_rank: int, rank: int, size: int) -> int:
     """Make GPU ``local_rank % count`` this thread's current device; its id. Threads started later begin on
     device 0 and must select it themselves (the overlap engine's thread does)."""
@@ -273,6 +299,11 @@ def _select_gpu(local_rank: int, rank: int, size: int) -> int:
     return device_id
 
 
+def _device_count() -> int:
+    from lbannpy.backend import get_xp
+    return get_xp("cupy").cuda.runtime.getDeviceCount()
+
+
 class Runtime:
     """Set-up and teardown of one lbannpy process: MPI, thread level, node-local rank, device.
 
@@ -283,7 +314,7 @@ class Runtime:
     """
 
     def __init__(self, backend: str = "auto", device: str = "cpu", *, check: bool = False,
-                 abort_on_error: bool = True):
+                 abort_on_error: bool = True, share_gpu: bool = False):
         if backend not in BACKENDS:
             raise CommError(f"unknown communication backend {backend!r}; use one of {', '.join(BACKENDS)}")
         if device not in DEVICES:
@@ -292,6 +323,8 @@ class Runtime:
         self.device = device
         self.check = check
         self.abort_on_error = abort_on_error
+        self.share_gpu = bool(share_gpu)
+        self.host_staged = False  # GPU arrays over an MPI that is not CUDA-aware (comm/hoststaged.py)
         self.world: Communicator | None = None
         self.rank = 0
         self.size = 1
@@ -317,13 +350,21 @@ class Runtime:
         return self
 
     def _setup(self) -> None:
-        built = _build(self.requested_backend, self.device, None, self.check)
+        built = _build(self.requested_backend, self.device, None, self.check, self.share_gpu)
         self.world = built.comm
         self._owned.append(built.comm)  # an NCCL world owns the MPI communicator it was bootstrapped over
         self.backend = built.backend
         self.rank, self.size = built.rank, built.size
         self.local_rank, self.local_size = built.local_rank, built.local_size
         self.device_id, self.thread_level = built.device_id, built.thread_level
+        if self.device == "gpu" and self.backend == "mpi" and self.size > 1:
+            from .mpi import cuda_aware_mpi
+            self.host_staged = not cuda_aware_mpi()
+            if self.host_staged and self.rank == 0:  # the one line at start that says what staging costs
+                sys.stderr.write(f"lbannpy: runtime.backend mpi on GPUs with an MPI that is not CUDA-aware: "
+                                 f"device arrays are staged through pinned host memory (host-staged)"
+                                 f"{'; ranks share GPUs' if built.local_size > _device_count() else ''}\n")
+                sys.stderr.flush()
         from lbannpy.backend import get_xp
         self.xp = get_xp("cupy" if self.device == "gpu" else "numpy")
 

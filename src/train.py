@@ -84,7 +84,8 @@ def _main(args) -> int:
     # tracebacks go to the run directory, named in the one line on stderr (from the Runtime's set-up on:
     # a missing CuPy or GPU fails there)
     set_failure_log_dir(str(((cfg or {}).get("output") or {}).get("dir", "run")))
-    with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu")) as rt:
+    with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu"),
+                 share_gpu=bool(rt_cfg.get("share_gpu", False))) as rt:
         world = rt.world
         # from here a signal on any rank ends every rank within seconds (SIGTERM/SIGUSR1 after a checkpoint)
         signals = SignalWatch(rt.rank, rt.size, world.abort).install()

@@ -31,7 +31,7 @@ DEFAULTS = {
     "comm.chunks.k": 0, "runtime.kernels": "auto", "runtime.tf32": False,
     "checkpoint.keep": 3, "checkpoint.every_steps": 0, "checkpoint.at_start": False,
     "output.dir": "run", "output.log_every": 1, "output.trace": False,
-    "runtime.backend": "auto", "runtime.device": "cpu", "runtime.threads": 0,
+    "runtime.backend": "auto", "runtime.device": "cpu", "runtime.threads": 0, "runtime.share_gpu": False,
 }
 
 LAYER_DEFAULTS = {

@@ -15,6 +15,12 @@ halo exchange hides behind interior work.
 The model comes from ``--machine`` (a file or preset name; default ``./machine.yaml`` when it exists), or
 else from a quick ping-pong/allreduce fit made at start. Every time is the median of the calls (each
 timed alone), slowest rank.
+
+With ``--device gpu`` a last table puts the host-staged MPI path (device arrays through pinned host memory,
+comm/hoststaged.py) beside the run's backend (NCCL where every rank has its own GPU) on the same ranks: the
+exchange of each kernel and the allreduces, so that what staging costs is seen. ``--share-gpu`` lets more
+ranks than GPUs share the devices (``runtime.share_gpu``); NCCL cannot run there, and the run's backend is
+MPI.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ def parse_args(argv):
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement (default 20)")
     ap.add_argument("--pokes", type=int, default=8, help="pieces of interior work with test() between")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="array backend (default cpu)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="gpu: let ranks share devices (runtime.share_gpu; the host-staged MPI backend)")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
     return ap.parse_args(argv)
 
@@ -199,6 +207,41 @@ def allreduce_table(comm, xp, args, model: Model, say) -> None:
         say(f"{mib:>6g} {t * 1e3:>9.3f} {n * 4 / t / 1e9:>7.3f} {tm * 1e3:>9.3f} {n * 4 / tm / 1e9:>10.3f}")
 
 
+def staged_table(rt, dist, shape, kernels, args, say) -> None:
+    """Host-staged MPI beside the run's backend (NCCL where it can run) on the same ranks: the halo exchange
+    of each kernel and the allreduces. Collective over ``rt.world``."""
+    from lbannpy.stencil import Stencil
+    from lbannpy.halo import HaloPlan
+
+    comm, xp, me = rt.world, rt.xp, rt.rank
+    staged = comm.host.dup()  # an MPI communicator over the same ranks, forced through pinned host memory
+    staged.host_staged = True
+    native = f"{rt.backend}{' (host-staged)' if rt.host_staged else ''}"
+    reps = max(3, args.reps // 2)
+    say(f"\nhost-staged MPI (pinned host buffers, copy streams, a staging thread) beside {native}, same "
+        f"ranks; median of {reps} calls, slowest rank")
+    say(f"{'exchange':>12} {'bytes/rank':>10} {native + ' us':>22} {'host-staged us':>15} {'ratio':>6}")
+    try:
+        rng = np.random.default_rng(me)
+        for k in kernels:
+            plan = HaloPlan(dist, shape, Stencil.conv(len(shape), k, stride=1, padding="same"), me)
+            local = xp.asarray(rng.standard_normal(plan.local_shape, dtype=np.float32))
+            window = xp.empty(plan.window_shape, dtype=xp.float32)
+            t = [median_time(comm, lambda c=c: plan.start(c, local, out=window).wait(), reps, xp)
+                 for c in (comm, staged)]
+            sent = comm.allreduce_obj(plan.send_size * 4, "max")
+            say(f"{f'kernel {k}':>12} {sent:>10} {t[0] * 1e6:>22.1f} {t[1] * 1e6:>15.1f} {t[1] / t[0]:>6.2f}")
+        say(f"{'allreduce':>12} {'MiB':>10} {native + ' ms':>22} {'host-staged ms':>15} {'ratio':>6}")
+        for mib in [float(x) for x in args.allreduce_mib.split(",")]:
+            buf = xp.ones(int(mib * (1 << 20)) // 4, dtype=xp.float32)
+            res = xp.empty_like(buf)
+            t = [median_time(comm, lambda c=c: c.allreduce(buf, "sum", out=res), reps, xp)
+                 for c in (comm, staged)]
+            say(f"{'':>12} {mib:>10g} {t[0] * 1e3:>22.3f} {t[1] * 1e3:>15.3f} {t[1] / t[0]:>6.2f}")
+    finally:
+        staged.free()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -210,7 +253,7 @@ def main(argv=None) -> int:
     shape = tuple(int(s) for s in args.shape.split(","))
     kernels = [int(k) for k in args.kernels.split(",")]
     backend = "mpi" if args.device == "cpu" else "auto"
-    with Runtime(backend=backend, device=args.device) as rt:
+    with Runtime(backend=backend, device=args.device, share_gpu=args.share_gpu) as rt:
         comm, xp, p, me = rt.world, rt.xp, rt.size, rt.rank
         if p < 2:
             raise SystemExit("lbannpy.bench halo needs at least 2 ranks (mpiexec -n 2 ...)")
@@ -226,6 +269,8 @@ def main(argv=None) -> int:
         rows = [time_kernel(comm, xp, dist, shape, k, args, model) for k in kernels]
         print_halo_table(say, rows, args.pokes)
         allreduce_table(comm, xp, args, model, say)
+        if rt.device == "gpu":
+            staged_table(rt, dist, shape, kernels, args, say)
         comm.barrier()
     return 0
 

@@ -12,6 +12,11 @@ For each it prints the step time with blocking sync and with the overlap engine,
 and ``hidden_comm_fraction`` from the measured intervals. Finally it prints the communication volume of
 replicated fully-connected gradients (allgather of activations and errors) against allreducing their
 weight gradients for VGG-A's FC layers at batch 256 (Lee et al.: 28.5 MB against 392 MB).
+
+With ``--device gpu`` it also reduces the same gradients as device arrays, in the overlap engine's buckets,
+over the run's GPU backend (NCCL where every rank has its own GPU) and over the host-staged MPI path
+(pinned host buffers, comm/hoststaged.py) on the same ranks, so that what staging costs is seen;
+``--share-gpu`` lets the 2 ranks share one GPU (NCCL cannot run there).
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ def worker(units: int, batch: int, steps: int) -> dict:
                        .astype(np.float32), shape, model.input_dist, comm.rank)
         grad_bytes = sum(p.grad.nbytes for p in params)
         out["grad_mib"] = grad_bytes / 2**20
+        out["grad_sizes"] = [int(p.grad.size) for p in params]
         # per-layer backward durations of the real computation, for the stand-in: the median of warm
         # passes (a single cold pass pays first-touch page faults, which vary from run to run)
         y = model.forward(x)
@@ -131,15 +137,57 @@ def worker(units: int, batch: int, steps: int) -> dict:
     return out
 
 
+def gpu_allreduce(sizes: list[int], steps: int, share_gpu: bool) -> dict:
+    """Median seconds of one step's blocking bucket reductions of float32 gradients of ``sizes`` elements
+    (the engine's bucket plan: 25 MiB, the first 1 MiB) on device arrays, over the run's GPU backend and
+    over a host-staged MPI communicator on the same ranks."""
+    from lbannpy.comm import Runtime
+    from lbannpy.comm.overlap import plan_buckets
+
+    class P:  # only the gradient's size matters to the plan
+        def __init__(self, n):
+            self.grad = np.empty(n, dtype=np.float32)
+
+    params = [P(n) for n in sizes]
+    with Runtime(backend="auto", device="gpu", share_gpu=share_gpu) as rt:
+        cupy, world = rt.xp, rt.world
+        plan = plan_buckets(params, [world] * len(params), 25 << 20, 1 << 20)
+        bufs = [cupy.ones(sum(sizes[i] for i in b), dtype=cupy.float32) for b in plan]
+        staged = world.host.dup()  # the same ranks, forced through pinned host memory
+        staged.host_staged = True
+        out = {"buckets": len(bufs), "backend": f"{rt.backend}{' (host-staged)' if rt.host_staged else ''}"}
+        for name, comm in (("native", world), ("staged", staged)):
+            times = []
+            for s in range(steps + 1):
+                world.barrier()
+                t0 = time.perf_counter()
+                for b in bufs:
+                    comm.allreduce(b, out=b)
+                cupy.cuda.get_current_stream().synchronize()
+                if s:  # the first step warms up
+                    times.append(time.perf_counter() - t0)
+            out[name] = world.host.allreduce_obj(float(np.median(times)), "max")
+        staged.free()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overlap", description=describe(__doc__))
     ap.add_argument("--units", type=int, default=1024, help="width of fc6/fc7 (default 1024: 64 + 4 MiB)")
     ap.add_argument("--batch", type=int, default=32, help="mini-batch size (default 32)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                    help="gpu: also reduce the gradients as device arrays, the run's GPU backend beside "
+                         "host-staged MPI")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="gpu: let the 2 ranks share devices (runtime.share_gpu; NCCL cannot run there)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         res = worker(args.units, args.batch, args.steps)
+        if args.device == "gpu":
+            res["gpu"] = gpu_allreduce(res.pop("grad_sizes"), args.steps, args.share_gpu)
+        res.pop("grad_sizes", None)
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             print("RESULT " + json.dumps(res), flush=True)
         return 0
@@ -149,7 +197,8 @@ def main(argv=None) -> int:
         return 2
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [mpiexec, "-n", "2", sys.executable, "-m", "lbannpy.bench", "overlap", "--worker",
-           "--units", str(args.units), "--batch", str(args.batch), "--steps", str(args.steps)]
+           "--units", str(args.units), "--batch", str(args.batch), "--steps", str(args.steps),
+           "--device", args.device] + (["--share-gpu"] if args.share_gpu else [])
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         print(run.stdout[-3000:] + run.stderr[-3000:], file=sys.stderr)
@@ -166,6 +215,11 @@ def main(argv=None) -> int:
         bound = max(compute, o["comm_s"])
         print(f"{label:<34} {b['step_s'] * 1e3:11.1f} {o['step_s'] * 1e3:10.1f} {o['comm_s'] * 1e3:8.1f} "
               f"{o['hidden']:7.2f} {bound * 1e3:17.1f} {o['step_s'] / bound:11.2f}")
+    if "gpu" in res:
+        g = res["gpu"]
+        print(f"\nthe same gradients as device arrays (float32, {g['buckets']} buckets), blocking reductions "
+              f"per step: {g['backend']} {g['native'] * 1e3:.1f} ms, host-staged MPI {g['staged'] * 1e3:.1f} "
+              f"ms ({g['staged'] / g['native']:.2f}x)")
     print("\nVGG-A fully-connected layers at batch 256, float32, per step: replicated FC (allgather of "
           "activations and errors) vs allreduce of the weight gradients")
     vols = fc_volumes(256)

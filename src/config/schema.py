@@ -221,6 +221,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("backend", Str(("auto", "mpi", "single", "nccl")), "auto",
             "communication backend; auto: nccl on gpu under MPI, mpi under MPI, else single"),
         Key("device", Str(("cpu", "gpu")), "cpu", "array backend: NumPy (cpu) or CuPy (gpu)"),
+        Key("share_gpu", Bool(), False,
+            "gpu: allow more ranks on a node than GPUs (ranks share devices; for tests and small GPUs). "
+            "Refused by default; NCCL cannot share a device, so use backend mpi (host-staged where MPI is "
+            "not CUDA-aware)"),
         Key("kernels", Str(("auto", "own", "aten")), "auto",
             "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy), "
             "auto: at each conv shape parallel.machine's calibration timed, the faster set there, elsewhere "

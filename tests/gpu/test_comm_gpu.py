@@ -278,7 +278,9 @@ def _mutation_batch(out: dict, mutations: list[str]) -> None:  # pragma: no cove
 
 
 def _check_methods(out: dict, cupy, np, make_communicator) -> None:  # pragma: no cover - under mpiexec
-    gpu = make_communicator("nccl", device="gpu")
+    # LBANNPY_TEST_BACKEND=mpi with LBANNPY_CUDA_AWARE_MPI=0: the host-staged path (test_hoststaged_gpu.py)
+    gpu = make_communicator(os.environ.get("LBANNPY_TEST_BACKEND", "nccl"), device="gpu",
+                            share_gpu=os.environ.get("LBANNPY_TEST_SHARE_GPU") == "1")
     host = make_communicator("mpi")
     p, me = gpu.size, gpu.rank
     failed, checked = [], 0

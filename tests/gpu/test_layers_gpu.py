@@ -32,23 +32,33 @@ N, C, H, W = 5, 5, 17, 23
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_layers_match_pytorch_on_gpus(gpu_launch, ranks):
-    rows = gpu_launch(HERE, "tier", ranks, timeout=400)
+# host-staged: the ranks share one device over MPI through pinned host memory (conftest.host_staged)
+STAGED = [(2, True), (4, True)]
+
+
+def _ids(cases):
+    return [f"{r}-{'host-staged' if staged else 'own-gpus'}" for r, staged in cases]
+
+
+@pytest.mark.parametrize("ranks,staged", [(1, False), (2, False), (4, False)] + STAGED,
+                         ids=_ids([(1, False), (2, False), (4, False)] + STAGED))
+def test_layers_match_pytorch_on_gpus(gpu_launch, ranks, staged):
+    rows = gpu_launch(HERE, "tier", ranks, timeout=400, staged=staged)
     assert len(rows) == ranks
     for row in rows:
-        assert row["device"] == row["rank"], row  # rank r on device r
+        assert row["device"] == row["rank"] % row["devices"], row  # rank r on device r (or shared)
         assert row["cases"] >= 20, row
         for msg in row["excused"]:
             print(f"rank {row['rank']}: stand-in race report on disjoint parts of one buffer: {msg[:160]}")
         assert row["bad"] == [], "\n".join(row["bad"])
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_loss_metrics_on_gpus_equal_the_numpy_path_without_host_syncs(gpu_launch, ranks):
-    rows = gpu_launch(HERE, "loss", ranks)
+@pytest.mark.parametrize("ranks,staged", [(1, False), (2, False), (2, True)],
+                         ids=_ids([(1, False), (2, False), (2, True)]))
+def test_loss_metrics_on_gpus_equal_the_numpy_path_without_host_syncs(gpu_launch, ranks, staged):
+    rows = gpu_launch(HERE, "loss", ranks, staged=staged)
     for row in rows:
-        assert row["device"] == row["rank"], row
+        assert row["device"] == row["rank"] % row["devices"], row
         for kind, r in row["kinds"].items():
             assert r["error"] is None, f"{kind}: {r['error']}"
             assert r["metrics_gpu"].keys() == r["metrics_cpu"].keys(), (kind, r)
@@ -58,33 +68,35 @@ def test_loss_metrics_on_gpus_equal_the_numpy_path_without_host_syncs(gpu_launch
             assert r["public_gpu"] == r["metrics_gpu"] and r["public_cpu"] == r["metrics_cpu"], (kind, r)
             print(f"rank {row['rank']} {kind}: host syncs in the loss's step path {r['step_syncs']}, "
                   f"in the logged metrics {r['metric_syncs']}")
-            assert r["step_syncs"] == 0, (kind, r["step_sites"])
+            assert r["step_syncs"] == 0 or row["staged_real"], (kind, r["step_sites"])
             assert r["metric_syncs"] == 1, (kind, r["metric_sites"])
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_batchnorm_and_pooling_make_no_host_sync(gpu_launch, ranks):
-    rows = gpu_launch(HERE, "syncs", ranks)
+@pytest.mark.parametrize("ranks,staged", [(1, False), (2, False), (2, True)],
+                         ids=_ids([(1, False), (2, False), (2, True)]))
+def test_batchnorm_and_pooling_make_no_host_sync(gpu_launch, ranks, staged):
+    rows = gpu_launch(HERE, "syncs", ranks, staged=staged)
     for row in rows:
-        assert row["device"] == row["rank"], row
+        assert row["device"] == row["rank"] % row["devices"], row
         for name, r in row["layers"].items():
             assert r["error"] is None, f"{name}: {r['error']}"
             print(f"rank {row['rank']} {name}: host syncs in forward+backward {r['syncs']}")
-            assert r["syncs"] == 0, (name, r["sites"])
+            assert r["syncs"] == 0 or row["staged_real"], (name, r["sites"])
             assert r["err"] <= 1e-10, (name, r)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_split_convolutions_without_a_window_on_gpus(gpu_launch, ranks):
-    rows = gpu_launch(HERE, "windowless", ranks, timeout=400)
+@pytest.mark.parametrize("ranks,staged", [(2, False), (4, False)] + STAGED,
+                         ids=_ids([(2, False), (4, False)] + STAGED))
+def test_split_convolutions_without_a_window_on_gpus(gpu_launch, ranks, staged):
+    rows = gpu_launch(HERE, "windowless", ranks, timeout=400, staged=staged)
     for row in rows:
-        assert row["device"] == row["rank"], row
+        assert row["device"] == row["rank"] % row["devices"], row
         assert row["error"] is None, row["error"]
         assert row["bad"] == [], "\n".join(row["bad"])
         print(f"rank {row['rank']}: kernel sets {row['sets']}, {row['taken']} windowless convolutions in "
               f"{row['cases']} cases; host syncs in a windowless forward+backward {row['syncs']}")
         assert row["taken"] > 0 and row["cases"] >= 20, row
-        assert row["syncs"] == 0, row["sites"]
+        assert row["syncs"] == 0 or row["staged_real"], row["sites"]
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -357,9 +369,15 @@ if __name__ == "__main__":
 
     case = sys.argv[1]
     backend = os.environ.get("LBANNPY_TEST_BACKEND", "nccl")
-    comm = make_communicator(backend, device="gpu")  # the GPU communicator under test
+    comm = make_communicator(backend, device="gpu",  # the GPU communicator under test
+                             share_gpu=os.environ.get("LBANNPY_TEST_SHARE_GPU") == "1")
     host = make_communicator("mpi")                  # the NumPy path's, over the same ranks
-    out = {"rank": comm.rank, "device": _device_id(cupy)}
+    out = {"rank": comm.rank, "device": _device_id(cupy), "devices": cupy.cuda.runtime.getDeviceCount(),
+           # host-staged on a real GPU: a collective's wait() blocks the host until MPI is done, and MPI
+           # until the copy down is, so the spin probe sees the host wait for the device; the stand-in
+           # counts the explicit synchronisations, of which there must be none (tested there)
+           "staged_real": os.environ.get("LBANNPY_CUDA_AWARE_MPI") == "0" and backend == "mpi"
+           and not hasattr(cupy, "_standin")}
     {"tier": _case_tier, "loss": _case_loss, "syncs": _case_syncs,
      "windowless": _case_windowless}[case](comm, host, cupy, out)
     print("RESULT " + json.dumps(out), flush=True)

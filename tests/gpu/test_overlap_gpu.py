@@ -5,7 +5,8 @@ Each case runs this file under ``mpiexec -n P`` with the stand-in first on ``PYT
 stream, rank-dependent values and compute times, then ``layer_done``) for three steps and checks the
 reduced gradients against the global sum computed in NumPy from the same formula, on every rank.
 
-- overlapped equals blocking, backends ``nccl`` and ``mpi`` with CUDA-aware MPI, 1, 2 and 4 ranks;
+- overlapped equals blocking, backends ``nccl``, ``mpi`` with CUDA-aware MPI and ``host-staged`` (``mpi`` on
+  an MPI that is not CUDA-aware, all ranks sharing one device), 1, 2 and 4 ranks;
 - row 3: the MPI thread reduces on the rank's device; on NCCL no thread at all;
 - row 4/5: gradients written on a non-default compute stream (and with per-thread default streams) are
   reduced only after they are written: the stand-in's stream-order checker raises otherwise;
@@ -37,6 +38,8 @@ def launch(case: str, ranks: int, backend: str, *, overlap: bool = True, env: di
                 LBANNPY_CUDA_AWARE_MPI="1")
     full["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT)] + [p for p in [os.environ.get(
         "PYTHONPATH")] if p])
+    if backend == "host-staged":
+        full.update(LBANNPY_CUDA_AWARE_MPI="0", LBANNPY_STANDIN_DEVICES="1")
     full.update(env or {})
     out = tempfile.mkdtemp(prefix=f"lbannpy-{case}-")
     full["LBANNPY_TEST_RESULTS"] = out
@@ -69,7 +72,7 @@ def _mpiexec():
 
 
 @needs
-@pytest.mark.parametrize("backend", ["nccl", "mpi"])
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "host-staged"])
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_overlapped_equals_blocking(ranks, backend):
     got = {}
@@ -77,25 +80,26 @@ def test_overlapped_equals_blocking(ranks, backend):
         rows = results(launch("sums", ranks, backend, overlap=overlap))
         assert len(rows) == ranks
         for row in rows:
-            assert row["device"] == row["rank"], row  # rank r on device r
+            assert row["device"] == row["rank"] % row["devices"], row  # rank r on device r (or shared)
             assert row["ok"], row
+            assert row["host_staged"] == (backend == "host-staged" and ranks > 1), row
         got[overlap] = [row["digest"] for row in rows]
     assert got[True] == got[False]
 
 
 @needs
-@pytest.mark.parametrize("backend", ["nccl", "mpi"])
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "host-staged"])
 def test_the_engine_works_on_the_ranks_device(backend):
     """Row 3: every CUDA call of the engine happens on the rank's GPU; the MPI thread selects it first."""
     for row in results(launch("devices", 2, backend)):
         assert row["ok"], row
-        assert set(row["comm_devices"]) == {row["rank"]}, row
+        assert set(row["comm_devices"]) == {row["rank"] % row["devices"]}, row
         if backend == "nccl":
             assert row["threads"] == 0, row  # no gradient thread on NCCL (row 6)
 
 
 @needs
-@pytest.mark.parametrize("backend", ["nccl", "mpi"])
+@pytest.mark.parametrize("backend", ["nccl", "mpi", "host-staged"])
 @pytest.mark.parametrize("how", ["side_stream", "per_thread_default"])
 def test_gradients_are_reduced_after_backward_wrote_them(backend, how):
     """Rows 4 and 5: backward on a stream other than the legacy default stream."""
@@ -214,9 +218,11 @@ def _worker(case: str, backend: str, overlap: bool) -> None:  # pragma: no cover
         def free(self):
             self._c.free()
 
-    with Runtime(backend=backend, device="gpu") as rt:
+    staged = backend == "host-staged"
+    with Runtime(backend="mpi" if staged else backend, device="gpu", share_gpu=staged) as rt:
         world, rank, size = rt.world, rt.world.rank, rt.world.size
-        out = {"rank": rank, "device": cupy.cuda.Device().id, "ok": False}
+        out = {"rank": rank, "device": cupy.cuda.Device().id, "ok": False,
+               "devices": cupy.cuda.runtime.getDeviceCount(), "host_staged": rt.host_staged}
         layers = [f"l{i}" for i in range(6)]
         # the compute stream is current from the start, as in a trainer: parameters and the engine's buffers
         # are made (and zeroed) on it, so backward on that stream is ordered after them

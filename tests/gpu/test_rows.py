@@ -23,6 +23,7 @@ from train_util import metrics
 HERE = Path(__file__).resolve()
 
 
+@pytest.mark.nccl_only  # the bucket times are events on the NCCL communicator's stream
 def test_bucket_times_are_cuda_events_on_a_gpu(work, train):  # noqa: F811  (fixtures)
     cfg = {"bucket_mb": 0.001, "first_bucket_mb": 0.0005}  # several buckets
     train(2, spec(work, "cls", "rows-cpu", {"default": {"n": 2}}, cfg, steps=4))

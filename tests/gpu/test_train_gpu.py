@@ -8,6 +8,8 @@ conftest.py). Each GPU run ends with the weights of the single-rank NumPy run of
 * classification: sample, spatial + model-parallel FC, hybrid + 1.5D FC, replicated FC;
 * segmentation: spatial and hybrid;
 * overlap on and off; backend ``mpi`` with ``LBANNPY_CUDA_AWARE_MPI=1`` (CUDA-aware MPI);
+* host-staged: every multi-rank run again with all ranks sharing one device over backend ``mpi`` on an MPI
+  that is not CUDA-aware (``runtime.share_gpu``; conftest.host_staged), at 2 and 4 ranks;
 * checkpoint on the GPU and resume on the GPU;
 * a budget: host synchronisations per training step stay at most ``HOST_SYNC_BUDGET`` (printed), and the
   calls the stand-in models as launches per unlogged step at most ``LAUNCH_BUDGET`` (printed by kind: a
@@ -67,9 +69,9 @@ STEPS = 3
 def train(gpu_run):
     """``train(ranks, config, *extra, env=None, check=True)``: ``mpiexec -n ranks python -m lbannpy.train
     config --quiet extra`` with the GPU tier's environment."""
-    def go(ranks, config, *extra, env=None, timeout=240, check=True):
+    def go(ranks, config, *extra, env=None, timeout=240, check=True, staged=False):
         return gpu_run(["mpiexec", "-n", ranks, PY, "-m", "lbannpy.train", config, "--quiet", *extra],
-                       env=env, timeout=timeout, check=check)
+                       env=env, timeout=timeout, check=check, staged=staged)
     return go
 
 
@@ -140,6 +142,23 @@ def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
     assert summary(work, ref)["clock"]["layers"] == "host"
 
 
+@pytest.mark.parametrize("kind,runs", [("cls", CLS_RUNS[1:]), ("seg", SEG_RUNS)],
+                         ids=["classification", "segmentation"])
+def test_host_staged_training_on_shared_gpus_equals_the_numpy_run(work, train, kind, runs):
+    """Every multi-rank run with its ranks sharing one device over the host-staged MPI backend (pinned host
+    buffers, copy streams, a staging thread): the NumPy run's losses and weights; the run says it stages,
+    in one line at start."""
+    ref = f"{kind}-cpu"
+    if not (work / ref / "ckpt").is_dir():
+        train(1, spec(work, kind, ref))
+    for ranks, parallel, comm, name in runs:
+        tag = f"{kind}-staged-{name}"
+        p = train(ranks, spec(work, kind, tag, parallel, comm), *GPU, staged=True)
+        assert_same_run(work, tag, ref, 1e-10, f"{kind} {name} on {ranks} ranks sharing a GPU, host-staged")
+        said = [ln for ln in p.stderr.splitlines() if "host-staged" in ln]
+        assert len(said) == 1 and "not CUDA-aware" in said[0] and "share GPUs" in said[0], p.stderr
+
+
 # backend mpi with LBANNPY_CUDA_AWARE_MPI=1: mpi4py takes the stand-in's device arrays through
 # __cuda_array_interface__, and the stand-in checks that each buffer's writer finished before MPI reads it
 @pytest.mark.parametrize("backend,overlap", [("nccl", False), ("mpi", True)],
@@ -194,20 +213,22 @@ def test_sharded_optimizer_state_on_gpus(work, train, backend):
     assert_same_run(work, tag, ref, 1e-10, f"sharded optimizer state over {backend}")
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["", "sharded-state"])
-def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch, shard):
+@pytest.mark.skipif(REAL, reason="counts the stand-in's modelled host synchronisations and launches")
+@pytest.mark.parametrize("shard,staged", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["", "sharded-state", "host-staged", "sharded-state-host-staged"])
+def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch, shard, staged):
     """Steps that are not logged make no host synchronisation at all (the batch is uploaded ahead from
     pinned memory, the loss statistics stay on the device); a logged step stays within the budget. With
     ``optimizer.shard_state`` too (its allgathers are NCCL calls on the streams)."""
     cfg = spec(work, "seg", "budget", {"default": {"h": 2}}, steps=5)
-    rows = gpu_launch(HERE, "budget", 2, cfg, "--set", "output.log_every=5",
-                      "--set", f"optimizer.shard_state={str(shard).lower()}", timeout=240)
+    rows = gpu_launch(HERE, "budget", 2, cfg, *GPU, "--set", "output.log_every=5",
+                      "--set", f"optimizer.shard_state={str(shard).lower()}", timeout=240, staged=staged)
     for row in rows:
         per_step = row["per_step"]
         print(f"rank {row['rank']} (device {row['device']}): host syncs per training step {per_step} "
               f"(budget {HOST_SYNC_BUDGET} for a logged step, 0 otherwise); call sites of the logged step: "
               f"{row['sites']}; event timings read per step {row['elapsed_time_reads']}")
-        assert row["device"] == row["rank"] and row["rc"] == 0, row
+        assert row["device"] == row["rank"] % row["devices"] and row["rc"] == 0, row
         # row 11: the training batches come through the uploader (pinned staging, copy stream, one ahead)
         assert row["readers"] == ["DeviceUploader"], row
         assert len(per_step) == 5
@@ -255,8 +276,9 @@ def _budget(config, *extra):
 
     import cupy
 
-    rc = T.main([config, "--quiet", *GPU, *extra])
+    rc = T.main([config, "--quiet", *extra])
     return {"rank": MPI.COMM_WORLD.rank, "device": int(cupy.cuda.Device().id), "per_step": counts,
+            "devices": cupy.cuda.runtime.getDeviceCount(),
             "elapsed_time_reads": reads, "sites": sites, "rc": rc, "readers": sorted(readers),
             "launches": launches, "launch_kinds": kinds}
 

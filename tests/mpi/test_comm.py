@@ -262,12 +262,20 @@ def test_inconsistent_alltoallv_counts_fail_everywhere(comm, xp):
                match="expects 2")
 
 
-def test_cupy_array_refused_without_cuda_aware_mpi(comm, monkeypatch):
+def test_cupy_array_without_cuda_aware_mpi_takes_the_host_staged_path(comm, monkeypatch):
+    """Where MPI is not CUDA-aware a CuPy array is staged through host memory (comm/hoststaged.py, tested
+    on the CUDA stand-in in tests/gpu/test_hoststaged_gpu.py), never handed to MPI as a device pointer."""
     if comm.backend != "mpi":
         pytest.skip("the CUDA-awareness check belongs to the MPI backend")
+    from lbannpy.comm.mpi import MPICommunicator
+
+    def stage(self, what, buf, after=None):
+        raise CommError(f"staged {what}")
+
     monkeypatch.setenv("LBANNPY_CUDA_AWARE_MPI", "0")
-    fake = type("ndarray", (), {"__module__": "cupy._core.core", "size": 3, "shape": (3,)})()
-    raises_all(comm, CommError, comm.allreduce, fake, match="not CUDA-aware")
+    monkeypatch.setattr(MPICommunicator, "_stage", stage)
+    fake = type("ndarray", (), {"__module__": "cupy._core.core", "size": 3, "shape": (3,), "dtype": "f8"})()
+    raises_all(comm, CommError, comm.allreduce, fake, match="staged allreduce")
 
 
 @pytest.mark.ranks8

@@ -216,8 +216,34 @@ class ndarray:
         _standin.launch(s, reads=[self._alloc], what=kind)
         _standin.host_observes(s._clock)
 
-    def get(self, stream=None, order="C", out=None):
-        self._sync("ndarray.get")
+    def _check_host(self, arr, what):
+        # CuPy's checks of get(out=) and set(arr)
+        if not isinstance(arr, _np.ndarray) or isinstance(arr, ndarray):
+            raise TypeError(f"{what}: only numpy.ndarray can be copied to or from cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{what}: {arr.dtype} array cannot be copied to or from a {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"{what}: shape mismatch: {self.shape} and {arr.shape}")
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None:
+            self._check_host(out, "ndarray.get(out=)")
+        if not blocking:  # CuPy: the copy runs on ``stream`` (or the current one); the host does not wait
+            s = cuda.get_current_stream() if stream is None else stream
+            _standin.launch(s, reads=[self._alloc], what="ndarray.get (async)")
+            snapshot = _np.array(self._a, order=order)
+            dest = _np.empty_like(snapshot) if out is None else out
+
+            def land():
+                dest[...] = snapshot
+            _standin.defer(s, land)
+            return dest
+        if stream is not None:
+            _standin.count_sync("ndarray.get")
+            _standin.launch(stream, reads=[self._alloc], what="ndarray.get")
+            _standin.host_observes(stream._clock)
+        else:
+            self._sync("ndarray.get")
         if out is not None:
             out[...] = self._a
             return out
@@ -250,6 +276,7 @@ class ndarray:
     def set(self, arr, stream=None):
         if not isinstance(arr, _np.ndarray):
             raise TypeError("set() takes a numpy.ndarray")
+        self._check_host(arr, "ndarray.set")
         s = cuda.get_current_stream() if stream is None else stream
         if _standin._active:
             _graph.on_host_to_device(s, "ndarray.set")
@@ -362,9 +389,9 @@ def array(a, dtype=None, copy=True, order="K", ndmin=0):
     return asarray(_np.array(a, dtype=dtype, ndmin=ndmin))
 
 
-def asnumpy(a, stream=None, order="C", out=None):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
-        return a.get(order=order, out=out)
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
     return _np.asarray(a, order=order)
 
 

@@ -216,7 +216,23 @@ def host_access(allocs, what="host access"):
                     f"synchronize that stream (or an event recorded on it after the write) first")
 
 
+# asynchronous device-to-host copies not yet seen by the host: (stream uid, seq, land); see defer()
+_pending = []
+
+
+def defer(stream, land):
+    """Model an asynchronous copy to host memory just launched on ``stream``: ``land()`` writes the bytes
+    once the host observes that launch complete, never earlier (a host reader that did not wait sees the
+    old bytes)."""
+    with _lock:
+        _pending.append((stream._uid, stream._clock[stream._uid], land))
+
+
 def host_observes(clock):
     with _lock:
         merge(_host_clock, clock)
-
+        if _pending:
+            done = [p for p in _pending if _host_clock.get(p[0], 0) >= p[1]]
+            _pending[:] = [p for p in _pending if _host_clock.get(p[0], 0) < p[1]]
+            for _, _, land in done:
+                land()

@@ -5,6 +5,8 @@ import os
 
 from cupy import _standin
 from cupy.cuda import runtime  # noqa: F401
+from cupy.cuda.pinned_memory import (PinnedMemoryPointer, PinnedMemoryPool,  # noqa: F401
+                                     alloc_pinned_memory)
 
 _uids = itertools.count(1)
 
