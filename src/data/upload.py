@@ -79,6 +79,7 @@ class DeviceUploader:
         self.num_classes = num_classes
         cuda = xp.cuda
         self.copy_stream = cuda.Stream(non_blocking=True)
+        self._device_id = cuda.Device().id   # the prefetch thread waits on its events with it current
         self.slots = int(getattr(reader, "depth", 1)) + 2
         self._host: list[dict] = [{} for _ in range(self.slots)]   # name -> (pinned bytes, capacity)
         self._copied = [cuda.Event(disable_timing=True) for _ in range(self.slots)]
@@ -142,7 +143,8 @@ class DeviceUploader:
         slot, copied = got
         try:
             if copied is not None:
-                copied.synchronize()  # this thread, not the step's: the copy that read the slot is done
+                with self.xp.cuda.Device(self._device_id):
+                    copied.synchronize()  # this thread, not the step's: the copy that read the slot is done
             if self.num_classes is not None and np.issubdtype(batch.labels.dtype, np.integer):
                 check_label_range(batch.labels, self.num_classes)
             x = self._pinned(slot, "inputs", batch.inputs.shape, self.dtype)

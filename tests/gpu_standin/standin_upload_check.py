@@ -38,12 +38,14 @@ class EventWatch:
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.devices = []   # (current device, the event's device) at each synchronize
         watch = self
         real = cupy.cuda.Event
 
         class Event(real):
             def synchronize(self):
                 watch.calls.append(("synchronize", threading.current_thread().name))
+                watch.devices.append((cupy.cuda.runtime.getDevice(), self.device_id))
                 return real.synchronize(self)
 
             @property
@@ -65,6 +67,7 @@ def test_uploaded_batches_are_the_files_and_the_ring_is_fixed(mesh_file, monkeyp
     dist = Distribution.make(4, ranks=ranks, h=ranks)
     steps = 2 * (N_SAMPLES // BATCH) + 2
     for rank in range(ranks):
+        cupy.cuda.Device(ranks).use()   # not device 0, where a new thread starts
         reader = HDF5Reader(path, dist=dist, rank=rank, batch_size=BATCH, seed=8, prefetch=True, depth=2,
                             num_classes=2, preload=preload)
         up = DeviceUploader(reader, cupy, "float64", num_classes=2)
@@ -93,6 +96,8 @@ def test_uploaded_batches_are_the_files_and_the_ring_is_fixed(mesh_file, monkeyp
     step_thread = threading.current_thread().name
     assert watch.on(step_thread) == [], watch.on(step_thread)
     assert any(c[0] == "synchronize" and c[1].startswith("lbannpy-prefetch") for c in watch.calls)
+    assert watch.devices and all(cur == dev == ranks for cur, dev in watch.devices), watch.devices
+    cupy.cuda.Device(0).use()
     assert not [t for t in threading.enumerate() if t.name.startswith("lbannpy-prefetch")]
 
 
