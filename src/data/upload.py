@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from .dataset import DataError
 from .reader import Batch
 
 SLOT_WAIT_S = 60.0   # seconds a synchronous stage waits for a staging buffer before it calls it a bug
+COPY_POLL_S = 2e-4   # seconds between two queries of a slot's last copy (it is done long before, as a rule)
 
 
 @dataclass
@@ -52,8 +54,9 @@ class DeviceUploader:
     pinned buffers.
 
     The reader's stage (:meth:`stage`, in its prefetch thread) takes a free slot of the ring, waits there
-    until the copy that last read the slot is done (an event synchronised in that thread, never on the
-    step's), checks the labels and copies the batch into the slot, converting the inputs to ``dtype``. The
+    until the copy that last read the slot is done (its event queried in that thread, never on the step's,
+    with the stop flag looked at in between, so a close never waits on the device), checks the labels and
+    copies the batch into the slot, converting the inputs to ``dtype``. The
     ring holds ``depth + 2`` slots (the batches queued, the one being filled and the one being copied), so
     the thread runs ahead by ``depth`` batches without allocating.
 
@@ -79,7 +82,7 @@ class DeviceUploader:
         self.num_classes = num_classes
         cuda = xp.cuda
         self.copy_stream = cuda.Stream(non_blocking=True)
-        self._device_id = cuda.Device().id   # the prefetch thread waits on its events with it current
+        self._device_id = cuda.Device().id   # the prefetch thread asks its events with it current
         self.slots = int(getattr(reader, "depth", 1)) + 2
         self._host: list[dict] = [{} for _ in range(self.slots)]   # name -> (pinned bytes, capacity)
         self._copied = [cuda.Event(disable_timing=True) for _ in range(self.slots)]
@@ -142,9 +145,9 @@ class DeviceUploader:
             return None
         slot, copied = got
         try:
-            if copied is not None:
-                with self.xp.cuda.Device(self._device_id):
-                    copied.synchronize()  # this thread, not the step's: the copy that read the slot is done
+            if copied is not None and not self._copied_out(copied, stop):
+                self._free.put((slot, copied))
+                return None
             if self.num_classes is not None and np.issubdtype(batch.labels.dtype, np.integer):
                 check_label_range(batch.labels, self.num_classes)
             x = self._pinned(slot, "inputs", batch.inputs.shape, self.dtype)
@@ -152,12 +155,21 @@ class DeviceUploader:
             y = self._pinned(slot, "labels", batch.labels.shape, batch.labels.dtype)
             np.copyto(y, batch.labels, casting="no")
         except BaseException:
-            self._free.put((slot, None))  # synchronised above, or never copied from
+            self._free.put((slot, None))  # its copy is done (above), or there never was one
             raise
         return StagedBatch(x, y, batch.epoch, batch.step, batch.sample_ids, batch.read_s, batch.wait_s,
                            slot=slot)
 
     stage = __call__
+
+    def _copied_out(self, copied, stop) -> bool:
+        """Wait until the copy that last read a slot is done (True), or ``stop`` is set (False)."""
+        with self.xp.cuda.Device(self._device_id):  # a new thread starts on device 0
+            while not copied.done:
+                if stop is not None and stop.is_set():
+                    return False
+                time.sleep(COPY_POLL_S)
+        return True
 
     # -- the step's thread ----------------------------------------------------------------------------------
     def _device_array(self, buf: dict, name: str, shape, dtype):

@@ -3,7 +3,7 @@ tests/test_data_stage.py in a subprocess whose PYTHONPATH starts with tests/gpu_
 
 The batches that reach the device are the file's (a NumPy reference, converted to the compute dtype) across
 epoch boundaries; the pinned staging buffers are a fixed ring reused step after step; the step's thread
-never asks or waits on an event (the prefetch thread waits on a slot's last copy); a resume reads the same
+never asks or waits on an event (the prefetch thread asks for a slot's last copy); a resume reads the same
 batches; no thread outlives the uploader."""
 import threading
 import time
@@ -38,19 +38,19 @@ class EventWatch:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        self.devices = []   # (current device, the event's device) at each synchronize
+        self.devices = []   # (current device, the event's device) at each query
         watch = self
         real = cupy.cuda.Event
 
         class Event(real):
             def synchronize(self):
                 watch.calls.append(("synchronize", threading.current_thread().name))
-                watch.devices.append((cupy.cuda.runtime.getDevice(), self.device_id))
                 return real.synchronize(self)
 
             @property
             def done(self):
                 watch.calls.append(("done", threading.current_thread().name))
+                watch.devices.append((cupy.cuda.runtime.getDevice(), self.device_id))
                 return real.done.fget(self)
 
         monkeypatch.setattr(cupy.cuda, "Event", Event)
@@ -95,7 +95,9 @@ def test_uploaded_batches_are_the_files_and_the_ring_is_fixed(mesh_file, monkeyp
         up.close()
     step_thread = threading.current_thread().name
     assert watch.on(step_thread) == [], watch.on(step_thread)
-    assert any(c[0] == "synchronize" and c[1].startswith("lbannpy-prefetch") for c in watch.calls)
+    # the prefetch thread asks whether a slot's last copy is done, and never blocks on the device
+    assert any(c[0] == "done" and c[1].startswith("lbannpy-prefetch") for c in watch.calls)
+    assert not [c for c in watch.calls if c[0] == "synchronize"], watch.calls
     assert watch.devices and all(cur == dev == ranks for cur, dev in watch.devices), watch.devices
     cupy.cuda.Device(0).use()
     assert not [t for t in threading.enumerate() if t.name.startswith("lbannpy-prefetch")]
