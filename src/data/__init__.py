@@ -5,7 +5,8 @@
 * :mod:`lbannpy.data.reader` — :class:`HDF5Reader` (each rank reads its own hyperslab of each shuffled
   mini-batch, with prefetch (:mod:`lbannpy.data.prefetch`) and exact resume)
 * :mod:`lbannpy.data.dataset` — :func:`validate_dataset`, :func:`split_indices`, the order of an epoch
-* :mod:`lbannpy.data.upload` — :class:`DeviceUploader`: batches on the GPU one step ahead
+* :mod:`lbannpy.data.upload` — batches converted (on a GPU also staged in pinned memory) in the reader's
+  thread; :class:`DeviceUploader`: batches on the GPU one step ahead
 """
 from .blobs import write_blobs
 from .mesh import CHANNEL_NAMES, MeshParams, write_mesh

@@ -1,11 +1,16 @@
 """The reader's prefetch thread: batches read ahead into a bounded queue while the caller computes (see
-:mod:`lbannpy.data.reader`, section Prefetch)."""
+:mod:`lbannpy.data.reader`, section Prefetch).
+
+A reader with a stage (:meth:`~lbannpy.data.reader.HDF5Reader.set_stage`) hands each batch to it in this
+thread, after the read: the dtype conversion and the copy into pinned staging memory then happen here too,
+off the step's thread. ``stage(batch, stop)`` returns the staged batch, or ``None`` when ``stop`` was set
+while it waited (for a free staging buffer)."""
 from __future__ import annotations
 
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .dataset import DataError
 
@@ -31,6 +36,7 @@ class _Prefetcher:
     epoch: int
     step: int
     depth: int
+    stage: Callable | None = None
     q: queue.Queue = field(init=False)
     stop: threading.Event = field(init=False)
     thread: threading.Thread = field(init=False)
@@ -56,6 +62,10 @@ class _Prefetcher:
         try:
             while not self.stop.is_set():
                 batch = self.reader.read_batch(epoch, step)
+                if self.stage is not None:
+                    batch = self.stage(batch, self.stop)
+                    if batch is None:  # stopped while waiting for a staging buffer
+                        return
                 if not self._put(batch):
                     return
                 epoch, step = self.reader._advance(epoch, step)

@@ -45,6 +45,14 @@ prefetch pays where the compute step runs on a GPU or in long GIL-free kernels. 
 blocks on the queue is recorded per step (:attr:`HDF5Reader.wait_times`, :meth:`HDF5Reader.io_stats`).
 The thread stops on :meth:`HDF5Reader.close` (stop flag, queue drained, joined); an exception in the thread
 is re-raised in the caller at the next :meth:`HDF5Reader.next`.
+
+Stage
+-----
+:meth:`HDF5Reader.set_stage` installs a function applied to every batch after its read: the dtype
+conversion to the compute dtype, and on a GPU the copy into a pinned staging buffer
+(:mod:`lbannpy.data.upload`). With prefetch it runs in the prefetch thread, so the step's thread only takes
+finished batches; a preloaded reader then also runs that thread (its gather from memory moves there too).
+Its errors reach the caller as a read's do.
 """
 from __future__ import annotations
 
@@ -131,6 +139,8 @@ class HDF5Reader:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.prefetch = bool(prefetch)
+        self._background = bool(prefetch)   # asked for: a preloaded reader still stages in a thread
+        self._stage = None
         self.depth = int(depth)
         self.piece_bytes = int(piece_bytes)
         self._comm = comm
@@ -448,15 +458,28 @@ class HDF5Reader:
                 ds.read_direct(out, source_sel=(slice(f0 + s, f0 + s + 1), slice(lo + a, lo + b)) + rest[1:],
                                dest_sel=np.s_[d0 + s:d0 + s + 1, a:b])
 
+    def set_stage(self, stage) -> None:
+        """Apply ``stage(batch, stop)`` to every batch after its read (see Stage); ``None`` removes it.
+        Batches already read ahead are dropped and read again."""
+        self._stop_prefetch()
+        self._stage = stage
+
+    @property
+    def threaded(self) -> bool:
+        """Whether batches come from the background thread."""
+        return self.prefetch or (self._stage is not None and self._background)
+
     def next(self) -> Batch:
         """This rank's block of the next mini-batch; records the time blocked (``wait_s``)."""
         epoch, step = self._epoch, self._step
         t0 = time.perf_counter()
-        if not self.prefetch:
+        if not self.threaded:
             batch = self.read_batch(epoch, step)
+            if self._stage is not None:
+                batch = self._stage(batch, None)
         else:
             if self._pf is None:
-                self._pf = _Prefetcher(self, epoch, step, self.depth)
+                self._pf = _Prefetcher(self, epoch, step, self.depth, self._stage)
             item = self._pf.get()
             if isinstance(item, _Failure):
                 self._stop_prefetch()
@@ -537,7 +560,7 @@ class HDF5Reader:
         w = np.asarray(self.wait_times, dtype=np.float64)
         r = np.asarray(self.read_times, dtype=np.float64)
         n = int(w.size)
-        return {"steps": n, "prefetch": self.prefetch, "preloaded": self.preloaded,
+        return {"steps": n, "prefetch": self.threaded, "preloaded": self.preloaded,
                 "wait_s_total": float(w.sum()), "wait_s_mean": float(w.mean()) if n else 0.0,
                 "wait_s_max": float(w.max()) if n else 0.0,
                 "read_s_mean": float(r.mean()) if n else 0.0,
@@ -548,6 +571,9 @@ class HDF5Reader:
         pf, self._pf = self._pf, None
         if pf is not None:
             pf.close()
+            reset = getattr(self._stage, "reset", None)
+            if reset is not None:  # the batches it staged and nobody took are dropped: their buffers free
+                reset()
 
     def close(self) -> None:
         """Stop the prefetch thread (joined) and close the file. Idempotent."""

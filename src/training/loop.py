@@ -80,10 +80,12 @@ class Trainer:
         self._bar = None  # the progress bar (or plain lines) of rank 0 while run() goes on
         if world.rank == 0 and not self.quiet and self.memory is not None:
             print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
-        if self.rt.device == "gpu":  # batches go up one ahead, asynchronously, from pinned memory
-            from lbannpy.data.upload import DeviceUploader
+        # batches converted to the compute dtype in the reader's thread; on a GPU also staged in pinned
+        # memory there and uploaded one ahead, asynchronously
+        from lbannpy.data.upload import stage_batches
 
-            self.reader = DeviceUploader(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes)
+        self.reader = stage_batches(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes,
+                                    gpu=self.rt.device == "gpu")
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress,
                              shard_state=bool(cfg["optimizer"].get("shard_state", False)))
