@@ -228,8 +228,11 @@ class ndarray:
     def get(self, stream=None, order="C", out=None, blocking=True):
         if out is not None:
             self._check_host(out, "ndarray.get(out=)")
+        s = cuda.get_current_stream() if stream is None else stream
+        if _standin._active and _standin.capturing(s):  # CuPy refuses every D2H copy on a capturing stream
+            with s:
+                _graph.on_host_sync("ndarray.get")
         if not blocking:  # CuPy: the copy runs on ``stream`` (or the current one); the host does not wait
-            s = cuda.get_current_stream() if stream is None else stream
             _standin.launch(s, reads=[self._alloc], what="ndarray.get (async)")
             snapshot = _np.array(self._a, order=order)
             dest = _np.empty_like(snapshot) if out is None else out
