@@ -312,3 +312,42 @@ def test_optimizer_step_table_grows_outside_steps_and_says_so():
     want = [(learning_rate(0.01, t, 2, cfg["schedule"]), 1 - 0.9 ** (t + 1), 1 - 0.999 ** (t + 1), t == 0)
             for t in range(opt.steps.rows)]
     np.testing.assert_array_equal(tab, np.array(want, dtype=np.float64).astype(np.float32))
+
+def test_dropout_mask_from_a_device_step_counter_equals_the_host_keys():
+    from lbannpy.layers.kernels import activation as A
+
+    box = ((0, 3), (2, 7), (1, 5))
+    step = cupy.zeros(1, dtype=np.uint64)
+    for k in range(4):
+        got = A.dropout_mask(11, step, 5, box, 0.4, xp=cupy, dtype=np.float64)
+        np.testing.assert_array_equal(cupy.asnumpy(got), A.dropout_mask(11, k, 5, box, 0.4, dtype=np.float64))
+        step += 1
+
+
+def test_dropout_layer_draws_each_steps_mask_from_device_memory():
+    """The GPU layer's masks at steps 0, 1, 2 (and after a resume to step 7) equal the host layer's; the
+    step lives in one device counter the forward advances on the device."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    spec = {"input": {"channels": 3, "spatial": [5, 6]},
+            "layers": [{"name": "d1", "type": "dropout", "p": 0.5}, {"name": "f1", "type": "fc", "units": 2}]}
+    h = RNG.standard_normal((2, 3, 5, 6))
+    models = {xp: Model(spec, 2, LayerContext(SingleCommunicator(), xp, "float64", seed=9), {})
+              for xp in (cupy, np)}
+    counter = models[cupy].layers[0]._step_dev
+    ptr = counter.data.ptr
+    for k in range(4):
+        if k == 3:
+            for m in models.values():
+                m.layers[0].load_state({"step": 7})
+        masks = []
+        for xp, m in models.items():
+            m.set_train(True)
+            m.forward(DistTensor(xp.asarray(h), m.input_shape, m.input_dist, 0))
+            masks.append(m._acts["d1"].local)
+        np.testing.assert_array_equal(cupy.asnumpy(masks[0]), masks[1])
+        assert not (masks[1] == h).all()
+    assert models[cupy].layers[0]._step_dev.data.ptr == ptr and int(counter[0]) == 8
