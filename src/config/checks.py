@@ -308,6 +308,10 @@ def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = Tru
     model_graph = check_graph(cfg) if graph else None
     if ranks is not None:
         check_ranks(cfg, ranks, model_graph)
+        if model_graph is not None:
+            from .blocks import check_blocks
+
+            check_blocks(cfg, ranks, model_graph)
     if data:
         check_data(cfg, base_dir)
     if memory and graph:
