@@ -7,7 +7,8 @@
     python -m lbannpy.config zoo NAME -o SPEC.yaml [--batch-size B] [--input-size S]
     python -m lbannpy.config schema
 
-Exit status 0 on success; on bad input 1 and one line ``lbannpy.config: error: <key>: <message> (hint: ...)``
+Exit status 0 on success; on bad input 2 (as the trainer's user errors) and one line
+``lbannpy.config: error: <key>: <message> (hint: ...)``
 on stderr, without a traceback.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 
 PROG = "python -m lbannpy.config"
-EXIT_USER_ERROR = 1
+EXIT_USER_ERROR = 2  # as lbannpy.train's: a problem the user can fix
 
 
 def _parser() -> argparse.ArgumentParser:
