@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from test_slurm import JOBS, TERMINAL, jobcomp_line
-from test_slurm import cluster as _cluster  # noqa: F401  (the fixture named `cluster`)
+from test_slurm import cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
@@ -30,8 +30,8 @@ def losses(run: Path) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
 
 
-def show(cluster, job_id: str) -> str:
-    return cluster.cmd("scontrol", "show", "job", "-o", job_id).stdout
+def show(c, job_id: str) -> str:
+    return c.cmd("scontrol", "show", "job", "-o", job_id).stdout
 
 
 def field(record: str, key: str) -> str:
@@ -39,8 +39,8 @@ def field(record: str, key: str) -> str:
     return m.group(1) if m else ""
 
 
-def sbatch(cluster, tmp_path: Path, config: Path, run: Path) -> str:
-    env = cluster.env(LBANNPY_RUN_DIR=str(run))
+def sbatch(c, tmp_path: Path, config: Path, run: Path) -> str:
+    env = c.env(LBANNPY_RUN_DIR=str(run))
     proc = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={run}.out",
                            "--time=00:20:00", str(JOBS / "resnet50.sbatch"), str(config)],
                           capture_output=True, text=True, timeout=30, env=env)
@@ -48,21 +48,22 @@ def sbatch(cluster, tmp_path: Path, config: Path, run: Path) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
-def wait_end(cluster, job_id: str, timeout: float, release_requeued: bool = False) -> str:
+def wait_end(c, job_id: str, timeout: float, release_requeued: bool = False) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        record = show(cluster, job_id)
+        record = show(c, job_id)
         state = field(record, "JobState")
         if state in TERMINAL:
             return record
         if release_requeued and state == "PENDING" and field(record, "Reason") == "BeginTime":
-            cluster.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            c.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         time.sleep(0.5)
-    cluster.cmd("scancel", job_id)
-    pytest.fail(f"job {job_id} did not end in {timeout} s: {show(cluster, job_id)}")
+    c.cmd("scancel", job_id)
+    pytest.fail(f"job {job_id} did not end in {timeout} s: {show(c, job_id)}")
 
 
-def test_signalled_job_requeues_resumes_and_ends_with_the_losses_of_an_uninterrupted_run(cluster, tmp_path):
+def test_signalled_job_requeues_resumes_and_ends_with_the_losses_of_an_uninterrupted_run(
+        cluster, tmp_path):  # noqa: F811  (the fixture)
     py = sys.executable
     subprocess.run([py, "-m", "lbannpy.data", "mesh", "--size", "64", "--samples", "8", "-o",
                     str(tmp_path / "mesh.h5"), "-q"], check=True, timeout=120, capture_output=True)
