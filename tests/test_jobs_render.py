@@ -392,7 +392,7 @@ def test_config_value_reads_a_yaml_spec(tmp_path):
         helpers.config_value(tmp_path / "missing.h5", "trainer.batch_size")
 
 
-# ------------------------------------------------------------------------------------ requeue, run dir, sweeps
+# ------------------------------------------------------------------------------- requeue, run dir, sweeps
 def test_sweep_points_that_cannot_run_are_refused_or_dropped_with_a_note():
     # mesh1k at 1024x1024: the last block's 16 rows cannot be split 32 ways
     spec = dict(site="h100-cluster", nodes=4)  # 4 x 8 ranks: P = 1 .. 32
