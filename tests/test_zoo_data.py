@@ -49,6 +49,7 @@ def test_zoo_model_trains_on_its_documented_data(name, tmp_path):
     p = run([PY, "-m", "lbannpy.config", "zoo", name, "-o", "spec.yaml", "--input-size", str(size),
              "--batch-size", "2"], tmp_path)
     assert p.returncode == 0, p.stderr
+    assert re.sub(r"--samples \d+", "--samples 8", small) in p.stdout, p.stdout  # printed for the new size
     p = run([PY, "-m", "lbannpy.config", "build", "spec.yaml", "-o", "config.h5"], tmp_path)
     assert p.returncode == 0, p.stderr  # the build reads the data file and checks its shapes
     data = zoo.get_spec(name)["data"]["train"]["path"]
