@@ -2,9 +2,23 @@
 
 ``optional=True``: where no C compiler is available the build goes on without the extensions;
 ``lbannpy.layers.kernels.conv`` and ``lbannpy.layers.kernels.batchnorm`` then use their NumPy paths."""
-from setuptools import Extension, setup
+import sys
 
-setup(ext_modules=[
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """Says what the silent minute of the install is (pip shows it with -v; its spinner otherwise)."""
+
+    def build_extensions(self):
+        sys.stderr.write(f"lbannpy: compiling {len(self.extensions)} optional C kernels (a minute or more; "
+                         f"without a C compiler the NumPy kernels are used)\n")
+        sys.stderr.flush()
+        super().build_extensions()
+
+
+setup(cmdclass={"build_ext": BuildExt}, ext_modules=[
     Extension("lbannpy.layers.kernels._cconv", ["layers/kernels/_cconv.c"],
               depends=["layers/kernels/_cconv_impl.h"],
               extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi"], optional=True),

@@ -11,6 +11,15 @@
   a JSON header mapping each name to ``dtype``/``shape``/``data_offsets``, then the raw little-endian bytes.
 * ``--torch-module FILE.py`` (with ``--config``) writes the source of an equivalent ``torch.nn.Module``
   (class ``Net``) whose ``load_state_dict`` takes the exported tensors.
+* Reading the file back needs no extra package: :func:`read_safetensors` returns NumPy arrays (the
+  ``safetensors`` package's ``safetensors.torch.load_file`` reads it too, where it is installed)::
+
+      import torch
+      from lbannpy.export import read_safetensors
+      from net import Net                      # the file --torch-module wrote
+      tensors, meta = read_safetensors("model.safetensors")
+      net = Net()
+      net.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
 """
 from __future__ import annotations
 
@@ -244,8 +253,13 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
         var[layer.name] = v
     name = model_spec.get("name", "model")
     lines = [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
-             "Load the exported weights with ``Net().load_state_dict({k: torch.from_numpy(v) ...})``; the "
-             f"input is {tuple(model.input_shape[1:])} per sample.", '"""',
+             "The weights come from ``python -m lbannpy.export CKPT -o model.safetensors``; load them with",
+             "(``safetensors.torch.load_file`` works as well where that package is installed)::", "",
+             "    from lbannpy.export import read_safetensors",
+             "    tensors, _ = read_safetensors('model.safetensors')   # NumPy arrays by state_dict name",
+             "    net = Net()",
+             "    net.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})", "",
+             f"The input is {tuple(model.input_shape[1:])} per sample (N, C, H, W order).", '"""',
              "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
              "class Net(nn.Module):", "    def __init__(self):", "        super().__init__()"]
     lines += [f"        {s}" for s in init] or ["        pass"]
@@ -260,7 +274,9 @@ def main(argv=None) -> int:
         description="Write a checkpoint's weights as a safetensors file with PyTorch state_dict names and "
                     "layouts, and optionally the source of the equivalent torch.nn module.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("checkpoint", help="a checkpoint file ckpt-*.h5, or a directory (its newest is used)")
+    ap.add_argument("checkpoint", help="a checkpoint: its directory ckpt-<step>/ (or that directory's "
+                                       "index.h5), a version-1 file ckpt-<step>.h5, or checkpoint.dir (its "
+                                       "newest is used)")
     ap.add_argument("-o", "--output", required=True, help="the safetensors file to write")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="floating-point type of the exported tensors")

@@ -38,7 +38,8 @@ def parse_args(argv):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("config", help="the config.h5 (or YAML spec) the model was trained with")
     ap.add_argument("--checkpoint", required=True,
-                    help="a checkpoint file ckpt-*.h5, or a checkpoint directory (its newest is used)")
+                    help="a checkpoint: its directory ckpt-<step>/ (or that directory's index.h5), a "
+                         "version-1 file ckpt-<step>.h5, or checkpoint.dir (its newest is used)")
     ap.add_argument("--data", required=True,
                     help="HDF5 file with the inputs (and optionally labels) under the config's dataset names")
     ap.add_argument("-o", "--output", required=True, help="HDF5 file to write the probabilities to")
@@ -159,7 +160,7 @@ def predict(cfg: dict, rt, args) -> dict:
     tr = cfg["trainer"]
     ctx = LayerContext(world, rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                        overlap=False, timer=Timer(events=[]))
-    model, loss = build_model(cfg, ctx, world)
+    model, loss = build_model(cfg, ctx, world, "lbannpy.predict")
     ckpt_path, step = load_weights(args.checkpoint, model, rt.xp)
     model.set_train(False)
     num, has_labels = _open_data(cfg, args.data, model)

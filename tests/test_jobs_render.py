@@ -113,8 +113,7 @@ def test_rendered_script_structure(case):
                                  r"|mpi)\b"
                                  r"|\s-N\s|\s-c\s|\s-t\s", ln), ln
             assert re.search(r"\s-n\s", ln) is None or '-n "$p"' in ln, ln
-    assert "@" not in re.sub(r"\[@\]", "", text.replace("${ranks[@]}", "").replace("USR1@120", "")), \
-        "unfilled placeholder"
+    assert re.search(r"@[A-Z_]+@", text) is None, "unfilled placeholder"
 
 
 def test_sbatch_lines_follow_the_spec():
@@ -125,10 +124,13 @@ def test_sbatch_lines_follow_the_spec():
     assert sbatch_options(text) == {
         "job-name": "lbannpy-resnet50", "nodes": "4", "ntasks-per-node": "8", "cpus-per-task": "6",
         "time": "1-02:00:00", "output": "%x-%j.out", "gpus-per-node": "8", "partition": "h100-long",
-        "account": "proj_1", "signal": "USR1@120"}
+        "account": "proj_1", "signal": "B:USR1@120", "open-mode": "append"}
     lines = text.splitlines()
-    assert lines.index("module load nccl") > lines.index("module load gcc cuda")  # after the site's lines
-    assert "export FOO=1" in lines
+    assert "#SBATCH --requeue" in lines
+    assert "module load nccl" in lines and "export FOO=1" in lines
+    assert "module load gcc cuda" not in lines and "conda activate lbannpy" not in lines  # replaced
+    assert "conda activate lbannpy" in render(JobSpec.for_site("resnet50", site="h100-cluster")).splitlines()
+    assert "module load" not in render(JobSpec.for_site("resnet50", site="h100-cluster", env_setup=""))
 
 
 def test_site_defaults_fill_unset_fields():
@@ -168,7 +170,8 @@ def test_gpu_sites_train_and_calibrate_on_their_gpus(site, tmp_path):
         opts = sbatch_options(text)
         # one rank per GPU
         assert opts["gpus-per-node"] == str(s.gpus_per_node) == opts["ntasks-per-node"], (name, opts)
-        trains = _srun_lines(text, "lbannpy.train")
+        trains = [ln for ln in text.replace("\\\n", " ").splitlines()
+                  if ln.strip().startswith("lbannpy_train ")]  # the calls of the job's training function
         assert bool(trains) == (tpl.kind in ("train", "sweep")), (name, trains)
         for line in trains:
             sets = re.findall(r"--set \"?([a-z_.]+=[^ \"]+)", line)
@@ -387,3 +390,37 @@ def test_config_value_reads_a_yaml_spec(tmp_path):
     assert proc.returncode == 2 and "has no key 'trainer.nope'" in proc.stderr
     with pytest.raises(helpers.JobHelperError, match="not found"):
         helpers.config_value(tmp_path / "missing.h5", "trainer.batch_size")
+
+
+# ------------------------------------------------------------------------------- requeue, run dir, sweeps
+def test_sweep_points_that_cannot_run_are_refused_or_dropped_with_a_note():
+    # mesh1k at 1024x1024: the last block's 16 rows cannot be split 32 ways
+    spec = dict(site="h100-cluster", nodes=4)  # 4 x 8 ranks: P = 1 .. 32
+    with pytest.raises(JobSpecError, match=r"mesh1k on 32 ranks: the sweep point at 32 rank\(s\).*'h'.*"
+                                           r"--drop-points"):
+        render(JobSpec.for_site("mesh1k", **spec))
+    text = render(JobSpec.for_site("mesh1k", drop_points=True, **spec))
+    assert "for p in 1 2 4 8 16; do" in text
+    assert re.search(r"^# Left out: 32 rank\(s\) per sample \(.*split 32 ways", text, re.M), text
+    # 2 nodes: every point runs, nothing left out
+    text = render(JobSpec.for_site("mesh1k", site="h100-cluster", nodes=2))
+    assert "for p in 1 2 4 8 16; do" in text and "# Left out" not in text
+
+
+def test_cli_drop_points(tmp_path):
+    base = [sys.executable, "-m", "lbannpy.jobs", "render", "mesh1k", "--site", "h100-cluster",
+            "--nodes", "4"]
+    proc = run(base)
+    assert proc.returncode == 2 and "--drop-points" in proc.stderr and proc.stdout == "", proc.stderr
+    proc = run(base + ["--drop-points"])
+    assert proc.returncode == 0 and "# Left out: 32 rank(s)" in proc.stdout, proc.stderr
+
+
+def test_run_dir_and_requeue_lines():
+    text = render(JobSpec.for_site("resnet50", run_dir="/scratch/me"))
+    assert 'run_dir="${LBANNPY_RUN_DIR:-/scratch/me/resnet50-$SLURM_JOB_ID}"' in text
+    text = render(JobSpec.for_site("resnet50"))
+    default = 'run_dir="${LBANNPY_RUN_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/run/resnet50-$SLURM_JOB_ID}"'
+    assert default in text
+    assert "trap 'lbannpy_forward USR1' USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert '--set "checkpoint.dir=$out/ckpt"' in text

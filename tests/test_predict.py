@@ -147,7 +147,7 @@ def test_predict_batch_script_runs(demo, tmp_path):
     p = subprocess.run(["bash", str(script), "d/config.h5", "d/ckpt", "d/mesh64.h5"], cwd=d, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "done: run/predict-77/predictions.h5" in p.stdout
+    assert f"done: {d}/run/predict-77/predictions.h5" in p.stdout  # one run directory, named in full
     with h5py.File(d / "run" / "predict-77" / "predictions.h5") as f:
         assert f["probabilities"].shape == (16, 2, 8, 8)
     assert (d / "run" / "predict-77" / "predictions.png").is_file()

@@ -192,6 +192,8 @@ def resolve(path: str) -> str | None:
     found = candidates(path) if os.path.isdir(path) else []
     if found:
         return found[0]
+    if os.path.basename(path) == "index.h5" and os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))  # a checkpoint directory's index names the directory
     return path if os.path.exists(path) else None
 
 

@@ -7,7 +7,8 @@
     python -m lbannpy.config zoo NAME -o SPEC.yaml [--batch-size B] [--input-size S]
     python -m lbannpy.config schema
 
-Exit status 0 on success; on bad input 1 and one line ``lbannpy.config: error: <key>: <message> (hint: ...)``
+Exit status 0 on success; on bad input 2 (as the trainer's user errors) and one line
+``lbannpy.config: error: <key>: <message> (hint: ...)``
 on stderr, without a traceback.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 
 PROG = "python -m lbannpy.config"
-EXIT_USER_ERROR = 1
+EXIT_USER_ERROR = 2  # as lbannpy.train's: a problem the user can fix
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,8 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-data", action="store_true", help="skip the dataset checks")
     overrides(p)
 
+    from ..zoo import names as zoo_names
+
     p = sub.add_parser("zoo", help="write the spec of a zoo model")
-    p.add_argument("name")
+    p.add_argument("name", help=f"one of {', '.join(zoo_names())}; the command prints the lbannpy.data "
+                                f"command that makes data of the spec's shape")
     p.add_argument("-o", "--output", required=True, help="YAML spec to write")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--input-size", type=int, nargs="+", metavar="S",
@@ -109,6 +113,9 @@ def run(args) -> int:
         cfg = validate(spec, data=False, memory=False)  # a spec to edit: sized where it runs
         save_config(cfg, args.output)
         print(f"wrote {args.output}: zoo model {args.name!r}, {len(cfg['model']['layers'])} layers")
+        data = zoo.spec_data_command(spec)
+        if data:
+            print(f"its data ({spec['data']['train']['path']}): {data}")
     return 0
 
 

@@ -183,6 +183,19 @@ def check_data(cfg: dict, base_dir: str | None = None) -> None:
                                                                        "non-empty")
 
 
+def _data_hint(cfg: dict, file: str) -> str:
+    """", e.g. with `python -m lbannpy.data ...`" for a generator that makes data of this model's shape."""
+    from ..zoo import data_command
+
+    model = cfg["model"]
+    last = model["layers"][-1] if model.get("layers") else {}
+    classes = int(last.get("units", last.get("filters", 0)) or 0)
+    batch = int((cfg.get("trainer") or {}).get("batch_size") or 1)
+    cmd = data_command(int(model["input"]["channels"]), model["input"]["spatial"], classes,
+                       model.get("loss", "cross_entropy"), file, 4 * batch)
+    return f" with the shape this model reads: {cmd}" if cmd else " in the shape the model reads"
+
+
 def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_train: bool) -> int:
     import h5py  # imported late: only data checks need it
 
@@ -193,7 +206,7 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
     if not os.path.exists(full):
         raise ConfigError(where, f"dataset file {full!r} does not exist",
                           "check the path (relative paths are taken from the working directory) or create "
-                          "the data, e.g. python -m lbannpy.data mesh ...")
+                          "the data" + _data_hint(cfg, file))
     if not os.path.isfile(full) or not h5py.is_hdf5(full):
         raise ConfigError(where, f"{full!r} is not an HDF5 file", "point data paths at .h5 files")
     model = cfg["model"]
@@ -295,6 +308,10 @@ def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = Tru
     model_graph = check_graph(cfg) if graph else None
     if ranks is not None:
         check_ranks(cfg, ranks, model_graph)
+        if model_graph is not None:
+            from .blocks import check_blocks
+
+            check_blocks(cfg, ranks, model_graph)
     if data:
         check_data(cfg, base_dir)
     if memory and graph:

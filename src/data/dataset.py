@@ -143,8 +143,11 @@ def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
     if any(s < 1 for s in xs[1:]):
         raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}: an empty dimension")
     if expected_channels is not None and xs[1] != int(expected_channels):
-        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)} with {xs[1]} channels; the "
-                        f"model expects {int(expected_channels)} channels (expected shape "
+        def chan(n: int) -> str:
+            return f"{n} channel{'' if n == 1 else 's'}"
+
+        raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)} with {chan(xs[1])}; the "
+                        f"model expects {chan(int(expected_channels))} (expected shape "
                         f"(M, {int(expected_channels)}, ...), found {xs})")
     if expected_spatial is not None:
         want = tuple(int(s) for s in expected_spatial)

@@ -1,7 +1,8 @@
 """python -m lbannpy.jobs: render SLURM batch scripts, and the helper steps those scripts run.
 
   render TEMPLATE [--site S --nodes N --tasks-per-node T --gpus-per-node G --cpus-per-task C --time T
-                   --partition P --account A --env-setup LINES --config PATH] [-o FILE]
+                   --partition P --account A --env-setup LINES --config PATH --run-dir DIR
+                   --drop-points] [-o FILE]
   render-all [--dir jobs] [--check]     the committed jobs/*.sbatch (local site)
   list                                  templates and sites
   adapt-spec ZOO.yaml -o SPEC.yaml [--size N --data F.h5 --samples M --steps S --batch-size B]
@@ -36,8 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--time", help="HH:MM:SS or D-HH:MM:SS")
     r.add_argument("--partition")
     r.add_argument("--account")
-    r.add_argument("--env-setup", help="extra shell lines run before the job (newline-separated)")
+    r.add_argument("--env-setup", help="shell lines that set up the environment (newline-separated), in "
+                                       "place of the site's (module load, conda activate); '' for none")
     r.add_argument("--config", help="default config path baked in (the script's first argument still wins)")
+    r.add_argument("--run-dir", help="where the job's run directory DIR/TEMPLATE-JOBID goes (default: run/ "
+                                     "in the submit directory; LBANNPY_RUN_DIR at submit time wins)")
+    r.add_argument("--drop-points", action="store_true",
+                   help="sweeps: leave out, with a note in the script, the rank counts at which the config "
+                        "cannot run (default: refuse to render)")
     r.add_argument("-o", "--output", help="file to write (default: stdout)")
 
     ra = sub.add_parser("render-all", help="render the committed jobs/*.sbatch")
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = JobSpec.for_site(
                 args.template, site=args.site, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                 gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
-                partition=args.partition, account=args.account, env_setup=args.env_setup, config=args.config)
+                partition=args.partition, account=args.account, env_setup=args.env_setup, config=args.config,
+                run_dir=args.run_dir, drop_points=args.drop_points)
             text = render(spec)
             if args.output:
                 out = Path(args.output)

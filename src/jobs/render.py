@@ -8,7 +8,7 @@ Scripts are never edited by hand: ``jobs/*.sbatch`` are ``render_all()`` output,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .sites import SITES, Site
@@ -41,8 +41,10 @@ class JobSpec:
     time: str                          # HH:MM:SS or D-HH:MM:SS
     partition: str | None = None       # None: the cluster's default partition
     account: str | None = None
-    env_setup: tuple[str, ...] = field(default=())   # extra shell lines after the site's
+    env_setup: tuple[str, ...] | None = None   # the site's set-up lines (None) or lines replacing them
     config: str | None = None          # default config path baked in (the first argument still wins)
+    run_dir: str | None = None         # parent of the job's run directory (default: SUBMIT_DIR/run)
+    drop_points: bool = False          # sweeps: leave out rank counts that cannot run (else refuse the job)
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -77,9 +79,10 @@ class JobSpec:
             if value is not None and (not isinstance(value, str) or not _NAME_RE.match(value)):
                 raise JobSpecError(f"{name} {value!r} is not a SLURM name (letters, digits, '_', '.', '-', "
                                    f"comma-separated)")
-        if not isinstance(self.env_setup, tuple) or not all(isinstance(x, str) for x in self.env_setup):
-            raise JobSpecError("env_setup must be a tuple of shell lines (str)")
-        for line in self.env_setup:
+        if self.env_setup is not None and (not isinstance(self.env_setup, tuple)
+                                           or not all(isinstance(x, str) for x in self.env_setup)):
+            raise JobSpecError("env_setup must be a tuple of shell lines (str), or None for the site's")
+        for line in self.env_setup or ():
             if "\n" in line or "\r" in line:
                 raise JobSpecError(f"env_setup line {line!r} contains a newline; give one line per entry")
             if line.lstrip().startswith("#SBATCH"):
@@ -90,6 +93,9 @@ class JobSpec:
                 raise JobSpecError(f"config must be a non-empty one-line path, got {self.config!r}")
             if self.template in ("calibrate", "mpi-check", "predict"):
                 raise JobSpecError(f"template {self.template!r} takes no config")
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir.strip()
+                                         or "\n" in self.run_dir):
+            raise JobSpecError(f"run_dir must be a non-empty one-line path, got {self.run_dir!r}")
 
     @classmethod
     def for_site(cls, template: str, site: str = "local", **overrides) -> "JobSpec":
@@ -105,6 +111,8 @@ class JobSpec:
         values = dict(nodes=1, tasks_per_node=s.tasks_per_node, gpus_per_node=s.gpus_per_node,
                       cpus_per_task=s.cpus_per_task, time=s.time, partition=s.partition)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if "env_setup" in overrides and overrides["env_setup"] is not None:
+            values["env_setup"] = overrides["env_setup"]  # an empty value replaces the site's lines too
         if isinstance(values.get("env_setup"), (list, str)):
             env = values["env_setup"]
             values["env_setup"] = tuple(env.splitlines() if isinstance(env, str) else env)
@@ -118,6 +126,37 @@ def _fill(text: str, subs: dict[str, str]) -> str:
     if leftover:
         raise AssertionError(f"unfilled placeholders {sorted(set(leftover))} in a template")
     return text
+
+
+def _dq(text: str) -> str:
+    """``text`` escaped for a bash double-quoted string."""
+    return re.sub(r'([\\"$`])', r"\\\1", text)
+
+
+def _sweep_ranks(spec: JobSpec, tpl) -> tuple[str, str]:
+    """The sweep's rank counts (shell words) and the comment lines on what was checked and dropped."""
+    from .points import sweep_points
+
+    from lbannpy.config import ConfigError
+
+    total = spec.nodes * spec.tasks_per_node
+    try:
+        points, what = sweep_points(tpl.model, tpl.size, spec.config, total)
+    except ConfigError as exc:
+        raise JobSpecError(f"{tpl.name}: the config to sweep is not valid: {exc.line()}") from None
+    bad = [pt for pt in points if pt.problem]
+    if bad and not spec.drop_points:
+        first = bad[0]
+        raise JobSpecError(f"{tpl.name} on {total} ranks: the sweep point at {first.ranks} rank(s) per "
+                           f"sample cannot run ({what}: {first.problem})"
+                           + (f"; so can't {', '.join(str(b.ranks) for b in bad[1:])}" if bad[1:] else "")
+                           + "; use fewer ranks, another config, or --drop-points to leave such points out")
+    keep = [str(pt.ranks) for pt in points if not pt.problem]
+    if not keep:
+        raise JobSpecError(f"{tpl.name} on {total} ranks: no sweep point can run ({what}: {bad[0].problem})")
+    note = [f"# Rank counts checked by `jobs render` ({what})."]
+    note += [f"# Left out: {pt.ranks} rank(s) per sample ({pt.problem})" for pt in bad]
+    return " ".join(keep), "\n".join(note) + "\n"
 
 
 def render(spec: JobSpec) -> str:
@@ -140,7 +179,9 @@ def render(spec: JobSpec) -> str:
         f"--cpus-per-task={spec.cpus_per_task}",
         f"--time={spec.time}",
         "--output=%x-%j.out",
-        "--signal=USR1@120",  # every rank: checkpoint, metrics, exit 4 two minutes before the time limit
+        "--open-mode=append",   # a requeued job's starts share one log
+        "--signal=B:USR1@120",  # to the script, whose trap passes it on: checkpoint, exit 4, requeue, resume
+        "--requeue",
     ]
     if spec.gpus_per_node:
         sbatch.append(f"--gpus-per-node={spec.gpus_per_node}")
@@ -154,6 +195,9 @@ def render(spec: JobSpec) -> str:
     gpu = spec.gpus_per_node > 0
     subs["TRAIN_DEVICE"] = " --set runtime.device=gpu --set runtime.backend=nccl" if gpu else ""
     subs["BENCH_DEVICE"] = " --device gpu --backend nccl" if gpu else ""
+    parent = _dq(spec.run_dir) if spec.run_dir else "${SLURM_SUBMIT_DIR:-$PWD}/run"
+    subs["RUN_DIR"] = f"{parent}/{tpl.name}-$SLURM_JOB_ID"
+    subs["RUN_DIR_SHOWN"] = f"{spec.run_dir or 'SUBMIT_DIR/run'}/{tpl.name}-JOBID"
 
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {opt}" for opt in sbatch]
@@ -175,12 +219,16 @@ def render(spec: JobSpec) -> str:
         lines += ["# " + line for line in DEVICE_NOTE]
     lines.append("")
 
-    env_lines = list(site.env_setup) + list(spec.env_setup)
-    subs["SITE_ENV"] = ("# site environment\n" + "\n".join(env_lines) + "\n") if env_lines else ""
+    env_lines = list(site.env_setup if spec.env_setup is None else spec.env_setup)
+    origin = "site" if spec.env_setup is None else "replaced with --env-setup"
+    subs["SITE_ENV"] = (f"# environment set-up ({origin})\n" + "\n".join(env_lines) + "\n"
+                        if env_lines else "")
+    if tpl.kind == "sweep":
+        subs["RANKS"], subs["RANK_NOTE"] = _sweep_ranks(spec, tpl)
     text = "\n".join(lines) + "\n" + _fill(PREAMBLE, subs)
     if tpl.kind in BUILDERS:
         # the default sits inside "${1:-...}": escape what double quotes would expand
-        config_default = re.sub(r'([\\"$`])', r"\\\1", spec.config or "")
+        config_default = _dq(spec.config or "")
         subs["CONFIG_DEFAULT"] = config_default
         subs["BUILD"] = _fill(BUILDERS[tpl.kind], subs)
         text += _fill(CONFIG_ARG, subs)

@@ -59,8 +59,11 @@ export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-@MPI@}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
 @SITE_ENV@
 template=@TEMPLATE@
-run_dir="${LBANNPY_RUN_DIR:-run/@TEMPLATE@-$SLURM_JOB_ID}"
+# Every output of the job (inputs it builds, runs, checkpoints) goes under one run directory, keyed by the
+# job id: a requeued job keeps its id, so its next start finds its checkpoints there.
+run_dir="${LBANNPY_RUN_DIR:-@RUN_DIR@}"
 mkdir -p "$run_dir"
+run_dir="$(cd "$run_dir" && pwd)"
 
 lbannpy_job_info() {
     echo "lbannpy job $SLURM_JOB_ID: template=$template site=@SITE@ host=$(hostname) cwd=$PWD"
@@ -71,6 +74,63 @@ lbannpy_job_info() {
     echo "  run_dir=$run_dir"
 }
 lbannpy_job_info
+
+# Pre-emption and the time limit: SLURM signals this shell (--signal=B:USR1@120 before the limit, SIGTERM
+# on pre-emption); the trap passes the signal on to the running step, whose ranks write a checkpoint and exit
+# 4; lbannpy_train then requeues the job (--requeue) and its next start resumes from that checkpoint.
+lbannpy_step_pid=""
+lbannpy_forward() {
+    echo "lbannpy job $SLURM_JOB_ID: got SIG$1; the ranks write a checkpoint and stop"
+    if [[ -n "$lbannpy_step_pid" ]]; then kill -"$1" "$lbannpy_step_pid" 2>/dev/null || true; fi
+}
+trap 'lbannpy_forward USR1' USR1
+trap 'lbannpy_forward TERM' TERM
+
+# lbannpy_train OUT_DIR [srun options] -- CONFIG.h5 [train options]: one training run writing into OUT_DIR
+# (checkpoints in OUT_DIR/ckpt). A run that finished in an earlier start of this job is skipped; one that
+# left a checkpoint resumes from the newest. Exit 4 (stopped after a checkpoint) requeues the job, at most
+# LBANNPY_MAX_REQUEUES (default 10) times.
+lbannpy_train() {
+    local out="$1" srun_opts=() resume=() rc=0
+    shift
+    while [[ "$1" != "--" ]]; do srun_opts+=("$1"); shift; done
+    shift
+    if [[ -f "$out/finished" ]]; then
+        echo "  $out: finished in an earlier start of this job; skipped"
+        return 0
+    fi
+    if compgen -G "$out/ckpt/ckpt-*/index.h5" >/dev/null; then
+        resume=(--resume)
+        echo "  $out: resuming from the newest checkpoint in $out/ckpt (start ${SLURM_RESTART_COUNT:-0})"
+    fi
+    srun "${srun_opts[@]}" python -m lbannpy.train "$@" --set "output.dir=$out" \
+        --set "checkpoint.dir=$out/ckpt" "${resume[@]}" &
+    lbannpy_step_pid=$!
+    while :; do  # a trapped signal ends `wait` early: wait again until the step has ended
+        rc=0
+        wait "$lbannpy_step_pid" || rc=$?
+        kill -0 "$lbannpy_step_pid" 2>/dev/null || break
+    done
+    lbannpy_step_pid=""
+    if (( rc == 0 )); then
+        touch "$out/finished"
+        return 0
+    fi
+    if (( rc == 4 )); then
+        local max="${LBANNPY_MAX_REQUEUES:-10}"
+        if (( ${SLURM_RESTART_COUNT:-0} < max )) && scontrol requeue "$SLURM_JOB_ID"; then
+            echo "lbannpy job $SLURM_JOB_ID: stopped after a checkpoint (exit 4); requeued, the next start" \
+                 "resumes from $out/ckpt"
+            exit 0
+        fi
+        echo "error: stopped after a checkpoint (exit 4) and not requeued" \
+             "(restarts ${SLURM_RESTART_COUNT:-0}, LBANNPY_MAX_REQUEUES=$max);" \
+             "resubmit with LBANNPY_RUN_DIR=$run_dir to resume" >&2
+        exit 4
+    fi
+    echo "error: training into $out failed with exit status $rc (see the lines above)" >&2
+    exit "$rc"
+}
 """
 
 # Config resolution: $1, else the rendered --config, else the template's built-in default (@BUILD@).
@@ -83,6 +143,9 @@ if [[ -n "$config" ]]; then
         exit 2
     fi
     echo "  config=$config (given)"
+elif [[ -f "$run_dir/input/config.h5" ]]; then
+    config="$run_dir/input/config.h5"
+    echo "  config=$config (built by an earlier start of this job)"
 else
 @BUILD@    echo "  config=$config (built-in default)"
 fi
@@ -142,9 +205,12 @@ BODY_SWEEP = r"""
 # its P ranks (parallel.default.h=P, n=1).
 #   strong-P: the config's mini-batch and image; ideal step time T1/P.
 #   weak-P:   mini-batch B*P, so every rank keeps B samples' worth of pixels; ideal step time T1.
-sweeps="${LBANNPY_SWEEPS:-strong weak}"
+# `jobs render` checked these rank counts against the config it was given (or the template's model);
+# each point is checked again here against the config the job runs, and one that cannot run is left out
+# with a note (in RUN_DIR/skipped.txt) instead of stopping the sweep.
+@RANK_NOTE@sweeps="${LBANNPY_SWEEPS:-strong weak}"
 ranks=()
-for (( p = 1; p <= SLURM_NTASKS; p *= 2 )); do ranks+=("$p"); done
+for p in @RANKS@; do if (( p <= SLURM_NTASKS )); then ranks+=("$p"); fi; done
 echo "  sweeps=$sweeps ranks_per_sample=${ranks[*]}"
 if [[ " $sweeps " == *" weak "* ]]; then
     base_batch="$(python -m lbannpy.jobs config-value "$config" trainer.batch_size)"
@@ -157,9 +223,14 @@ for sweep in $sweeps; do
             weak) extra=(--set "trainer.batch_size=$(( base_batch * p ))") ;;
             *) echo "error: LBANNPY_SWEEPS holds '$sweep'; use 'strong', 'weak' or both" >&2; exit 2 ;;
         esac
+        point=(--set parallel.default.n=1 --set "parallel.default.h=$p" "${extra[@]}")
+        if ! why="$(python -m lbannpy.config validate "$config" --ranks "$p" --no-data "${point[@]}" 2>&1)"
+        then
+            echo "note: $sweep-$p left out, it cannot run: ${why##*$'\n'}" | tee -a "$run_dir/skipped.txt"
+            continue
+        fi
         echo "== $sweep scaling: $p rank(s) per sample -> $run_dir/$sweep-$p"
-        srun -n "$p" python -m lbannpy.train "$config" --set parallel.default.n=1 \
-            --set "parallel.default.h=$p" --set "output.dir=$run_dir/$sweep-$p"@TRAIN_DEVICE@ "${extra[@]}"
+        lbannpy_train "$run_dir/$sweep-$p" -n "$p" -- "$config" "${point[@]}"@TRAIN_DEVICE@
     done
 done
 python -m lbannpy.jobs scaling "$run_dir" -o "$run_dir/scaling.csv"
@@ -168,7 +239,7 @@ echo "done: $run_dir/scaling.csv"
 
 BODY_TRAIN = r"""
 echo "== training on $SLURM_NTASKS rank(s) -> $run_dir"
-srun python -m lbannpy.train "$config" --set "output.dir=$run_dir"@TRAIN_DEVICE@
+lbannpy_train "$run_dir" -- "$config"@TRAIN_DEVICE@
 echo "done: $run_dir/metrics.csv $run_dir/summary.json"
 """
 
@@ -268,7 +339,7 @@ USAGE = {
         "  (default @MODEL@), sized by",
         "  LBANNPY_MESH_SIZE (default @SIZE@), LBANNPY_MESH_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
         "  LBANNPY_BATCH_SIZE (default: the zoo's).",
-        "LBANNPY_SWEEPS='strong weak' picks the sweeps; LBANNPY_RUN_DIR the output (run/@TEMPLATE@-JOBID).",
+        "LBANNPY_SWEEPS='strong weak' picks the sweeps; LBANNPY_RUN_DIR the output (@RUN_DIR_SHOWN@).",
         "Output: RUN_DIR/strong-P/ and weak-P/ (metrics.csv, summary.json per run) and RUN_DIR/scaling.csv",
         "  (sweep, ranks, step_s, speedup, efficiency, key) from each run's summary.json.",
     ),
@@ -277,24 +348,24 @@ USAGE = {
         "Without CONFIG.h5 the job builds the zoo model @MODEL@ on synthetic images, sized by",
         "  LBANNPY_IMAGE_SIZE (default @SIZE@), LBANNPY_SAMPLES (@SAMPLES@), LBANNPY_STEPS (@STEPS@),",
         "  LBANNPY_BATCH_SIZE (default: the zoo's).",
-        "Output: LBANNPY_RUN_DIR (default run/@TEMPLATE@-JOBID): metrics.csv, summary.json.",
+        "Output: LBANNPY_RUN_DIR (default @RUN_DIR_SHOWN@): metrics.csv, summary.json.",
     ),
     "calibrate": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [MACHINE.yaml]",
         "The first argument is the machine file to write (default RUN_DIR/machine.yaml), not a config;",
-        "  LBANNPY_RUN_DIR sets RUN_DIR (default run/@TEMPLATE@-JOBID).",
+        "  LBANNPY_RUN_DIR sets RUN_DIR (default @RUN_DIR_SHOWN@).",
     ),
     "strategy": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch [CONFIG.h5]",
         "Writes the chosen strategy into CONFIG.h5 (python -m lbannpy.strategy --write) for $SLURM_NTASKS",
         "  ranks; LBANNPY_MACHINE=machine.yaml uses a calibrated machine. Without CONFIG.h5 it builds the",
         "  zoo model LBANNPY_MODEL (default @MODEL@) at LBANNPY_MESH_SIZE (default @SIZE@).",
-        "Output: LBANNPY_RUN_DIR (default run/@TEMPLATE@-JOBID)/strategy.txt.",
+        "Output: LBANNPY_RUN_DIR (default @RUN_DIR_SHOWN@)/strategy.txt.",
     ),
     "predict": (
         "Usage: sbatch [sbatch options] jobs/@TEMPLATE@.sbatch CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]",
         "CHECKPOINT is a ckpt-*.h5 file or a checkpoint directory (its newest); OUT.h5 defaults to",
-        "  RUN_DIR/predictions.h5 (LBANNPY_RUN_DIR, default run/@TEMPLATE@-JOBID); LBANNPY_PNG=N samples",
+        "  RUN_DIR/predictions.h5 (LBANNPY_RUN_DIR, default @RUN_DIR_SHOWN@); LBANNPY_PNG=N samples",
         "  (default 4) are drawn into OUT.png. Metrics are printed when DATA.h5 holds labels.",
     ),
     "mpi-check": (

@@ -59,7 +59,7 @@ def settings(cfg: dict, train_samples: int) -> Settings:
                     eval_every=int(tr.get("eval_every", 0) or 0) or steps_per_epoch)
 
 
-def auto_strategy(cfg: dict, world, batch_size: int) -> dict:
+def auto_strategy(cfg: dict, world, batch_size: int, prog: str = "lbannpy.train") -> dict:
     """``parallel.strategy: auto``: rank 0 runs the selector (its search has a time budget, so ranks
     could disagree if each ran it) and broadcasts the per-layer degrees to every rank.
 
@@ -76,7 +76,7 @@ def auto_strategy(cfg: dict, world, batch_size: int) -> dict:
             chosen = plan(cfg, world.size, machine, memory_gib=par.get("memory_gib"),
                           batch_size=batch_size, compare=False)
             layers = chosen.parallel_layers()
-            sys.stderr.write(f"lbannpy.train: strategy auto on {world.size} rank(s), machine "
+            sys.stderr.write(f"{prog}: strategy auto on {world.size} rank(s), machine "
                              f"{machine}: predicted step {chosen.chosen.step_s * 1e3:.1f} ms\n")
         except (PlanError, ValueError, OSError) as exc:
             err = f"parallel.strategy auto: {exc}"
@@ -86,24 +86,25 @@ def auto_strategy(cfg: dict, world, batch_size: int) -> dict:
     return dict(par, layers=layers, strategy="manual")
 
 
-def build_model(cfg: dict, ctx, world):
+def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
     """The model (each layer with its distribution) and the loss. Who calls: every rank (group
-    communicators are created collectively). May replace ``cfg["parallel"]`` (strategy auto)."""
+    communicators are created collectively). May replace ``cfg["parallel"]`` (strategy auto). ``prog``
+    begins the notes it prints (the command that runs it)."""
     from lbannpy.layers.loss import Loss
     from lbannpy.model import Model
 
     batch_size = int(cfg["trainer"]["batch_size"])
     if cfg["parallel"].get("strategy") == "auto":
-        cfg["parallel"] = auto_strategy(cfg, world, batch_size)
+        cfg["parallel"] = auto_strategy(cfg, world, batch_size, prog)
     mspec = cfg["model"]
     model = Model(mspec, batch_size, ctx, cfg.get("parallel"))
     if world.rank == 0 and world.size > 1:
         if all(max(layer.out_dist.parts) == 1 for layer in model.layers):
             note = model.rank_note or "as written"
-            sys.stderr.write(f"lbannpy.train: every layer is replicated on the {world.size} ranks (each "
+            sys.stderr.write(f"{prog}: every layer is replicated on the {world.size} ranks (each "
                              f"computes the whole batch of {batch_size}): {note}\n")
         elif model.rank_note:
-            sys.stderr.write(f"lbannpy.train: {model.rank_note}\n")
+            sys.stderr.write(f"{prog}: {model.rank_note}\n")
     in_shape = model.input_shape
     loss_kind = mspec.get("loss", "cross_entropy")
     label_shape = (batch_size,) + tuple(in_shape[2:]) if loss_kind == "pixel_cross_entropy" else None

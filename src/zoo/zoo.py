@@ -3,6 +3,10 @@
 ``get_spec(name)`` returns a fresh dict each call (callers may edit it); ``batch_size`` sets
 ``trainer.batch_size`` and ``input_size`` the spatial input size (an int for every spatial dimension, or a
 list). Specs are read with ``yaml.safe_load`` from the files next to this module.
+
+Every spec names a data file that one ``python -m lbannpy.data`` command makes with the model's input shape
+and class count (:func:`data_command`); the spec's header comment and the trainer's missing-file hint print
+that command.
 """
 from __future__ import annotations
 
@@ -29,6 +33,40 @@ def path(name: str) -> Path:
     if not p.is_file():
         raise ZooError(f"no zoo model {name!r}; available: {', '.join(names())}")
     return p
+
+
+MESH_CHANNELS = 18   # channels `lbannpy.data mesh` writes (its --channels keeps the first C)
+BLOBS_MAX_CLASSES = 1000
+
+
+def data_command(channels: int, spatial: Sequence[int], classes: int, loss: str, path: str,
+                 samples: int) -> str | None:
+    """The ``python -m lbannpy.data`` command that writes ``path`` with ``samples`` samples shaped for a
+    model with this input and output, or None when no generator makes that shape (non-square input, more
+    mesh channels than the generator has, segmentation with other than 2 classes)."""
+    spatial = [int(s) for s in spatial]
+    if len(spatial) != 2 or spatial[0] != spatial[1]:
+        return None
+    size = spatial[0]
+    if loss == "pixel_cross_entropy":
+        if classes != 2 or not 1 <= channels <= MESH_CHANNELS:
+            return None
+        chan = "" if channels == MESH_CHANNELS else f" --channels {channels}"
+        return f"python -m lbannpy.data mesh --size {size} --samples {samples}{chan} -o {path}"
+    if not 2 <= classes <= BLOBS_MAX_CLASSES:
+        return None
+    return (f"python -m lbannpy.data blobs --size {size} --channels {channels} --classes {classes} "
+            f"--samples {samples} -o {path}")
+
+
+def spec_data_command(spec: dict[str, Any]) -> str | None:
+    """:func:`data_command` for a zoo spec: its input, its last layer's units or filters, its data path, and
+    four mini-batches of samples."""
+    model = spec["model"]
+    last = model["layers"][-1]
+    classes = int(last.get("units", last.get("filters", 0)))
+    return data_command(int(model["input"]["channels"]), model["input"]["spatial"], classes, model["loss"],
+                        spec["data"]["train"]["path"], 4 * int(spec["trainer"]["batch_size"]))
 
 
 def get_spec(name: str, batch_size: int | None = None, input_size: int | Sequence[int] | None = None

@@ -98,7 +98,7 @@ def test_validate_refuses_over_the_limit(tmp_path, case):
     if case not in OWN_DATA:
         util.make_data(tmp_path / "data.h5")
     p, took = _validate(tmp_path, make(tmp_path))
-    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)  # a user error, as the trainer's
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("lbannpy.config: error: runtime.memory_gib:"), p.stderr
     _assert_refusal_line(lines[0], part)
