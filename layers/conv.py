@@ -191,10 +191,9 @@ class Conv(Layer):
         # No window lives from this forward to the layer's backward: it is a (padded) copy of the input
         # block, alive anyway as the parent's output, so the layer keeps that block and the few ghost values
         # received, and the backward rebuilds the window without communication into a workspace shared by
-        # every layer (on one sample of the full mesh1k model the kept windows were a third of the
-        # activations). A layer reading the model input is back-propagated last and its input may be the
-        # reader's buffer: it keeps its own window from step to step, which also spares the page faults of
-        # a fresh one (on a 4x18x1024^2 input, 300 MB)
+        # every layer (kept windows would add a good part of the activations again). A layer reading the
+        # model input is back-propagated last and its input may be the reader's buffer: it keeps its own
+        # window from step to step, which also spares the page faults of a fresh one
         if self.keeps_window:
             if self._window_buf is None or self._window_buf.dtype != x.dtype:
                 self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)

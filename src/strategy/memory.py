@@ -21,10 +21,10 @@ import os
 from dataclasses import dataclass, replace
 
 GIB = 1024 ** 3
-# the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a rank of a tiny run peaks at
-# about 100 MB resident on Linux x86-64)
+# the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a tiny run's peak resident set,
+# bench memory reproduces it)
 RUNTIME_BYTES = 96 * 2 ** 20
-# PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (measured: about 210 MiB)
+# PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (bench memory reproduces it)
 ATEN_BYTES = 224 * 2 ** 20
 INDEX_ARRAYS = 3  # indices, the epoch's permutation and the permuted order (int64 each)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
