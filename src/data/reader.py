@@ -59,7 +59,7 @@ from ..dist import Distribution, DistributionError, shape_str
 from ..strategy.cost import max_local_shape
 from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
 from .integrity import FileIdentity, check_identity, check_labels
-from .prefetch import _STOP, _Failure, _Prefetcher
+from .prefetch import STOP, Failure, Prefetcher
 
 PIECE_BYTES = 4 << 20   # bytes per H5Dread call (the GIL is held for one call)
 STATE_KEYS = ("epoch", "step", "seed", "shuffle", "batch_size", "num_samples")
@@ -135,7 +135,7 @@ class HDF5Reader:
         self.piece_bytes = int(piece_bytes)
         self._comm = comm
         self._fh = None
-        self._pf: _Prefetcher | None = None
+        self._pf: Prefetcher | None = None
         self._store: tuple[np.ndarray, np.ndarray | None] | None = None  # preloaded inputs, pixel labels
         self.preload_mode = preload
         self._epoch = 0
@@ -323,7 +323,8 @@ class HDF5Reader:
         return self._fh
 
     # -- pure schedule ---------------------------------------------------------------------------------
-    def _advance(self, epoch: int, step: int) -> tuple[int, int]:
+    def advance(self, epoch: int, step: int) -> tuple[int, int]:
+        """The position after batch ``(epoch, step)`` (pure; the prefetch thread walks the schedule by it)."""
         step += 1
         if step == self.steps_per_epoch:
             return epoch + 1, 0
@@ -456,12 +457,12 @@ class HDF5Reader:
             batch = self.read_batch(epoch, step)
         else:
             if self._pf is None:
-                self._pf = _Prefetcher(self, epoch, step, self.depth)
+                self._pf = Prefetcher(self, epoch, step, self.depth)
             item = self._pf.get()
-            if isinstance(item, _Failure):
+            if isinstance(item, Failure):
                 self._stop_prefetch()
                 raise item.exc
-            if item is _STOP:
+            if item is STOP:
                 self._stop_prefetch()
                 raise DataError(f"rank {self.rank}: the prefetch thread of {self.path} stopped")
             batch = item
@@ -472,7 +473,7 @@ class HDF5Reader:
         batch.wait_s = time.perf_counter() - t0
         self.wait_times.append(batch.wait_s)
         self.read_times.append(batch.read_s)
-        self._epoch, self._step = self._advance(epoch, step)
+        self._epoch, self._step = self.advance(epoch, step)
         return batch
 
     __next__ = next
