@@ -46,5 +46,13 @@ def to_numpy(arr) -> numpy.ndarray:
     return arr.get()
 
 
+def flat(a):
+    """``a`` flattened, as a view (updates write through it): the optimizer's sharded state
+    (``optimizer.shard_state``) updates ranges of parameters this way."""
+    if not a.flags.c_contiguous:
+        raise ValueError("optimizer.shard_state needs contiguous parameters and state")
+    return a.reshape(-1)
+
+
 def is_gpu_array(arr) -> bool:
     return type(arr).__module__.startswith("cupy")

@@ -119,7 +119,7 @@ class Model:
         for layer in self.layers:
             parents = self.parents[layer.name]
             if (not layer.fusable_activation or len(parents) != 1 or parents[0] in INPUT_NAMES
-                    or layer._moves):
+                    or layer.moves_inputs):
                 continue
             parent = by_name[parents[0]]
             alone = (self.consumers.get(parent.name, 0) == 1 and parent is not self.output

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from lbannpy.backend import flat
+
 
 class ScheduleError(ValueError):
     pass
@@ -137,8 +139,6 @@ class Optimizer:
     def step_pieces(self, pieces, t: int | None = None) -> None:
         """Update elements ``[a, b)`` of each flattened parameter of ``pieces`` ``(param, a, b)``, keeping
         the state of those elements only (see :mod:`lbannpy.training.shards`)."""
-        from lbannpy.training.shards import flat
-
         t = self.t if t is None else int(t)
         lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
         for p, a, b in pieces:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy
 
-from . import conv
+from . import _conv_small, conv
 
 CHOICES = ("auto", "own", "aten")
 
@@ -72,7 +72,7 @@ def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
         return False
     pads = symmetric_pads(padding, len(x_shape) - 2)
     shape = tuple(x_shape) if pads is None else padded_shape(tuple(x_shape), pads)
-    return conv._small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
+    return _conv_small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
 
 
 def _own_plan(x_shape, w_shape, stride, dilation, padding, dtype):
@@ -81,7 +81,7 @@ def _own_plan(x_shape, w_shape, stride, dilation, padding, dtype):
                                                             numpy):
         return None
     geo, pads = conv.padded_geometry(tuple(x_shape), tuple(w_shape), stride, dilation, padding)
-    return conv._small.Plan(geo, pads, x_shape, dtype)
+    return _conv_small.Plan(geo, pads, x_shape, dtype)
 
 
 def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:

@@ -9,7 +9,7 @@ from lbannpy import yamlsafe
 
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import lookup, normalize
-from .types import Section, _copy
+from .types import Section, copy_tree
 
 _SEGMENT = re.compile(r"^([^.\[\]]+)((?:\[\d+\])*)$")
 
@@ -70,7 +70,7 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     """
     from .checks import check_references
 
-    tree = _copy(cfg)
+    tree = copy_tree(cfg)
     for item in overrides:
         key, sep, text = str(item).partition("=")
         key = key.strip()

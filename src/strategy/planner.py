@@ -105,7 +105,8 @@ class Plan:
 # candidates
 
 
-def _divisors(p: int) -> list[int]:
+def divisors(p: int) -> list[int]:
+    """The divisors of ``p``, ascending (the split degrees a layer of ``p`` ranks can take)."""
     return [d for d in range(1, p + 1) if p % d == 0]
 
 
@@ -123,7 +124,7 @@ def _splits(typ: str, ndim: int, ranks: int) -> tuple[Distribution, ...]:
     names = DIM_NAMES[ndim]
     allowed = layer_spec(typ).split_dims  # Jia et al. Table 1: the output dimensions the type may split
     dims = [d for d in names if d in allowed]
-    divs = _divisors(ranks)
+    divs = divisors(ranks)
     out = []
 
     def rec(i: int, used: int, deg: dict[str, int]):
@@ -301,9 +302,9 @@ def _shares_parent_output(graph: ModelGraph, dists: Mapping[str, Distribution]) 
     return out
 
 
-def _fit(d: int, ranks: int) -> int:
+def fit_degree(d: int, ranks: int) -> int:
     """Largest divisor of ``ranks`` that is at most ``d``."""
-    return max(x for x in _divisors(ranks) if x <= max(d, 1))
+    return max(x for x in divisors(ranks) if x <= max(d, 1))
 
 
 def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Distribution]]:
@@ -314,12 +315,12 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
     seen_fc = False
     for node in graph:
         nd = len(node.out_shape)
-        dp = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+        dp = Distribution.make(nd, ranks, n=fit_degree(node.out_shape[0], ranks))
         spec = layer_spec(node.type)
         if "c" not in spec.split_dims:  # concat, flatten
             mp = Distribution.whole(nd, ranks)
         else:
-            mp = Distribution.make(nd, ranks, c=_fit(node.out_shape[1], ranks))
+            mp = Distribution.make(nd, ranks, c=fit_degree(node.out_shape[1], ranks))
         seen_fc = seen_fc or spec.dense
         data[node.name], model[node.name] = dp, mp
         owt[node.name] = mp if seen_fc else dp

@@ -170,7 +170,7 @@ class Trainer:
         recs = sync.finish(mark)
         # bucket intervals: host times measured against the host's backward, or (GPU + NCCL) CUDA events
         # that are read below on logged steps only, against the backward's marks on the same clock
-        device_buckets = sync.engine.clock != "host"
+        device_buckets = sync.bucket_clock != "host"
         comm_iv = [] if device_buckets else [(s, e) for _, _, _, s, e in recs]
         t_comm = sum(e - s for s, e in comm_iv)
         hidden = hidden_fraction(comm_iv, [(h_bp, h_bp_end)])
@@ -193,8 +193,7 @@ class Trainer:
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
             if device_buckets:  # the marks are settled, so every bucket event of the step is complete
-                sync.engine.resolve(clock.seconds)
-                comm_iv = [(s, e) for _, _, _, s, e in sync.engine.records[mark:]]
+                comm_iv = sync.bucket_intervals(mark, clock.seconds)
                 t_comm = sum(e - s for s, e in comm_iv)
                 hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
             loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
@@ -404,6 +403,6 @@ class Trainer:
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
-        self.report.bucket_clock = self.sync.engine.clock
+        self.report.bucket_clock = self.sync.bucket_clock
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})
