@@ -307,11 +307,6 @@ class Layer:
         """Per input, the distribution its parent hands it in; read-only (fixed at set-up)."""
         return self._parent_dists
 
-    @property
-    def moves_inputs(self) -> bool:
-        """Whether any input is redistributed into this layer's distribution (fixed at set-up)."""
-        return self._moves
-
     def _cache_step_geometry(self) -> None:
         """What every step's ``forward``/``backward`` needs and set-up fixed: whether any input moves, this
         rank's output block and the blocks of the input gradients in the layouts they are handed back in,

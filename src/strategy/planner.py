@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from lbannpy.layers.registry import layer_spec
+from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spec
 
 from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_widths, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
@@ -277,29 +277,11 @@ def strategy_memory(graph: ModelGraph, dists: Mapping[str, Distribution], machin
 
 
 def _shares_parent_output(graph: ModelGraph, dists: Mapping[str, Distribution]) -> set[str]:
-    """Layers whose output is their parent's array (:meth:`lbannpy.model.Model._plan_steps`: a ReLU fused
-    into its batch-norm, or overwriting an output that only it reads and its producer does not keep)."""
-    from lbannpy.layers.registry import layer_classes
-
+    """Layers whose output is their parent's array (:func:`lbannpy.layers.registry.activation_sharing`,
+    the rule the model applies: a ReLU fused into its batch-norm, or overwriting its parent's output)."""
     classes = layer_classes()
-    consumers: dict[str, int] = {}
-    for node in graph:
-        for p in node.parents:
-            consumers[p] = consumers.get(p, 0) + 1
-    by_name = {node.name: node for node in graph}
-    last = list(graph)[-1].name
-    out = set()
-    for node in graph:
-        if not classes[node.type].fusable_activation or len(node.parents) != 1:
-            continue
-        parent = by_name.get(node.parents[0])
-        if (parent is None or consumers.get(parent.name) != 1 or parent.name == last
-                or dists[parent.name] != dists[node.name]):
-            continue
-        pcls = classes[parent.type]
-        if pcls.fuses_relu or not pcls.output_kept:
-            out.add(node.name)
-    return out
+    return set(activation_sharing((node.name, classes[node.type], node.parents, dists[node.name])
+                                  for node in graph))
 
 
 def fit_degree(d: int, ranks: int) -> int:
