@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.backend import flat
+from lbannpy.backend import array_module, flat, module_kernels
 
 
 class ScheduleError(ValueError):
@@ -53,24 +53,12 @@ _GPU_UPDATES = {
         "T gg = wd != (T)0 ? g + wd * v : g; m = m * b1 + a1 * gg; s = s * b2 + a2 * gg * gg;"
         "v = v - lr * (m / c1) / (sqrt(s / c2) + eps);", "lbannpy_adam"),
 }
-_gpu_cache: dict = {}
 
 
 def _gpu_updates(a):
     """The update kernels of ``a``'s array module (a GPU's), or None (NumPy, or no ElementwiseKernel)."""
-    if type(a).__module__ == "numpy":
-        return None
-    import sys
-
-    xp = sys.modules.get(type(a).__module__.split(".")[0])
-    got = _gpu_cache.get(xp, False)
-    if got is False:
-        try:
-            got = {k: xp.ElementwiseKernel(*v) for k, v in _GPU_UPDATES.items()}
-        except (AttributeError, NotImplementedError, TypeError):
-            got = None
-        _gpu_cache[xp] = got
-    return got
+    return module_kernels(array_module(a), "optim",
+                          lambda xp: {k: xp.ElementwiseKernel(*v) for k, v in _GPU_UPDATES.items()})
 
 
 PIECE = 1 << 16  # elements per piece of a host update (a few hundred KiB: the piece stays in cache)
