@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .base import CommError, Communicator
 from .single import SingleCommunicator
+from lbannpy.backend import get_xp
 
 BACKENDS = ("auto", "mpi", "single", "nccl")
 DEVICES = ("cpu", "gpu")
@@ -135,6 +136,7 @@ def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
     if up and size > 1:
+        # mpi4py starts MPI when imported: loaded where MPI runs
         from .mpi import abort_job
         abort_job(MPI.COMM_WORLD, code)
 
@@ -201,6 +203,7 @@ def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
     if MPI is None:
         device_id = _select_gpu(0, 0, 1) if device == "gpu" else None
         return _Built(SingleCommunicator(), "single", 0, 1, 0, 1, device_id, None)
+    # mpi4py starts MPI when imported: loaded where MPI runs
     from .mpi import MPICommunicator, thread_level_name
     base = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
     rank, size = base.Get_rank(), base.Get_size()
@@ -215,6 +218,7 @@ def _build(backend: str, device: str, mpi_comm, check: bool) -> _Built:
     mpi = MPICommunicator(base.Dup(), owned=True, check=check)
     comm: Communicator = mpi
     if backend == "nccl":
+        # CuPy and NCCL: loaded for backend nccl only
         from .nccl import NCCLCommunicator
         try:
             comm = NCCLCommunicator(mpi, device=device_id)  # owns ``mpi`` from here
@@ -262,7 +266,6 @@ def _node_local(MPI, base) -> tuple[int, int]:
 def _select_gpu(local_rank: int, rank: int, size: int) -> int:
     """Make GPU ``local_rank % count`` this thread's current device; its id. Threads started later begin on
     device 0 and must select it themselves (the overlap engine's thread does)."""
-    from lbannpy.backend import get_xp
     cupy = get_xp("cupy")
     count = cupy.cuda.runtime.getDeviceCount()
     if count < 1:
@@ -324,7 +327,6 @@ class Runtime:
         self.rank, self.size = built.rank, built.size
         self.local_rank, self.local_size = built.local_rank, built.local_size
         self.device_id, self.thread_level = built.device_id, built.thread_level
-        from lbannpy.backend import get_xp
         self.xp = get_xp("cupy" if self.device == "gpu" else "numpy")
 
     # -- teardown -------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from lbannpy.stencil import Stencil
 
 from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
+from .kernels.select import own
 
 
 #: a split convolution goes windowless only where its boundary boxes (each convolved again over its own
@@ -130,8 +131,6 @@ class Conv(Layer):
         run's (``runtime.kernels``), else lbannpy's own (:mod:`.kernels.select`)."""
         k = self.__dict__.get("_kern")
         if k is None:
-            from .kernels.select import own
-
             ctx, rank = self.ctx, self.ctx.rank
             key = ("conv", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
                    tuple(self.out_dist.local_shape(self.out_shape, rank)))

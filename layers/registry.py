@@ -101,6 +101,7 @@ class LayerSpec:
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``params`` with aliases renamed and every unset key that has a default filled in (the schema's
         defaults, also for specs that did not pass through the schema, e.g. built in a test)."""
+        # imported at call time: lbannpy.config's __init__ loads the schema, which imports this module
         from lbannpy.config.types import REQUIRED, UNSET
 
         out = dict(params)
@@ -173,6 +174,7 @@ def _discover() -> None:
     with _lock:
         if _discovered:
             return
+        # the package this module is part of: complete once layers are looked up
         import lbannpy.layers as pkg
 
         for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):

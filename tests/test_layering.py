@@ -284,8 +284,9 @@ def test_no_module_uses_another_modules_private_names(repo):
     assert bad == [], "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: most function-local imports (the commands' and the "
-                   "trainer's) carry no reason; strict, so this marker must go when they do")
+@pytest.mark.xfail(strict=True, reason="not met yet: the command-line programs' function-local imports "
+                   "(bench, train, export, predict, jobs, the __main__ modules) carry no reason; strict: the "
+                   "marker goes when they do")
 def test_function_local_imports_carry_a_reason(repo):
     bad = unexplained_local_imports(repo)
     assert bad == [], f"{len(bad)}:\n" + "\n".join(bad)

@@ -388,6 +388,7 @@ class HDF5Reader:
         """This rank's labels of the file samples ``ids`` (in that order) reduced to prediction cells: read
         at the file's resolution a few samples at a time (at most ``piece_bytes`` of them, at least one),
         checked against ``num_classes`` there (messages name the file's pixel), then reduced."""
+        # at call time: the layers load lbannpy.config, whose schema reaches this package
         from lbannpy.layers.kernels.loss import downsample_labels_any
 
         raw_sample = self._label_read_shape[1:]
@@ -581,6 +582,7 @@ def _as_scalar(v):
 
 def _physical_memory() -> int:
     """This machine's memory, or its cgroup limit when lower (0: unknown)."""
+    # at call time: the layers load lbannpy.config, whose schema reaches this package
     from lbannpy.strategy.memory import host_memory_bytes
 
     return host_memory_bytes()

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from .reader import Batch
+from lbannpy.layers.kernels.loss import check_label_range
 
 
 class DeviceUploader:
@@ -70,8 +71,6 @@ class DeviceUploader:
         return arr
 
     def _upload(self, batch: Batch):
-        from lbannpy.layers.kernels.loss import check_label_range
-
         xp = self.xp
         if self.num_classes is not None and np.issubdtype(batch.labels.dtype, np.integer):
             check_label_range(batch.labels, self.num_classes)

@@ -13,6 +13,10 @@ Two kinds of parameters:
 from __future__ import annotations
 
 from .errors import UserError
+from lbannpy.comm.overlap import OverlapEngine
+from lbannpy.checkpoint import is_writer
+from .shards import StateShards
+from lbannpy.optim import PIECE
 
 
 class GradSync:
@@ -21,8 +25,6 @@ class GradSync:
 
     def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress,
                  shard_state: bool = False):
-        from lbannpy.comm.overlap import OverlapEngine
-
         self.optimizer = optimizer
         self.timer = timer
         self.clock = clock
@@ -38,8 +40,6 @@ class GradSync:
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
-        from lbannpy.checkpoint import is_writer
-
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
         self._norm_params = [p for p in synced if is_writer(p.dist, p.reduce_dims, rt.world.rank)]
         self._xp, self._world = rt.xp, rt.world
@@ -54,8 +54,6 @@ class GradSync:
             device_timing=clock.name != "host")
         self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas
         if shard_state and optimizer.has_state():
-            from .shards import StateShards
-
             self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
 
     # -- one step, in call order -------------------------------------------------------------------------
@@ -114,8 +112,6 @@ class GradSync:
         xp = self._xp
         if xp.__name__ == "numpy":  # every gradient packed into one reused buffer: a dot per 64 Ki values
             if self._sq_buf is None:
-                from lbannpy.optim import PIECE
-
                 self._sq_buf = xp.empty(PIECE, dtype=xp.float64)
             acc = xp.array([packed_sum_squares((p.grad for p in self._norm_params), self._sq_buf)])
         else:
