@@ -24,9 +24,11 @@ __all__ = [
 def __getattr__(name):
     # The MPI and NCCL classes load mpi4py (and MPI_Init) only when someone asks for them.
     if name == "MPICommunicator":
+        # mpi4py starts MPI when imported: loaded on first use
         from .mpi import MPICommunicator
         return MPICommunicator
     if name == "NCCLCommunicator":
+        # CuPy and NCCL: loaded on first use
         from .nccl import NCCLCommunicator
         return NCCLCommunicator
     raise AttributeError(f"module 'lbannpy.comm' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .base import CommError, Communicator, Handle, check_counts, check_op
-from .single import SingleCommunicator
+from .single import SingleCommunicator, array_module
 
 
 class LoopbackCommunicator(Communicator):
@@ -57,7 +57,7 @@ class LoopbackCommunicator(Communicator):
     barrier = SingleCommunicator.barrier
     abort = SingleCommunicator.abort
     iallreduce = SingleCommunicator.iallreduce  # this rank's contribution is the "sum"
-    _xp = staticmethod(SingleCommunicator._xp)
+    _xp = staticmethod(array_module)
 
     def _peer(self, r: int, what: str) -> None:
         if not 0 <= int(r) < self._size:

@@ -150,6 +150,12 @@ class MPICommunicator(Communicator):
     def _where(self) -> str:
         return f"rank {self._rank} of {self._size}"
 
+    @property
+    def mpi4py_comm(self) -> "MPI.Intracomm":
+        """The mpi4py communicator underneath, for a library that takes one (parallel HDF5's ``mpio``
+        driver); the one sanctioned way to the raw handle. Its collectives follow this communicator's."""
+        return self._live()
+
     def _live(self) -> "MPI.Intracomm":
         if self._freed:
             raise CommError(f"{self._where()}: communicator was already freed")

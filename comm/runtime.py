@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .base import CommError, Communicator
 from .single import SingleCommunicator
+from lbannpy.backend import get_xp
 
 BACKENDS = ("auto", "mpi", "single", "nccl")
 DEVICES = ("cpu", "gpu")
@@ -135,6 +136,7 @@ def report_and_abort(exc_type, exc, tb, code: int = 1) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
     if up and size > 1:
+        # mpi4py starts MPI when imported: loaded where MPI runs
         from .mpi import abort_job
         abort_job(MPI.COMM_WORLD, code)
 
@@ -202,6 +204,7 @@ def _build(backend: str, device: str, mpi_comm, check: bool, share_gpu: bool = F
     if MPI is None:
         device_id = _select_gpu(0, 0, 1) if device == "gpu" else None
         return _Built(SingleCommunicator(), "single", 0, 1, 0, 1, device_id, None)
+    # mpi4py starts MPI when imported: loaded where MPI runs
     from .mpi import MPICommunicator, thread_level_name
     base = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
     rank, size = base.Get_rank(), base.Get_size()
@@ -221,6 +224,7 @@ def _build(backend: str, device: str, mpi_comm, check: bool, share_gpu: bool = F
     mpi = MPICommunicator(base.Dup(), owned=True, check=check)
     comm: Communicator = mpi
     if backend == "nccl":
+        # CuPy and NCCL: loaded for backend nccl only
         from .nccl import NCCLCommunicator
         try:
             comm = NCCLCommunicator(mpi, device=device_id)  # owns ``mpi`` from here
@@ -288,7 +292,6 @@ def _gpus_shared(local_size: int, rank: int, size: int, share_gpu: bool, backend
 def _select_gpu(local_rank: int, rank: int, size: int) -> int:
     """Make GPU ``local_rank % count`` this thread's current device; its id. Threads started later begin on
     device 0 and must select it themselves (the overlap engine's thread does)."""
-    from lbannpy.backend import get_xp
     cupy = get_xp("cupy")
     count = cupy.cuda.runtime.getDeviceCount()
     if count < 1:
@@ -358,14 +361,13 @@ class Runtime:
         self.local_rank, self.local_size = built.local_rank, built.local_size
         self.device_id, self.thread_level = built.device_id, built.thread_level
         if self.device == "gpu" and self.backend == "mpi" and self.size > 1:
-            from .mpi import cuda_aware_mpi
+            from .mpi import cuda_aware_mpi  # late: importing comm.mpi starts MPI (mpi4py)
             self.host_staged = not cuda_aware_mpi()
             if self.host_staged and self.rank == 0:  # the one line at start that says what staging costs
                 sys.stderr.write(f"lbannpy: runtime.backend mpi on GPUs with an MPI that is not CUDA-aware: "
                                  f"device arrays are staged through pinned host memory (host-staged)"
                                  f"{'; ranks share GPUs' if built.local_size > _device_count() else ''}\n")
                 sys.stderr.flush()
-        from lbannpy.backend import get_xp
         self.xp = get_xp("cupy" if self.device == "gpu" else "numpy")
 
     # -- teardown -------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ from typing import Any, Sequence
 from .base import CommError, Communicator, Handle, check_op
 
 
+
+def array_module(buf):
+    """NumPy or CuPy, whichever owns ``buf`` (CuPy only when it is already imported)."""
+    return sys.modules["cupy"] if type(buf).__module__.startswith("cupy") else sys.modules["numpy"]
+
 class SingleCommunicator(Communicator):
     backend = "single"
 
@@ -34,9 +39,7 @@ class SingleCommunicator(Communicator):
         sys.stderr.flush()
         raise SystemExit(code)
 
-    @staticmethod
-    def _xp(buf):
-        return sys.modules["cupy"] if type(buf).__module__.startswith("cupy") else sys.modules["numpy"]
+    _xp = staticmethod(array_module)
 
     def iallreduce(self, buf, op: str = "sum", out=None, after=None) -> Handle:
         check_op(op)

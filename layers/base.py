@@ -121,6 +121,10 @@ class LayerContext:
     def size(self) -> int:
         return self.comm.size
 
+    def group_keys(self) -> tuple[list, list]:
+        """The keys of the group communicators made so far: ``(block and grid groups, partitions)``."""
+        return list(self._groups), list(self._partitions)
+
     def block_comm(self, dist: Distribution, dims: Sequence[str] | None = None):
         """Collective over the world (on first use of a partition): the communicator of
         ``dist.block_group``. Distributions that cut the ranks into the same groups share it."""
@@ -291,6 +295,17 @@ class Layer:
             # from the cache that also serves the reverse plans (src/shuffle.py): one plan per layout pair
             self._in_plans.append(None if same else shuffle_plan(src, dst, s, ctx.rank))
         self._cache_step_geometry()
+
+    @property
+    def in_plans(self) -> Sequence:
+        """Per input, the :class:`~lbannpy.shuffle.ShufflePlan` into this layer's layout (None: none);
+        read-only (fixed at set-up)."""
+        return self._in_plans
+
+    @property
+    def parent_dists(self) -> Sequence[Distribution]:
+        """Per input, the distribution its parent hands it in; read-only (fixed at set-up)."""
+        return self._parent_dists
 
     def _cache_step_geometry(self) -> None:
         """What every step's ``forward``/``backward`` needs and set-up fixed: whether any input moves, this

@@ -18,6 +18,7 @@ from lbannpy.dist import Distribution, shape_str
 from . import kernels as K
 from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, register
+from .state import StateTensor, is_writer
 
 
 def _infer(lay: LayerArgs) -> Inferred:
@@ -79,8 +80,6 @@ class BatchNorm(Layer):
         """Not collective: the running statistics as tensors of shape (groups, C), one row per group of
         ranks that share them (a sample block of the ``n`` split under ``sync: group``, one row under
         ``sync: global``); replica 0 of the first rank of each (group, channel block) writes it."""
-        from lbannpy.checkpoint import StateTensor, is_writer
-
         dist, rank = self.out_dist, self.ctx.rank
         groups = dist.parts_of("n") if self.sync == "group" else 1
         g = dist.coords(rank)[0] if self.sync == "group" else 0

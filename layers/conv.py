@@ -45,6 +45,7 @@ from lbannpy.stencil import Stencil
 
 from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
+from .kernels.select import own
 
 
 #: a split convolution goes windowless only where its boundary boxes (each convolved again over its own
@@ -130,8 +131,6 @@ class Conv(Layer):
         run's (``runtime.kernels``), else lbannpy's own (:mod:`.kernels.select`)."""
         k = self.__dict__.get("_kern")
         if k is None:
-            from .kernels.select import own
-
             ctx, rank = self.ctx, self.ctx.rank
             key = ("conv", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
                    tuple(self.out_dist.local_shape(self.out_shape, rank)))
@@ -191,10 +190,9 @@ class Conv(Layer):
         # No window lives from this forward to the layer's backward: it is a (padded) copy of the input
         # block, alive anyway as the parent's output, so the layer keeps that block and the few ghost values
         # received, and the backward rebuilds the window without communication into a workspace shared by
-        # every layer (on one sample of the full mesh1k model the kept windows were a third of the
-        # activations). A layer reading the model input is back-propagated last and its input may be the
-        # reader's buffer: it keeps its own window from step to step, which also spares the page faults of
-        # a fresh one (on a 4x18x1024^2 input, 300 MB)
+        # every layer (kept windows would add a good part of the activations again). A layer reading the
+        # model input is back-propagated last and its input may be the reader's buffer: it keeps its own
+        # window from step to step, which also spares the page faults of a fresh one
         if self.keeps_window:
             if self._window_buf is None or self._window_buf.dtype != x.dtype:
                 self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)

@@ -101,6 +101,7 @@ class LayerSpec:
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``params`` with aliases renamed and every unset key that has a default filled in (the schema's
         defaults, also for specs that did not pass through the schema, e.g. built in a test)."""
+        # imported at call time: lbannpy.config's __init__ loads the schema, which imports this module
         from lbannpy.config.types import REQUIRED, UNSET
 
         out = dict(params)
@@ -173,6 +174,7 @@ def _discover() -> None:
     with _lock:
         if _discovered:
             return
+        # the package this module is part of: complete once layers are looked up
         import lbannpy.layers as pkg
 
         for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
@@ -273,3 +275,34 @@ def elementwise(flops_per_element: int = 1) -> Callable[[LayerArgs], Inferred]:
         return Inferred(lay.x, flops_per_element * math.prod(lay.x))
 
     return infer
+
+
+def activation_sharing(nodes, fuse: bool = True) -> dict[str, str]:
+    """The one rule for a pointwise activation (``fusable_activation``) and its parent's output, applied by
+    the model at set-up and counted by the strategy's memory estimate: ``"fused"`` when the parent
+    ``fuses_relu`` (the parent applies it; the activation layer is skipped), ``"inplace"`` when the parent
+    does not keep its output (``output_kept``), which the activation then overwrites. Either needs one
+    parent, a layer (not the model input) that nothing else reads and that is not the model's output, in
+    the same distribution. ``nodes``: ``(name, layer or layer class, parent names, distribution)`` in model
+    order, the last the output; ``fuse=False``: every layer on its own."""
+    nodes = list(nodes)
+    if not fuse or not nodes:
+        return {}
+    consumers: dict[str, int] = {}
+    for _, _, parents, _ in nodes:
+        for p in parents:
+            consumers[p] = consumers.get(p, 0) + 1
+    by_name = {node[0]: node for node in nodes}
+    last = nodes[-1][0]
+    out = {}
+    for name, kind, parents, dist in nodes:
+        if not kind.fusable_activation or len(parents) != 1 or parents[0] not in by_name:
+            continue
+        parent, pkind, _, pdist = by_name[parents[0]]
+        if consumers[parent] != 1 or parent == last or pdist != dist:
+            continue
+        if pkind.fuses_relu:
+            out[name] = "fused"
+        elif not pkind.output_kept:
+            out[name] = "inplace"
+    return out

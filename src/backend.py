@@ -46,5 +46,32 @@ def to_numpy(arr) -> numpy.ndarray:
     return arr.get()
 
 
+_KERNELS: dict = {}
+
+
+def module_kernels(xp, key: str, build):
+    """Kernels compiled once per array module: ``build(xp)`` for ``(xp, key)``, kept for the process.
+    None for NumPy, or where the array module cannot compile them (no ``ElementwiseKernel``: a CPU
+    stand-in), so the caller takes its array-expression path."""
+    if xp.__name__ == "numpy":
+        return None
+    got = _KERNELS.get((xp, key), False)
+    if got is False:
+        try:
+            got = build(xp)
+        except (AttributeError, NotImplementedError, TypeError):
+            got = None
+        _KERNELS[(xp, key)] = got
+    return got
+
+
+def flat(a):
+    """``a`` flattened, as a view (updates write through it): the optimizer's sharded state
+    (``optimizer.shard_state``) updates ranges of parameters this way."""
+    if not a.flags.c_contiguous:
+        raise ValueError("optimizer.shard_state needs contiguous parameters and state")
+    return a.reshape(-1)
+
+
 def is_gpu_array(arr) -> bool:
     return type(arr).__module__.startswith("cupy")

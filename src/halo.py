@@ -46,7 +46,7 @@ from lbannpy.comm.base import Communicator, Handle, wait_all
 from lbannpy.dist import (Box, Distribution, DistributionError, block_range, box_shape, box_size,
                           box_subtract, clip_box, empty_block, intersect, relative_slices, shape_str)
 from lbannpy.stencil import Stencil
-from lbannpy.tensor import Segment, check_array, check_comm, pack, packed_size, segments, unpack
+from lbannpy.packing import Segment, check_array, check_comm, pack, packed_size, segments, unpack
 
 TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
 

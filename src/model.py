@@ -11,7 +11,7 @@ from typing import Any
 
 from lbannpy.dist import DIM_NAMES, Distribution, DistributionError
 from lbannpy.layers.base import Layer, LayerContext, LayerError
-from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, layer_classes
+from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, activation_sharing, layer_classes
 from lbannpy.tensor import DistTensor
 
 
@@ -114,21 +114,15 @@ class Model:
         skipped), and a ReLU whose parent's output nothing else reads (nor keeps for its own backward)
         overwrites it. ``ctx.fuse = False`` keeps every layer on its own."""
         by_name = {layer.name: layer for layer in self.layers}
-        fuse = self.ctx.fuse
         self._fused: set[str] = set()
-        for layer in self.layers:
-            parents = self.parents[layer.name]
-            if (not layer.fusable_activation or len(parents) != 1 or parents[0] in INPUT_NAMES
-                    or layer._moves):
-                continue
-            parent = by_name[parents[0]]
-            alone = (self.consumers.get(parent.name, 0) == 1 and parent is not self.output
-                     and parent.out_dist == layer.out_dist)
-            if fuse and alone and parent.fuses_relu:
-                parent.fuse_relu = True
-                self._fused.add(layer.name)
-            elif fuse and alone and not parent.output_kept:
-                layer.inplace = True
+        sharing = activation_sharing(((layer.name, layer, self.parents[layer.name], layer.out_dist)
+                                      for layer in self.layers), fuse=self.ctx.fuse)
+        for name, how in sharing.items():
+            if how == "fused":
+                by_name[self.parents[name][0]].fuse_relu = True
+                self._fused.add(name)
+            else:
+                by_name[name].inplace = True
         # (layer, parent names, the layer's parent when fused into it else None)
         self._steps = [(layer, self.parents[layer.name],
                         self.parents[layer.name][0] if layer.name in self._fused else None)

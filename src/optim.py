@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+from lbannpy.backend import array_module, flat, module_kernels
+
 
 class ScheduleError(ValueError):
     pass
@@ -69,24 +71,12 @@ _GPU_UPDATES = {
 #: most rows a step table plans at set-up (a run of more steps grows it when it gets there, eagerly: the
 #: table is then a new buffer, and ``StepTable.generation`` counts up so a captured step is captured again)
 MAX_PLANNED_ROWS = 1 << 16
-_gpu_cache: dict = {}
 
 
 def _gpu_updates(a):
     """The update kernels of ``a``'s array module (a GPU's), or None (NumPy, or no ElementwiseKernel)."""
-    if type(a).__module__ == "numpy":
-        return None
-    import sys
-
-    xp = sys.modules.get(type(a).__module__.split(".")[0])
-    got = _gpu_cache.get(xp, False)
-    if got is False:
-        try:
-            got = {k: xp.ElementwiseKernel(*v) for k, v in _GPU_UPDATES.items()}
-        except (AttributeError, NotImplementedError, TypeError):
-            got = None
-        _gpu_cache[xp] = got
-    return got
+    return module_kernels(array_module(a), "optim",
+                          lambda xp: {k: xp.ElementwiseKernel(*v) for k, v in _GPU_UPDATES.items()})
 
 
 PIECE = 1 << 16  # elements per piece of a host update (a few hundred KiB: the piece stays in cache)
@@ -241,8 +231,6 @@ class Optimizer:
     def step_pieces(self, pieces, t: int | None = None) -> None:
         """Update elements ``[a, b)`` of each flattened parameter of ``pieces`` ``(param, a, b)``, keeping
         the state of those elements only (see :mod:`lbannpy.training.shards`)."""
-        from lbannpy.training.shards import flat
-
         t = self.t if t is None else int(t)
         lr = learning_rate(self.base_lr, t, self.total_steps, self.schedule)
         for p, a, b in pieces:

@@ -28,7 +28,7 @@ from lbannpy.backend import array_module
 from lbannpy.comm.base import Communicator, Handle
 from lbannpy.dist import (Box, Distribution, DistributionError, box_contains, box_shape, empty_block,
                           intersect, relative_slices, shape_str)
-from lbannpy.tensor import Segment, check_array, check_comm, pack, packed_size, segments, unpack
+from lbannpy.packing import Segment, check_array, check_comm, pack, packed_size, segments, unpack
 
 
 def check_shuffle(src_dist: Distribution, dst_dist: Distribution, global_shape: Sequence[int]) -> None:
@@ -124,6 +124,16 @@ class ShufflePlan:
         return (f"ShufflePlan(rank {self.rank}, {shape_str(self.global_shape)}: {self.src_dist} -> "
                 f"{self.dst_dist}, {len(self.sends)} sends, {len(self.recvs)} receives"
                 f"{', local only' if self.local_only else ''})")
+
+    @property
+    def send_segments(self) -> tuple:
+        """The packed segments this rank sends to other ranks (its own piece is copied, not sent)."""
+        return self._sends
+
+    @property
+    def recv_segments(self) -> tuple:
+        """The packed segments this rank receives from other ranks."""
+        return self._recvs
 
     def reverse(self) -> "ShufflePlan":
         """The plan ``dst_dist -> src_dist``: the adjoint under replicated semantics (module docstring)."""

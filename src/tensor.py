@@ -3,9 +3,8 @@
 Moving whole tensors (``scatter``, ``from_root``, ``gather``) is meant for tests, checkpoints and data
 loading; layers move data with halo plans (:mod:`lbannpy.halo`) and shuffle plans (:mod:`lbannpy.shuffle`).
 
-Boxes are packed into flat, contiguous buffers by :class:`Segment` lists planned once from pure box math;
-:func:`pack` and :func:`unpack` are the only places that copy between boxes and flat buffers, so every
-communication path in the package packs the same way.
+Boxes are packed into flat, contiguous buffers as :mod:`lbannpy.packing` plans them (its names are
+re-exported here).
 
 Replicated distributions hold each logical element on ``dist.copies`` ranks. Whenever a reduction must
 count each logical element once (``gather``, :func:`vdot`) the ranks of replica 0 speak for their block.
@@ -14,102 +13,19 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy
 
 from lbannpy.backend import array_module, get_xp
 from lbannpy.comm.base import Communicator
-from lbannpy.dist import (Box, Distribution, DistributionError, box_shape, empty_block, relative_slices,
-                          shape_str)
+from lbannpy.dist import Box, Distribution, DistributionError, empty_block, shape_str
+from lbannpy.packing import (Segment, check_array, check_comm, pack, packed_size,  # noqa: F401 (re-exported)
+                             segments, unpack)
+from lbannpy.shuffle import shuffle_plan
 
 # --------------------------------------------------------------------------------------------------------
-# packing boxes into flat buffers
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One box moved to or from ``peer``: where it sits in a local array and in a flat buffer.
-
-    ``box`` is in global coordinates; ``slices`` select it from the local array it is packed from or
-    unpacked into; elements ``[offset, offset + size)`` of the flat buffer hold it in C order.
-    """
-
-    peer: int
-    box: Box
-    slices: tuple
-    offset: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return box_shape(self.box)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def stop(self) -> int:
-        return self.offset + self.size
-
-
-def segments(pieces: Sequence[tuple[int, Box]], origin: Sequence[int]) -> tuple[Segment, ...]:
-    """Segments for ``(peer, box)`` pieces laid one after another in a flat buffer, in the order given;
-    ``origin`` is the global index of element 0 of the local array the boxes are cut from."""
-    out, offset = [], 0
-    for peer, box in pieces:
-        seg = Segment(peer, tuple(box), relative_slices(box, origin), offset)
-        out.append(seg)
-        offset = seg.stop
-    return tuple(out)
-
-
-def packed_size(segs: Sequence[Segment]) -> int:
-    return segs[-1].stop if segs else 0
-
-
-def pack(arr, segs: Sequence[Segment], flat=None):
-    """Copy each segment's box of ``arr`` into its place in the flat buffer ``flat`` (allocated when
-    ``None``); returns ``flat``."""
-    xp = array_module(arr)
-    if flat is None:
-        flat = xp.empty(packed_size(segs), dtype=arr.dtype)
-    for s in segs:
-        flat[s.offset:s.stop].reshape(s.shape)[...] = arr[s.slices]
-    return flat
-
-
-def unpack(flat, segs: Sequence[Segment], arr, add: bool = False):
-    """Copy (or, with ``add``, accumulate) each segment of the flat buffer into its box of ``arr``.
-    Segments that overlap in ``arr`` must use ``add``; returns ``arr``."""
-    for s in segs:
-        part = flat[s.offset:s.stop].reshape(s.shape)
-        if add:
-            arr[s.slices] += part
-        else:
-            arr[s.slices] = part
-    return arr
-
-
-def check_comm(comm: Communicator, dist: Distribution, rank: int | None, what: str) -> None:
-    """Refuse a communicator that does not match the distribution (or the rank a plan was built for)."""
-    if comm.size != dist.ranks:
-        raise DistributionError(
-            f"{what}: distribution {dist} is laid on {dist.ranks} ranks but the communicator has "
-            f"{comm.size}; "
-            f"build the distribution with ranks={comm.size} (Distribution.with_ranks)")
-    if rank is not None and comm.rank != rank:
-        raise DistributionError(
-            f"{what}: plan was built for rank {rank} but is executed on rank {comm.rank}; build it with "
-            f"rank=comm.rank")
-
-
-def check_array(arr, shape: Sequence[int], what: str, rank: int, dtype=None) -> None:
-    if tuple(arr.shape) != tuple(shape):
-        raise DistributionError(f"rank {rank}: {what} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-    if dtype is not None and arr.dtype != dtype:
-        raise DistributionError(f"rank {rank}: {what} has dtype {arr.dtype}, expected {dtype}")
+# global shapes and blocks
 
 
 def _check_global(dist: Distribution, global_shape: Sequence[int], what: str) -> tuple[int, ...]:
@@ -138,6 +54,12 @@ def block_shape(dist: Distribution, global_shape: tuple, rank: int) -> tuple[int
     """``dist.local_shape(global_shape, rank)``, cached: the shape a rank's block must have, looked up
     once per step per tensor instead of recomputed from the grid."""
     return dist.local_shape(global_shape, rank)
+
+
+def clear_caches() -> None:
+    """Forget the memoised layout checks and block shapes (a benchmark's cold start)."""
+    _validate.cache_clear()
+    block_shape.cache_clear()
 
 
 def block_shapes(dist: Distribution, global_shape: Sequence[int]) -> set[tuple[int, ...]]:
@@ -298,8 +220,6 @@ class DistTensor:
 
     def redistribute(self, dst_dist: Distribution, comm: Communicator) -> "DistTensor":
         """Collective over ``comm``: this tensor under ``dst_dist`` (a cached :class:`ShufflePlan`)."""
-        from lbannpy.shuffle import shuffle_plan  # shuffle packs with this module's helpers
-
         plan = shuffle_plan(self.dist, dst_dist, self.global_shape, comm.rank)
         return DistTensor(plan.start(comm, self.local).wait(), self.global_shape, dst_dist, comm.rank)
 

@@ -162,3 +162,28 @@ def test_overhead_bench_quick_format(capsys):
         assert re.match(r"^\S+\s+-?\d+\.\d\s+(ok|over)", r), r
     assert re.match(r"^step: mesh_tiny 8x8 batch 1: \d+\.\d{3} ms forward \+ backward, \d+ layers, "
                     r"-?\d+\.\d us per layer", lines[-1]), lines[-1]
+
+
+@pytest.mark.parametrize("net", [NET, [{"name": "b", "type": "batchnorm"}, {"name": "r", "type": "relu"},
+                                       {"name": "s", "type": "sum", "parents": ["r", "b"]},
+                                       {"name": "p", "type": "pool", "kernel": 1},
+                                       {"name": "r2", "type": "relu"},
+                                       {"name": "s2", "type": "sum", "parents": ["r2", "p"]},
+                                       {"name": "r3", "type": "relu"},
+                                       {"name": "f", "type": "fc", "units": 2}]],
+                         ids=["fused-and-inplace", "readers-and-pool"])
+def test_the_memory_estimate_shares_what_the_model_shares(net):
+    """The strategy's memory estimate counts no array of its own for exactly the activations the model
+    runs inside their batch-norm or in place (one rule for both)."""
+    from lbannpy.strategy.graph import build_graph
+    from lbannpy.strategy.planner import _shares_parent_output
+
+    model = _model(net, "float64", True)
+    by = {layer.name: layer for layer in model.layers}
+    shared = {name for name, layer in by.items()
+              if getattr(layer, "inplace", False)
+              or any(by[p].fuse_relu for p in model.parents[name] if getattr(by.get(p), "fuse_relu", False))}
+    assert shared, "the net shares nothing: the comparison would be empty"
+    spec = {"input": {"channels": 4, "spatial": [9, 7]}, "layers": net}
+    graph = build_graph(spec, 3)
+    assert _shares_parent_output(graph, {name: layer.out_dist for name, layer in by.items()}) == shared

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import h5py
@@ -203,28 +202,39 @@ def test_prefetch_on_and_off_give_identical_batches(mesh_file):
                 x, y = a.next(), b.next()
                 assert (x.epoch, x.step) == (y.epoch, y.step)
                 assert np.array_equal(x.inputs, y.inputs) and np.array_equal(x.labels, y.labels)
-            assert len(b.wait_times) == 8 and all(w >= 0 for w in b.wait_times)
+            assert len(a.wait_times) == 8 and len(b.wait_times) == 8
             stats = b.io_stats()
             assert stats["steps"] == 8 and stats["prefetch"] is True
             assert stats["wait_s_total"] == pytest.approx(sum(b.wait_times))
 
 
 def test_prefetch_hides_reads_behind_compute(mesh_file):
-    """While the consumer sleeps (a compute step that releases the GIL) the next batch is read."""
+    """While the consumer computes (does not call ``next``) the following batches are read, on another
+    thread: each read is seen to complete by an event while the consumer waits, never by a clock."""
     with HDF5Reader(mesh_file, batch_size=3, seed=0, prefetch=True, depth=2) as r:
         slow = r.read_batch
+        done = {}       # (epoch, step) -> set once that batch's read has returned
+        readers = []    # the thread of each read
 
-        def read_slowly(epoch, step):
-            time.sleep(0.03)   # a read of 30 ms
-            return slow(epoch, step)
+        def read_watched(epoch, step):
+            readers.append(threading.current_thread())
+            batch = slow(epoch, step)
+            done.setdefault((epoch, step), threading.Event()).set()
+            return batch
 
-        r.read_batch = read_slowly
-        r.next()
+        def read_done(epoch, step):
+            return done.setdefault((epoch, step), threading.Event())
+
+        r.read_batch = read_watched
+        b = r.next()
         for _ in range(4):
-            time.sleep(0.1)    # compute: three times longer than a read
-            r.next()
-        waits = r.wait_times[1:]
-        assert max(waits) < 0.02, waits
+            # "compute": the next batch is read while the consumer does not call next (the timeout only
+            # guards against a hang; a reader that reads inside next() never sets the event)
+            nxt = r.advance(b.epoch, b.step)
+            assert read_done(*nxt).wait(timeout=60), f"batch {nxt} was not read ahead"
+            b = r.next()
+            assert (b.epoch, b.step) == nxt
+        assert readers and threading.current_thread() not in readers, readers
 
 
 def test_validation_split(mesh_file):
@@ -262,23 +272,33 @@ def test_thread_exception_reaches_the_consumer_and_nothing_hangs(mesh_file):
     r.read_batch = failing
     r.next()
     r.next()
-    t0 = time.perf_counter()
+    # the failure reaches the consumer as the thread's own exception; a hang fails by the test's timeout
     with pytest.raises(OSError, match="disk went away"):
         r.next()
-    assert time.perf_counter() - t0 < 5
     r.close()
     r.close()   # idempotent
     assert not any(t.name.startswith("lbannpy-prefetch") for t in threading.enumerate())
 
 
+@pytest.mark.timeout(120)
 def test_close_with_a_full_queue_joins_the_thread(mesh_file):
     r = HDF5Reader(mesh_file, batch_size=1, seed=0, prefetch=True, depth=1)
+    real = r.read_batch
+    reads = []
+    blocked = threading.Event()
+
+    def counted(epoch, step):
+        reads.append((epoch, step))
+        if len(reads) == 3:  # batch 0 taken, batch 1 queued (depth 1): this one waits for a free slot
+            blocked.set()
+        return real(epoch, step)
+
+    r.read_batch = counted
     r.next()
-    time.sleep(0.1)   # the producer fills the queue and blocks on the next put
-    t0 = time.perf_counter()
-    r.close()
-    assert time.perf_counter() - t0 < 2
+    assert blocked.wait(timeout=60), reads
+    r.close()   # a hang here fails by the test's timeout
     assert not any(t.name.startswith("lbannpy-prefetch") for t in threading.enumerate())
+    assert len(reads) == 3, reads  # the producer stopped at its blocked put, it read nothing more
 
 
 def test_validate_dataset_errors(tmp_path, mesh_file):

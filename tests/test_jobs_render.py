@@ -320,7 +320,7 @@ def test_adapt_spec_reads_specs_with_the_bounded_loader(tmp_path, text, message)
 def test_synth_images_shapes(tmp_path):
     h5py = pytest.importorskip("h5py")
     spec_path = tmp_path / "spec.yaml"
-    helpers._write_atomic(spec_path, yaml.safe_dump(ZOO_SPEC))
+    helpers.write_atomic(spec_path, yaml.safe_dump(ZOO_SPEC))
     helpers.adapt_spec(spec_path, spec_path, size=16)
     shape, classes = helpers.synth_images(spec_path, tmp_path / "img.h5", samples=5)
     assert shape == (5, 3, 16, 16) and classes == 10

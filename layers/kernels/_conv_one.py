@@ -3,9 +3,8 @@ one compiled call (``_conv1c.c``), for the own kernels and the ATen set alike.
 
 With one input channel the GEMM path and oneDNN both treat the channel as a reduction of length one and
 spend their time arranging data; the compiled kernel sums each output row's taps in vector registers
-(one AVX2 core, float32: LeNet-5's 32×1×32² → 6 5×5 0.20 against oneDNN's 0.76 ms; 4×1×128² → 8 5×5 0.50
-against 1.33; 8×1×64² → 16 3×3 0.25 against 0.48; 2×1×256² → 16 3×3 1.2 against 16; the same numbers to
-round-off). It applies to NumPy arrays of float32 or float64, C-contiguous, stride and dilation 1, no
+(the same numbers to round-off; ``bench layers`` times both). It applies to NumPy arrays of float32 or
+float64, C-contiguous, stride and dilation 1, no
 padding left to apply, output rows of at least one vector (8 floats, 4 doubles); :func:`forward` returns
 None for anything else, and the caller takes its general path.
 """

@@ -2,8 +2,8 @@
 as they are, with the zero padding applied inside the kernel (see ``_csmall.c``).
 
 At a few thousand multiply-adds (a 4x4 layer of 4 channels, the deep layers of a small network at batch 1)
-the arithmetic takes a microsecond or two and the GEMM path's fixed cost (gathering columns, a GEMM, moving
-the result, a dozen NumPy calls: 20-30 us per pass) is the whole time. Here a pass is one call and, since
+the arithmetic is cheap and the GEMM path's fixed cost (gathering columns, a GEMM, moving the result, a
+dozen NumPy calls per pass) is the whole time. Here a pass is one call and, since
 the kernel pads, a layer with nothing to exchange hands over its input block and gets its input gradient
 back: no padded window is built, kept or cropped (:attr:`lbannpy.layers.conv.Conv.kernel_pads`).
 
@@ -23,10 +23,8 @@ try:  # built by setup.py where a C compiler is present
 except ImportError:  # pragma: no cover - depends on the install
     _csmall = None
 
-# A pass of at most this many multiply-adds runs here (else on the GEMM / direct path). Measured on one
-# core, float32, forward + both gradients, 3x3 filters, padding 1, against the window path: 1x4x4x4 (2.3 k
-# multiply-adds per pass) 0.34x its time, 1x8x8x8 (37 k) 0.93x, 1x3x32x32 -> 8 (221 k) 0.98x, but
-# 1x16x8x8 -> 16 (147 k) 2.4x: short rows do not vectorise
+# A pass of at most this many multiply-adds runs here (else on the GEMM / direct path): below it the
+# window path's fixed cost dominates; above it this kernel's short rows do not vectorise and lose
 MAX_MACS = 1 << 15
 
 

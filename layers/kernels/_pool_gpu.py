@@ -9,6 +9,8 @@ row-major tap order wins, and a NaN wins (the first NaN).
 """
 from __future__ import annotations
 
+from lbannpy.backend import module_kernels
+
 _GEO = ("int64 O0, int64 O1, int64 O2, int64 W0, int64 W1, int64 W2, int64 K0, int64 K1, int64 K2, "
         "int64 S0, int64 S1, int64 S2, int64 D0, int64 D1, int64 D2")
 
@@ -59,22 +61,13 @@ _BWD = (
     dx = acc;
     """, "lbannpy_maxpool_bwd")
 
-_cache: dict = {}
 
 
 def kernels(xp):
     """``(forward, backward)`` ElementwiseKernels of the array module ``xp``, or None (NumPy, or no
     ElementwiseKernel)."""
-    if xp.__name__ == "numpy":
-        return None
-    got = _cache.get(xp, False)
-    if got is False:
-        try:
-            got = (xp.ElementwiseKernel(*_FWD), xp.ElementwiseKernel(*_BWD))
-        except (AttributeError, NotImplementedError, TypeError):
-            got = None
-        _cache[xp] = got
-    return got
+    return module_kernels(xp, "maxpool",
+                          lambda xp: (xp.ElementwiseKernel(*_FWD), xp.ElementwiseKernel(*_BWD)))
 
 
 def _three(vals, fill):

@@ -103,8 +103,8 @@ def _back(result, like, out=None):
 # the ATen operators themselves (not torch.nn.functional / torch.nn.grad, whose Python layers cost about as
 # much as a small convolution): convolution, and convolution_backward with an output mask, which computes
 # only the gradients asked for. Each through its compiled entry point: torch.convolution (a C function) and
-# the operator's own builtin under ``torch.ops`` (its Python ``OpOverload.__call__`` wrapper doubled the
-# cost of a call: 21 against 11-12 µs on a 4² convolution, three calls per layer and step)
+# the operator's own builtin under ``torch.ops`` (its Python ``OpOverload.__call__`` wrapper costs as much
+# as a small convolution, and a layer makes three calls a step)
 _CONV = _CONV_BWD = None
 _ZEROS = {1: [0], 2: [0, 0], 3: [0, 0, 0]}  # output padding: none
 # which gradients convolution_backward computes: the input's; the filter's; the filter's and the bias's
@@ -147,7 +147,7 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0)
     """Valid convolution of the window: ``(N, F, *out)``; with ``padding`` (both sides of each spatial
     dimension) the window is the input block, padded with zeros inside the kernel."""
     if x_window.shape[1] == 1 and _host(x_window) and not any(_tuple(padding, x_window.ndim - 2)):
-        # one input channel: lbannpy's compiled kernel took 0.27-0.65x oneDNN's time on every such shape
+        # one input channel: lbannpy's compiled kernel is the faster one there (bench layers compares them)
         y = _conv_one.forward(x_window, w, b, stride, dilation, out)
         if y is not None:
             return y
@@ -178,8 +178,7 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None, pa
 @_on_device
 def conv_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
     """:func:`conv_backward_data` given the input itself (what a layer has in hand): oneDNN lays the
-    computation out after the input's strides, and on a stride-0 stand-in it ran 1.3-1.6x longer (8×32×8²
-    → 32: 0.31 against 0.20 ms; 8×18×64², stride 2: 9.2 against 7.1 ms)."""
+    computation out after the input's strides, and a stride-0 stand-in for the input makes it slower."""
     tdy = _t(dy)
     dx = _backward(tdy, _t(x_window), _t(w), stride, dilation, _DATA, padding)[0]
     return _back(dx, dy, out)
@@ -197,8 +196,8 @@ def conv_backward_filter(x_window, dy, w_shape, stride=1, dilation=1, padding=0)
 def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padding=0):
     """``(filter gradient, bias gradient or None)`` in one operator call, given the filter itself: oneDNN
     lays its filter-gradient computation out after the filter's strides, and a stride-0 stand-in for it (as
-    :func:`conv_backward_filter` passes) cost 1.3-1.7x on wide filters over small images (1024 filters on 4²
-    and 16²); the bias gradient comes from the same pass over ``dy``."""
+    :func:`conv_backward_filter` passes) is slower on wide filters over small images; the bias gradient comes
+    from the same pass over ``dy``."""
     tdy, tx, tw = _t(dy), _t(x_window), _t(w)
     if x_window.shape[1] == 1 and x_window.ndim == 4 and _host(x_window):
         tdy, tx, tw = _one_channel_nhwc(tdy, tx, tw)
@@ -211,9 +210,7 @@ def _one_channel_nhwc(tdy, tx, tw):
     """The filter gradient's operands of a 2-D convolution of one input channel (LeNet's first layer) laid
     out channels-last for oneDNN: the input and the filter are the same memory with the channel stride set
     to 1 (free: the channel axis has one entry), ``dy`` is copied. oneDNN's NCHW filter gradient of one
-    input channel measured 1.3-4x this path's time, copy included, on one core (32x1x32² -> 6 5x5: 1.7-2.0
-    against 0.68-0.81 ms; 64x1x32² -> 6 5x5: 3.8 against 1.0; 4x1x128² -> 8 5x5: 4.9 against 1.3;
-    2x1x256² -> 16 3x3: 8.3 against 5.5), and the gradients are the same numbers."""
+    input channel is slower than this path, copy included, and the gradients are the same numbers."""
     def nhwc(t):
         return t.as_strided(t.shape, (t.stride(0), 1) + t.stride()[2:])
     return tdy.contiguous(memory_format=torch().channels_last), nhwc(tx), nhwc(tw)

@@ -25,7 +25,7 @@ import os
 
 import numpy
 
-from lbannpy.backend import array_module
+from lbannpy.backend import array_module, module_kernels
 
 from . import _bn_gpu
 
@@ -291,20 +291,9 @@ _GPU_FWD = (
 _GPU_BWD = (
     "T dy, T x, T y, int32 relu, T a, T b, T c", "T dx",
     "T g = (relu && !(y > (T)0)) ? (T)0 : dy; dx = g * a + x * b + c;", "lbannpy_bn_relu_bwd")
-_gpu_cache: dict = {}
 
 
 def _gpu_kernels(x):
     """The GPU kernels (:class:`._bn_gpu.Kernels`) of ``x``'s array module, or None."""
-    xp = array_module(x)
-    if xp is numpy:
-        return None
-    got = _gpu_cache.get(xp, False)
-    if got is False:
-        try:
-            fwd, bwd = (xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))
-            got = _bn_gpu.Kernels(xp, fwd, bwd)
-        except (AttributeError, NotImplementedError, TypeError):
-            got = None
-        _gpu_cache[xp] = got
-    return got
+    return module_kernels(array_module(x), "batchnorm", lambda xp: _bn_gpu.Kernels(
+        xp, *(xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))))

@@ -61,13 +61,12 @@ from .padding import crop_spatial, pad_into_scratch, padded_shape
 # OpenBLAS's speed, and the buffer (reused for every block) stays in the L3
 CPU_COLUMN_BYTES = 8 * 1024 * 1024
 # the data gradient is a flipped convolution (gathering F*K rows per column) while F <= this x C, and a GEMM
-# plus col2im scatter (C*K rows) beyond: measured at C = 18, F = 16 / 32 / 64 on one core
+# plus col2im scatter (C*K rows) beyond, whichever gathers fewer rows
 GATHER_DATA_GRAD_MAX_RATIO = 1.25
 # ... and from this many input channels per group on, unless F < C / 1.25 (a few filters: the flipped
-# convolution gathers only F*K rows, 1024 -> 2 channels 10x faster than col2im): the flipped convolution runs
-# over the whole window (padding included: 10x10 for the 8x8 outputs of a deep layer), col2im's GEMM over
-# the outputs only, and its per-tap scatter is cheap next to a GEMM of >= 64*K rows (measured 3x3, 7x7 to
-# 64x64 outputs, 256-768 channels: col2im 0.8-0.98x the flipped convolution's time)
+# convolution gathers only F*K rows): the flipped convolution runs over the whole window (padding included:
+# 10x10 for the 8x8 outputs of a deep layer), col2im's GEMM over the outputs only, and its per-tap scatter
+# is cheap next to a GEMM of >= 64*K rows
 COL2IM_MIN_CHANNELS = 64
 # on a GPU, larger blocks amortise kernel launches; memory, not cache, bounds them
 GPU_COLUMN_BYTES = 64 * 1024 * 1024
@@ -98,17 +97,13 @@ def _check_dtypes(*arrays):
 # compiled path (NumPy arrays): direct convolution over shifted taps, see _cconv.c
 
 
-# Where the direct kernel beats the NumPy GEMM path (measured on one core, float32, forward + both
-# gradients, 3x3): up to 64 input channels per group on rows of at least 48 outputs (0.3-0.75x the NumPy
-# time for the mesh model's 18-64-channel layers). On narrower rows its 32-output vector blocks run mostly
-# as remainders (15x slower at 32 channels, 16 outputs per row; 270x at 768 channels), and from ~100
-# channels on OpenBLAS's GEMM is faster (1.25x at 192 channels, 64 outputs per row).
+# Where the direct kernel beats the NumPy GEMM path (forward + both gradients; `bench layers` times both):
+# up to 64 input channels per group on rows of at least 48 outputs. On narrower rows its 32-output vector
+# blocks run mostly as remainders, and with many channels OpenBLAS's GEMM is the faster one.
 COMPILED_MAX_CHANNELS = 64
 COMPILED_MIN_ROW = 48
 # ... and only with AVX-512: the direct kernel's register blocks are sized for 32 vector registers of 64
 # bytes. Without it (AVX2, the x86-64 baseline, other CPUs) they spill and the GEMM path is the faster one
-# on every shape measured, by 2-25x (one AVX2 AMD EPYC core, float32: 1x18x258² -> 16 3x3 forward 7.8 ms
-# against 160, data gradient 10.6 against 175, filter gradient 10.8 against 21)
 DIRECT_FAST = _cconv is not None and bool(_cconv.wide_vectors())
 
 

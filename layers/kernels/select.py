@@ -14,7 +14,9 @@ from typing import Callable
 
 import numpy
 
-from . import conv
+from . import _conv_small, conv
+from .padding import padded_shape, symmetric_pads
+from . import aten
 
 CHOICES = ("auto", "own", "aten")
 
@@ -66,13 +68,11 @@ def _own_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padd
 def _own_pads(x_shape, w_shape, stride, dilation, padding, xp) -> bool:
     """lbannpy's kernels pad inside where each pass is one compiled call (:mod:`._conv_small`: host arrays,
     few multiply-adds); elsewhere the layer's window is as cheap, and it is what the halo exchange fills."""
-    from .padding import padded_shape, symmetric_pads
-
     if getattr(xp, "__name__", "") != "numpy" or not conv.USE_COMPILED:
         return False
     pads = symmetric_pads(padding, len(x_shape) - 2)
     shape = tuple(x_shape) if pads is None else padded_shape(tuple(x_shape), pads)
-    return conv._small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
+    return _conv_small.fits(conv.geometry(shape, tuple(w_shape), stride, dilation))
 
 
 def _own_plan(x_shape, w_shape, stride, dilation, padding, dtype):
@@ -81,7 +81,7 @@ def _own_plan(x_shape, w_shape, stride, dilation, padding, dtype):
                                                             numpy):
         return None
     geo, pads = conv.padded_geometry(tuple(x_shape), tuple(w_shape), stride, dilation, padding)
-    return conv._small.Plan(geo, pads, x_shape, dtype)
+    return _conv_small.Plan(geo, pads, x_shape, dtype)
 
 
 def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
@@ -90,8 +90,6 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
         raise KernelChoiceError(f"runtime.kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "own":
         return own()
-    from . import aten
-
     if not aten.available(device):
         if choice == "aten":
             raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
@@ -107,8 +105,6 @@ def gpu_math(choice: str, device: str, tf32: bool) -> bool:
     whether it was set."""
     if device != "gpu" or choice == "own":
         return False
-    from . import aten
-
     if not aten.available(device):
         return False
     aten.set_tf32(tf32)

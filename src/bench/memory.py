@@ -35,7 +35,7 @@ import sys
 import tempfile
 
 from . import peer
-from .peer import (Case, PeerError, _launcher, _launcher_rank, _run, lbannpy_config, network,
+from .peer import (Case, PeerError, launcher, launcher_rank, run_checked, lbannpy_config, network,
                    write_data)
 
 # issue #18: lbannpy's 1-rank peak at most PyTorch's, a 2-way split at most 0.55x of 1 rank
@@ -60,7 +60,7 @@ def _peak_worker(result: str, argv: list[str]) -> int:
         import lbannpy.train
 
         code = lbannpy.train.main(argv)
-    rank, _ = _launcher_rank()
+    rank, _ = launcher_rank()
     with open(f"{result}.{rank}.json", "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "peak_mib": peak_rss_mib(), "code": code}, f)
     return int(code or 0)
@@ -75,7 +75,7 @@ def _peaks(result: str, ranks: int) -> list[float]:
 
 
 def _wrapped(work: str, tag: str, ranks: int, inner: list[str]) -> list[str]:
-    return _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "memory", "--peak-worker",
+    return launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "memory", "--peak-worker",
                                os.path.join(work, f"peak-{tag}"), "--", *inner]
 
 
@@ -124,7 +124,7 @@ def measure(case: Case, ranks: int, steps: int, work: str, timeout: float, runs=
             config, _ = lbannpy_config(work, case, spec, data, n, split, steps, key, timeout,
                                        layers if n > 1 else None)
             inner, what = [config, "--quiet"], f"lbannpy on {n} rank(s)"
-        _run(_wrapped(work, key, n, inner), timeout, f"{what}, {case.label}")
+        run_checked(_wrapped(work, key, n, inner), timeout, f"{what}, {case.label}")
         res[key] = _peaks(os.path.join(work, f"peak-{key}"), n)
     return res
 

@@ -143,7 +143,8 @@ def lbannpy_config(work: str, case: Case, spec: dict, data: str, ranks: int, spl
     with open(spec_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg, f, sort_keys=False)
     config = os.path.join(work, f"{tag}.h5")
-    _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", config], timeout, "config build")
+    run_checked([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", config], timeout,
+                "config build")
     return config, run_dir
 
 
@@ -152,7 +153,7 @@ def lbannpy_step(work: str, case: Case, spec: dict, data: str, ranks: int, split
     """Median step (s) of ``[mpiexec -n ranks] python -m lbannpy.train`` on the case (see
     :func:`lbannpy_config`)."""
     config, run_dir = lbannpy_config(work, case, spec, data, ranks, split, steps, tag, timeout)
-    _run(_launcher(ranks) + [sys.executable, "-m", "lbannpy.train", config, "--quiet"], timeout,
+    run_checked(launcher(ranks) + [sys.executable, "-m", "lbannpy.train", config, "--quiet"], timeout,
          f"lbannpy {case.label} on {ranks} rank(s)")
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
         t = json.load(f).get("median_step_s")
@@ -167,13 +168,13 @@ def torch_step(work: str, case: Case, ranks: int, layout: str, steps: int, param
     the global batch; ``graph``: the step captured as a CUDA graph and replayed (one process on a GPU). The
     worker checks the parameter count against lbannpy's ``params``."""
     tag = os.path.join(work, f"torch-{time.time_ns()}")
-    cmd = _launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "peer", "--torch-worker",
+    cmd = launcher(ranks) + [sys.executable, "-m", "lbannpy.bench", "peer", "--torch-worker",
                               json.dumps({"zoo": case.zoo, "size": case.size, "batch": case.batch,
                                           "layout": layout, "steps": steps, "params": params,
                                           "device": DEVICE[0], "graph": graph,
                                           "rendezvous": tag + ".gloo", "result": tag})]
     how = f"{layout}, CUDA graph" if graph else layout
-    _run(cmd, timeout, f"PyTorch {case.label} ({how}, {ranks} process(es))")
+    run_checked(cmd, timeout, f"PyTorch {case.label} ({how}, {ranks} process(es))")
     times = []
     for rank in range(ranks):
         try:
@@ -193,7 +194,7 @@ def torch_worker(args: dict) -> int:
     from lbannpy.zoo import get_spec
 
     torch.set_num_threads(1)
-    rank, size = _launcher_rank()
+    rank, size = launcher_rank()
     spec = get_spec(args["zoo"], batch_size=args["batch"], input_size=args["size"])
     space: dict = {}
     exec(compile(torch_module_source(spec["model"]), "<peer network>", "exec"), space)  # our own source
@@ -284,7 +285,8 @@ def _step_times(torch, step, steps: int, gpu: bool) -> list[float]:
     return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
-def _launcher(ranks: int) -> list[str]:
+def launcher(ranks: int) -> list[str]:
+    """The command prefix that starts ``ranks`` processes (none for one)."""
     if ranks == 1:
         return []
     mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
@@ -293,7 +295,8 @@ def _launcher(ranks: int) -> list[str]:
     return [mpiexec, "-n", str(ranks)]
 
 
-def _launcher_rank() -> tuple[int, int]:
+def launcher_rank() -> tuple[int, int]:
+    """``(rank, size)`` of this process as its launcher's environment gives it (``(0, 1)`` alone)."""
     for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                  ("SLURM_PROCID", "SLURM_NTASKS")):
         if r in os.environ:
@@ -301,7 +304,8 @@ def _launcher_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def _run(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+def run_checked(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with the benchmark's thread settings; a :class:`PeerError` naming ``what`` on failure."""
     try:
         p = subprocess.run(cmd, env=thread_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

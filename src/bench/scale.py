@@ -244,13 +244,13 @@ def index_step(setup: RankSetup) -> dict:
     for n in ("x", "input"):
         acts[n] = x
     for layer in model.layers:
-        for i, plan in enumerate(layer._in_plans):
+        for i, plan in enumerate(layer.in_plans):
             if plan is not None:
-                for s in plan._sends:
+                for s in plan.send_segments:
                     scratch[0:0]
-                for s in plan._recvs:
+                for s in plan.recv_segments:
                     scratch[0:0]
-                sent["shuffle"] += sum(s.size for s in plan._sends) * itemsize
+                sent["shuffle"] += sum(s.size for s in plan.send_segments) * itemsize
         for hp in setup.halos[layer.name]:
             for s in hp.sends:
                 scratch[s.offset:s.offset]
@@ -269,10 +269,10 @@ def index_step(setup: RankSetup) -> dict:
                 scratch[s.offset:s.offset]
             sent["halo"] += hp.recv_size * itemsize
         for i, p in enumerate(model.parents[layer.name]):
-            plan = layer._in_plans[i]
-            dist = layer._parent_dists[i] if plan is None else plan.src_dist
+            plan = layer.in_plans[i]
+            dist = layer.parent_dists[i] if plan is None else plan.src_dist
             if plan is not None:
-                sent["shuffle"] += sum(s.size for s in plan.reverse()._sends) * itemsize
+                sent["shuffle"] += sum(s.size for s in plan.reverse().send_segments) * itemsize
             dx = DistTensor.wrap(g.local if layer.in_shapes[i] == g.global_shape and dist == g.dist
                                  else _zeros(block_shape(dist, layer.in_shapes[i], rank)),
                                  layer.in_shapes[i], dist, rank)
@@ -310,9 +310,10 @@ def plan_bytes(setup: RankSetup) -> int:
     roots = []
     for layer in setup.model.layers:
         roots += setup.halos[layer.name]
-        roots += [p for p in layer._in_plans if p is not None]
+        roots += [p for p in layer.in_plans if p is not None]
     roots += [setup.loss.plan] if setup.loss.plan is not None else []
-    roots += [{k: None for k in setup.ctx._partitions}, {k: None for k in setup.ctx._groups}]
+    groups, partitions = setup.ctx.group_keys()
+    roots += [{k: None for k in partitions}, {k: None for k in groups}]
     roots += [[(b.index, list(b.offsets)) for b in setup.engine.buckets]]
     stack = list(roots)
     while stack:
@@ -342,13 +343,14 @@ def simulate(model: str, ranks: int, degrees: dict, batch: int, rank: int, data_
     from lbannpy.comm.recording import RecordingCommunicator
     from lbannpy.halo import halo_plan
     from lbannpy.shuffle import local_only, same_layout, shuffle_plan
-    from lbannpy.tensor import _validate, block_shape
+    from lbannpy.tensor import clear_caches
 
     spec = model_spec(model, input_size)
     setup, comm = None, None
     for _ in range(max(1, repeats)):  # best of ``repeats`` set-ups: the machine may be shared
-        for cached in (halo_plan, shuffle_plan, local_only, same_layout, _validate, block_shape):
+        for cached in (halo_plan, shuffle_plan, local_only, same_layout):
             cached.cache_clear()  # each P pays its own set-up, as a fresh process would
+        clear_caches()
         if setup is not None:
             setup.close()
         gc.collect()

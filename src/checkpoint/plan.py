@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from lbannpy.backend import to_numpy
+from lbannpy.layers.state import StateTensor, is_writer  # noqa: F401 (the layers' half of the format)
 
 FORMAT = "lbannpy-checkpoint"
 VERSION = 2
@@ -46,17 +47,6 @@ class Piece:
         return int(math.prod(e - a for a, e in self.box)) * self.itemsize
 
 
-def is_writer(dist, reduce_dims: Sequence[str], rank: int) -> bool:
-    """Whether ``rank`` writes its block of a tensor laid out by ``dist`` whose block depends only on
-    the coordinates outside ``reduce_dims``: replica 0 of the block, coordinate 0 along ``reduce_dims``.
-    O(ndim), pure. (A block rule this misjudges is caught when the index is built: blocks must tile.)"""
-    if dist.copy_index(rank) != 0:
-        return False
-    coords = dist.coords(rank)
-    names = dist.dim_names
-    return all(coords[names.index(d)] == 0 for d in reduce_dims)
-
-
 def param_pieces(params, optimizer, rank: int) -> list[Piece]:
     """This rank's pieces of every parameter and optimizer slot, in a fixed order (identical on every
     rank). Pure: needs no communicator."""
@@ -75,7 +65,7 @@ def rank_pieces(params, optimizer, layers, rank: int) -> list[Piece]:
     """Every piece rank ``rank`` holds in a checkpoint (parameters, optimizer slots, layer state tensors),
     from a model built for that rank (e.g. against a recording communicator of any size). Not
     collective; the input of :func:`save_plan` and :func:`restore_plan`."""
-    return param_pieces(params, optimizer, rank) + [pc for pc, _ in _layer_state(layers)[1]]
+    return param_pieces(params, optimizer, rank) + [pc for pc, _ in layer_state(layers)[1]]
 
 
 @dataclass(frozen=True)
@@ -101,6 +91,13 @@ def save_plan(pieces: Sequence[Piece], rank: int, index_entries: int = 0) -> Sav
     received = index_entries * 8 * (2 * ndim + 1) if rank == 0 else 0
     peak = max((p.nbytes for p in mine), default=0)
     return SavePlan(rank, held, written, received, peak)
+
+
+def box_slices(box: Box, origin=None) -> tuple:
+    """The slices of ``box`` (global ``(start, end)`` per dimension) in an array whose first element sits at
+    global ``origin`` (default the global origin)."""
+    origin = origin or [0] * len(box)
+    return tuple(slice(a - o, e - o) for (a, e), o in zip(box, origin))
 
 
 def blocks_meeting(boxes: np.ndarray, box: Box) -> np.ndarray:
@@ -132,17 +129,6 @@ def restore_plan(index: dict, pieces: Sequence[Piece]) -> dict:
 
 
 # -- layer state ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StateTensor:
-    """A layer's non-parameter tensor in a checkpoint: this rank's ``value`` is block ``box`` of a
-    ``global_shape`` tensor, written by the rank marked ``writer`` (see :meth:`Layer.state`)."""
-
-    global_shape: tuple
-    box: Box
-    value: Any
-    writer: bool
-
-
 class StateReader:
     """Handed to :meth:`Layer.load_state` for each tensor of its state: ``global_shape`` as written, and
     ``read(box)`` the written values in ``box`` (only the shards meeting ``box`` are opened)."""
@@ -163,7 +149,8 @@ class StateReader:
         return self._cache[box].copy()
 
 
-def _layer_state(layers) -> tuple[dict, list[tuple[Piece, Any]]]:
+def layer_state(layers) -> tuple[dict, list[tuple[Piece, Any]]]:
+    """The layers' checkpointed state: plain numbers (``{layer: {name: value}}``) and tensors as pieces."""
     small, tensors = {}, []
     for layer in layers:
         st = layer.state()

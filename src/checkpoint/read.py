@@ -14,8 +14,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
-from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting
-from .write import _box_slices
+from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting, box_slices
 
 _V1_NAME = re.compile(r"ckpt-(\d{8})\.h5$")
 _V2_NAME = re.compile(r"ckpt-(\d{8})$")
@@ -150,15 +149,15 @@ class Checkpoint:
             src = tuple(map(tuple, boxes[i].tolist()))
             inter = tuple((max(a, x), min(e, y)) for (a, e), (x, y) in zip(src, box))
             if shards[i] == -2:
-                piece = self._v1_state[key][_box_slices(inter)]
+                piece = self._v1_state[key][box_slices(inter)]
             else:
                 ds = self._file(int(shards[i]))[key]
                 want = tuple(e - a for a, e in src) if self.layout == "shards" else gshape
                 if tuple(ds.shape) != want:
                     raise CheckpointError(f"{self.path}: {key} in shard {shards[i]} has shape {ds.shape}, "
                                           f"the index says {want}")
-                piece = ds[_box_slices(inter, [a for a, _ in src])]
-            out[_box_slices(inter, [a for a, _ in box])] = piece
+                piece = ds[box_slices(inter, [a for a, _ in src])]
+            out[box_slices(inter, [a for a, _ in box])] = piece
             filled += piece.size
         if filled != out.size:
             raise CheckpointError(f"{self.path}: the blocks of {key} cover {filled} of the {out.size} "

@@ -14,7 +14,8 @@ import numpy as np
 
 from lbannpy.backend import to_numpy
 
-from .plan import FORMAT, VERSION, Box, CheckpointError, Piece, _layer_state, param_pieces
+from .plan import FORMAT, VERSION, CheckpointError, Piece, box_slices, layer_state, param_pieces
+from .read import candidates
 
 
 def _fsync_dir(path: str) -> None:
@@ -36,18 +37,13 @@ def parallel_hdf5(comm) -> bool:
     return bool(getattr(h5py.get_config(), "mpi", False)) and getattr(comm, "backend", "") == "mpi"
 
 
-def _box_slices(box: Box, origin=None) -> tuple:
-    origin = origin or [0] * len(box)
-    return tuple(slice(a - o, e - o) for (a, e), o in zip(box, origin))
-
-
 def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=()) -> str | None:
     """Collective over ``comm`` (every rank, same params and layers in the same order): write checkpoint
     ``step``. Each unique block is written once; no tensor data moves between ranks. ``meta`` (small,
     JSON) and each layer's plain-number state are written by rank 0. Returns the final path on every rank.
     Raises :class:`CheckpointError` on every rank when any rank failed to write."""
     pieces = [(pc, p_val) for pc, p_val in _param_values(params, optimizer, comm.rank)]
-    small, state = _layer_state(layers)
+    small, state = layer_state(layers)
     pieces += state
     final = os.path.join(directory, f"ckpt-{step:08d}")
     tmp = final + ".tmp"
@@ -110,8 +106,6 @@ def prune(directory: str, keep: int) -> list[str]:
     """Not collective (rank 0, after a complete write): delete all but the newest ``keep`` complete
     checkpoints in ``directory`` (``keep`` 0: none), oldest first; returns the deleted paths. Directories of
     interrupted writes (``.tmp``) are left to the writer, which replaces them."""
-    from .read import candidates
-
     if keep <= 0:
         return []
     gone = []
@@ -155,12 +149,12 @@ def _write_single(comm, tmp: str, pieces) -> None:
     """Every rank opens one file (``mpio`` when there are several) and creates every dataset in the same
     order (collective in parallel HDF5); each writer then writes its hyperslab."""
     path = os.path.join(tmp, "data.h5")
-    kw = {"driver": "mpio", "comm": comm._comm} if comm.size > 1 else {}
+    kw = {"driver": "mpio", "comm": comm.mpi4py_comm} if comm.size > 1 else {}
     with h5py.File(path, "w", **kw) as f:
         dsets = [f.create_dataset(pc.key, shape=pc.global_shape, dtype=np.dtype(v.dtype)) for pc, v in pieces]
         for ds, (pc, v) in zip(dsets, pieces):
             if pc.writer:
-                ds[_box_slices(pc.box)] = to_numpy(v)
+                ds[box_slices(pc.box)] = to_numpy(v)
         f.flush()
     if comm.rank == 0:
         _fsync_file(path)

@@ -12,6 +12,7 @@ from ..dist import DIM_NAMES, Distribution, DistributionError
 from ..stencil import Stencil
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import INPUT_NAMES, LAYER_TYPES, normalize
+from ..data.dataset import DataError, check_storage
 
 _PER_DIM_KEYS = ("kernel", "stride", "dilation")
 
@@ -199,8 +200,6 @@ def _data_hint(cfg: dict, file: str) -> str:
 def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_train: bool) -> int:
     import h5py  # imported late: only data checks need it
 
-    from ..data.dataset import DataError, check_storage
-
     full = file if os.path.isabs(file) or base_dir is None else os.path.join(base_dir, file)
     where = f"{path}.path"
     if not os.path.exists(full):
@@ -278,6 +277,7 @@ def check_memory(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir:
 
     dists, how = None, ""
     if planned and cfg["parallel"].get("strategy") == "auto":
+        # imported late, as check_graph
         from ..strategy.planner import PlanError, plan
 
         par = cfg["parallel"]

@@ -24,6 +24,7 @@ from lbannpy import yamlsafe
 
 from .errors import ConfigError
 from .schema import normalize
+from .checks import check_references
 
 FORMAT = "lbannpy-config"
 VERSION = 1
@@ -306,8 +307,6 @@ def read_raw(path: str):
 def load_config(path: str) -> dict:
     """Read a spec or config.h5 and return its normal form, with names, parents and cycles checked.
     Shape, rank-count and data checks are :func:`lbannpy.config.validate`'s."""
-    from .checks import check_references
-
     cfg = normalize(read_raw(path))
     check_references(cfg)
     return cfg
@@ -315,8 +314,6 @@ def load_config(path: str) -> dict:
 
 def save_config(cfg: dict, path: str) -> None:
     """Write the normal form of ``cfg`` atomically, as config.h5 (.h5) or a YAML spec (any other name)."""
-    from .checks import check_references
-
     cfg = normalize(cfg)
     check_references(cfg)
     if _is_h5_path(path):

@@ -9,7 +9,8 @@ from lbannpy import yamlsafe
 
 from .errors import ConfigError, did_you_mean, join_path
 from .schema import lookup, normalize
-from .types import Section, _copy
+from .types import Section, copy_tree
+from .checks import check_references
 
 _SEGMENT = re.compile(r"^([^.\[\]]+)((?:\[\d+\])*)$")
 
@@ -68,9 +69,7 @@ def apply_overrides(cfg: dict, overrides) -> dict:
     /``fraction``) drops the other; ``key=null`` unsets a key (its default applies again) and leaves the
     other key of its pair alone (``trainer.steps=3 trainer.epochs=null`` runs 3 steps).
     """
-    from .checks import check_references
-
-    tree = _copy(cfg)
+    tree = copy_tree(cfg)
     for item in overrides:
         key, sep, text = str(item).partition("=")
         key = key.strip()

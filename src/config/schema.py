@@ -24,7 +24,7 @@ from lbannpy.layers.registry import INPUT_NAMES, LayerSpec, RegistryView, layer_
 
 from .errors import ConfigError, did_you_mean, join_path
 from .types import (MAX_SPATIAL_DIMS, NAME_RE, REQUIRED, UNSET, Bool, Float, Int, Key, ListOf, MapOf, OneOf,
-                    Registered, Section, Str, Type, _type_name)
+                    Registered, Section, Str, Type, type_name)
 
 INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
 DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES
@@ -72,7 +72,7 @@ class LayerList(Type):
 
     def check(self, value, path):
         if not isinstance(value, list) or not value:
-            raise ConfigError(path, f"expected a non-empty list of layers, got {_type_name(value)}",
+            raise ConfigError(path, f"expected a non-empty list of layers, got {type_name(value)}",
                               "write one '- {name: ..., type: ...}' entry per layer")
         out = []
         for i, layer in enumerate(value):
@@ -82,7 +82,7 @@ class LayerList(Type):
     @staticmethod
     def check_layer(layer, path, previous: str) -> dict:
         if not isinstance(layer, dict):
-            raise ConfigError(path, f"expected a layer mapping, got {_type_name(layer)} {layer!r}",
+            raise ConfigError(path, f"expected a layer mapping, got {type_name(layer)} {layer!r}",
                               "write {name: ..., type: ..., ...}")
         if "type" not in layer or layer["type"] is None:
             raise ConfigError(join_path(path, "type"), "missing required key 'type'",

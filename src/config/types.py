@@ -34,7 +34,8 @@ UNSET = None  # a key without a default that may be left out
 # value types: check(value, path) returns the normal form or raises ConfigError naming the path
 
 
-def _type_name(value) -> str:
+def type_name(value) -> str:
+    """A value's kind as an error message names it ("an integer", "a list", ...)."""
     if value is None:
         return "nothing (null)"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
@@ -67,7 +68,7 @@ class Int(Type):
             hint = "write a whole number without quotes or a decimal point"
             if isinstance(value, float) and value.is_integer():
                 hint = f"write {int(value)} instead of {value}"
-            raise ConfigError(path, f"expected an integer, got {_type_name(value)} {value!r}", hint)
+            raise ConfigError(path, f"expected an integer, got {type_name(value)} {value!r}", hint)
         if not -INT_LIMIT <= value < INT_LIMIT:
             raise ConfigError(path, f"{value} does not fit in 64 bits", "use a smaller number")
         if self.lo is not None and value < self.lo:
@@ -96,7 +97,7 @@ class Float(Type):
         if isinstance(value, str) and _EXP_FLOAT.match(value):
             value = float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as text; YAML 1.2 and users read a number
         if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Real):
-            raise ConfigError(path, f"expected a number, got {_type_name(value)} {value!r}",
+            raise ConfigError(path, f"expected a number, got {type_name(value)} {value!r}",
                               "write a plain number such as 0.01 or 1e-3, without quotes")
         value = float(value)
         if not math.isfinite(value):
@@ -123,7 +124,7 @@ class Bool(Type):
         if isinstance(value, np_bool):
             value = bool(value)
         if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {_type_name(value)} {value!r}",
+            raise ConfigError(path, f"expected true or false, got {type_name(value)} {value!r}",
                               "write true or false without quotes")
         return value
 
@@ -140,7 +141,7 @@ class Str(Type):
     def check(self, value, path):
         if not isinstance(value, str):
             want = f"one of {', '.join(self.choices)}" if self.choices else "a string"
-            raise ConfigError(path, f"expected {want}, got {_type_name(value)} {value!r}",
+            raise ConfigError(path, f"expected {want}, got {type_name(value)} {value!r}",
                               "quote the value if it looks like a number or boolean")
         if self.choices and value not in self.choices:
             raise ConfigError(path, f"unknown value {value!r}", did_you_mean(value, self.choices))
@@ -180,7 +181,7 @@ class ListOf(Type):
 
     def check(self, value, path):
         if not isinstance(value, list):
-            raise ConfigError(path, f"expected a list of {self.item.describe()}, got {_type_name(value)} "
+            raise ConfigError(path, f"expected a list of {self.item.describe()}, got {type_name(value)} "
                                     f"{value!r}", "write a list such as [1, 2]")
         n = len(value)
         if n < self.min_len or (self.max_len is not None and n > self.max_len):
@@ -228,7 +229,7 @@ class Padding(Type):
         if _is_int(value):
             return Int(0).check(value, path)
         raise ConfigError(path, f"expected padding (an int >= 0, 'same', 'valid' or [lo, hi]), got "
-                                f"{_type_name(value)} {value!r}", "write e.g. 1, 'same' or [0, 1]")
+                                f"{type_name(value)} {value!r}", "write e.g. 1, 'same' or [0, 1]")
 
     def check(self, value, path):
         if isinstance(value, list):
@@ -332,7 +333,7 @@ class Section(Type):
         if not isinstance(value, dict):
             raise ConfigError(path or "(top level)",
                               f"expected a mapping of keys ({', '.join(self.names())}), "
-                              f"got {_type_name(value)} {value!r}",
+                              f"got {type_name(value)} {value!r}",
                               "write 'key: value' lines indented under the section")
         value = self._unalias(value, path)
         for k in value:
@@ -363,13 +364,13 @@ class Section(Type):
                 raise ConfigError(kpath, f"missing required key {k.name!r}",
                                   f"add {k.name}: {k.type.describe()} ({k.doc})")
             elif k.default_from is None and k.default is not UNSET:
-                out[k.name] = _copy(k.default)
+                out[k.name] = copy_tree(k.default)
         for k in self.keys:  # defaults copied from siblings, once those are normal
             if isinstance(k, Key) and k.default_from and k.name not in out and k.default_from in out:
-                out[k.name] = _copy(out[k.default_from])
+                out[k.name] = copy_tree(out[k.default_from])
         for rule in self.rules:
             if rule.default and not any(k in out for k in rule.keys):
-                out[rule.default[0]] = _copy(rule.default[1])
+                out[rule.default[0]] = copy_tree(rule.default[1])
         return {k: out[k] for k in self.names() if k in out}  # schema order
 
     def describe(self):
@@ -387,7 +388,7 @@ class MapOf(Type):
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping of names, got {_type_name(value)} {value!r}",
+            raise ConfigError(path, f"expected a mapping of names, got {type_name(value)} {value!r}",
                               "write 'name: {...}' entries")
         out = {}
         for k, v in value.items():
@@ -404,11 +405,12 @@ class MapOf(Type):
 # the layer registry
 
 
-def _copy(v):
+def copy_tree(v):
+    """A copy of a config tree's lists and mappings (leaves shared: they are immutable)."""
     if isinstance(v, list):
-        return [_copy(x) for x in v]
+        return [copy_tree(x) for x in v]
     if isinstance(v, dict):
-        return {k: _copy(x) for k, x in v.items()}
+        return {k: copy_tree(x) for k, x in v.items()}
     return v
 
 

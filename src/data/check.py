@@ -13,6 +13,7 @@ import numpy as np
 
 from .dataset import DataError, validate_dataset
 from .integrity import label_problem
+from lbannpy.config import check_graph, load_config, validate
 
 CHUNK_BYTES = 64 << 20
 
@@ -46,8 +47,6 @@ class Findings:
 def spec_expectations(path: str) -> Expect:
     """The input shape, classes, loss and dataset names of the model in a spec or config (ConfigError when
     it is not a valid one)."""
-    from lbannpy.config import check_graph, load_config, validate
-
     cfg = validate(load_config(path), data=False, graph=False)
     graph = check_graph(cfg)
     train = (cfg.get("data") or {}).get("train") or {}

@@ -10,29 +10,39 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from .dataset import DataError
 
-if TYPE_CHECKING:
-    from .reader import HDF5Reader
+
+class BatchSource(Protocol):
+    """What the prefetch thread needs of a reader (:class:`lbannpy.data.reader.HDF5Reader` is one)."""
+
+    rank: int
+    path: str
+
+    def read_batch(self, epoch: int, step: int): ...
+
+    def advance(self, epoch: int, step: int) -> tuple[int, int]: ...
 
 
-class _Failure:
+class Failure:
+    """An exception raised on the prefetch thread, queued for the consumer to re-raise."""
+
     __slots__ = ("exc",)
 
     def __init__(self, exc: BaseException):
         self.exc = exc
 
 
-_STOP = object()   # sentinel: the producer has stopped
+STOP = object()   # sentinel: the producer has stopped
 
 
 @dataclass
-class _Prefetcher:
+class Prefetcher:
     """Background thread that reads batches from a start position into a bounded queue."""
 
-    reader: "HDF5Reader"
+    reader: BatchSource
     epoch: int
     step: int
     depth: int
@@ -68,14 +78,14 @@ class _Prefetcher:
                         return
                 if not self._put(batch):
                     return
-                epoch, step = self.reader._advance(epoch, step)
+                epoch, step = self.reader.advance(epoch, step)
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._put(_Failure(exc))
+            self._put(Failure(exc))
             return
         finally:
             # wake a consumer that is waiting; never blocks (the queue may be full and nobody reading)
             try:
-                self.q.put_nowait(_STOP)
+                self.q.put_nowait(STOP)
             except queue.Full:
                 pass
 
@@ -85,7 +95,7 @@ class _Prefetcher:
                 return self.q.get(timeout=0.05)
             except queue.Empty:
                 if not self.thread.is_alive() and self.q.empty():
-                    return _Failure(DataError(f"rank {self.reader.rank}: the prefetch thread of "
+                    return Failure(DataError(f"rank {self.reader.rank}: the prefetch thread of "
                                               f"{self.reader.path} ended without a batch"))
 
     def close(self, timeout: float = 30.0):

@@ -67,7 +67,7 @@ from ..dist import Distribution, DistributionError, shape_str
 from ..strategy.cost import max_local_shape
 from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
 from .integrity import FileIdentity, check_identity, check_labels
-from .prefetch import _STOP, _Failure, _Prefetcher
+from .prefetch import STOP, Failure, Prefetcher
 
 PIECE_BYTES = 4 << 20   # bytes per H5Dread call (the GIL is held for one call)
 STATE_KEYS = ("epoch", "step", "seed", "shuffle", "batch_size", "num_samples")
@@ -145,7 +145,7 @@ class HDF5Reader:
         self.piece_bytes = int(piece_bytes)
         self._comm = comm
         self._fh = None
-        self._pf: _Prefetcher | None = None
+        self._pf: Prefetcher | None = None
         self._store: tuple[np.ndarray, np.ndarray | None] | None = None  # preloaded inputs, pixel labels
         self.preload_mode = preload
         self._epoch = 0
@@ -333,7 +333,8 @@ class HDF5Reader:
         return self._fh
 
     # -- pure schedule ---------------------------------------------------------------------------------
-    def _advance(self, epoch: int, step: int) -> tuple[int, int]:
+    def advance(self, epoch: int, step: int) -> tuple[int, int]:
+        """The position after batch ``(epoch, step)`` (pure; the prefetch thread walks the schedule by it)."""
         step += 1
         if step == self.steps_per_epoch:
             return epoch + 1, 0
@@ -397,6 +398,7 @@ class HDF5Reader:
         """This rank's labels of the file samples ``ids`` (in that order) reduced to prediction cells: read
         at the file's resolution a few samples at a time (at most ``piece_bytes`` of them, at least one),
         checked against ``num_classes`` there (messages name the file's pixel), then reduced."""
+        # at call time: the layers load lbannpy.config, whose schema reaches this package
         from lbannpy.layers.kernels.loss import downsample_labels_any
 
         raw_sample = self._label_read_shape[1:]
@@ -479,12 +481,12 @@ class HDF5Reader:
                 batch = self._stage(batch, None)
         else:
             if self._pf is None:
-                self._pf = _Prefetcher(self, epoch, step, self.depth, self._stage)
+                self._pf = Prefetcher(self, epoch, step, self.depth, self._stage)
             item = self._pf.get()
-            if isinstance(item, _Failure):
+            if isinstance(item, Failure):
                 self._stop_prefetch()
                 raise item.exc
-            if item is _STOP:
+            if item is STOP:
                 self._stop_prefetch()
                 raise DataError(f"rank {self.rank}: the prefetch thread of {self.path} stopped")
             batch = item
@@ -495,7 +497,7 @@ class HDF5Reader:
         batch.wait_s = time.perf_counter() - t0
         self.wait_times.append(batch.wait_s)
         self.read_times.append(batch.read_s)
-        self._epoch, self._step = self._advance(epoch, step)
+        self._epoch, self._step = self.advance(epoch, step)
         return batch
 
     __next__ = next
@@ -606,6 +608,7 @@ def _as_scalar(v):
 
 def _physical_memory() -> int:
     """This machine's memory, or its cgroup limit when lower (0: unknown)."""
+    # at call time: the layers load lbannpy.config, whose schema reaches this package
     from lbannpy.strategy.memory import host_memory_bytes
 
     return host_memory_bytes()

@@ -13,6 +13,7 @@ import numpy as np
 
 from .dataset import DataError
 from .reader import Batch
+from lbannpy.layers.kernels.loss import check_label_range
 
 SLOT_WAIT_S = 60.0   # seconds a synchronous stage waits for a staging buffer before it calls it a bug
 COPY_POLL_S = 2e-4   # seconds between two queries of a slot's last copy (it is done long before, as a rule)
@@ -138,8 +139,6 @@ class DeviceUploader:
 
     def __call__(self, batch: Batch, stop=None) -> StagedBatch | None:
         """Stage ``batch`` in a free slot (see the class); ``None`` when ``stop`` is set while it waits."""
-        from lbannpy.layers.kernels.loss import check_label_range
-
         got = self._take(stop)
         if got is None:
             return None

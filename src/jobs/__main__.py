@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = helpers.scaling_table(Path(args.run_dir))
             csv_text, table = helpers.format_scaling(rows)
             if args.output:
-                helpers._write_atomic(Path(args.output), csv_text)
+                helpers.write_atomic(Path(args.output), csv_text)
                 from lbannpy.bench.scaling import plot_scaling  # scaling.png beside scaling.csv
 
                 plot_scaling(rows, str(Path(args.output).with_suffix(".png")))

@@ -31,7 +31,8 @@ class JobHelperError(RuntimeError):
     """A helper step cannot do its job; the message says what is missing and where."""
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -90,7 +91,7 @@ def adapt_spec(src: Path, dst: Path, *, size: int | None = None, data: str | Non
         trainer["batch_size"] = int(batch_size)
     elif samples is not None and isinstance(trainer.get("batch_size"), int):
         trainer["batch_size"] = min(trainer["batch_size"], int(samples))
-    _write_atomic(dst, yaml.safe_dump(spec, sort_keys=False))
+    write_atomic(dst, yaml.safe_dump(spec, sort_keys=False))
     return spec
 
 

@@ -20,11 +20,19 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from ..data.dataset import preloads, store_bytes
+from .cost import max_local_shape
+from ..machine import load_machine
+from .graph import build_graph
+from .planner import strategy_memory
+from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, layer_spec
+from lbannpy.model import effective_default, layer_dist
+
 GIB = 1024 ** 3
-# the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a rank of a tiny run peaks at
-# about 100 MB resident on Linux x86-64)
+# the process itself: interpreter, NumPy, h5py, MPI and plotting libraries (a tiny run's peak resident set,
+# bench memory reproduces it)
 RUNTIME_BYTES = 96 * 2 ** 20
-# PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (measured: about 210 MiB)
+# PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (bench memory reproduces it)
 ATEN_BYTES = 224 * 2 ** 20
 INDEX_ARRAYS = 3  # indices, the epoch's permutation and the permuted order (int64 each)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -90,9 +98,6 @@ def memory_limit(cfg: dict) -> tuple[int, str]:
 def manual_dists(graph, cfg: dict, ranks: int):
     """The input's and every layer's output distribution as :class:`lbannpy.model.Model` builds them from
     ``parallel`` (the free ranks to the samples, per-layer entries replacing the default)."""
-    from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, layer_spec
-    from lbannpy.model import effective_default, layer_dist
-
     par = cfg.get("parallel") or {}
     batch = int(graph.input_shape[0])
     default, _ = effective_default(par.get("default") or {}, ranks, batch)
@@ -125,9 +130,6 @@ def data_sizes(path: str, inputs: str, labels: str) -> DataSizes:
 
 def data_memory(cfg: dict, input_shape, input_dist, base_dir: str | None = None) -> tuple[int, int]:
     """(batch buffer bytes, sample-id and label bytes) of one rank's readers; (0, 0) without data."""
-    from ..data.dataset import preloads, store_bytes
-    from .cost import max_local_shape
-
     data = cfg.get("data")
     if not data:
         return 0, 0
@@ -166,10 +168,6 @@ def estimate(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir: str
              dists=None, strategy: str = "") -> MemoryEstimate:
     """The :class:`MemoryEstimate` of a validated config on ``ranks`` ranks (``dists``: the layers'
     distributions, default the manual ones from ``parallel``)."""
-    from ..machine import load_machine
-    from .graph import build_graph
-    from .planner import strategy_memory
-
     if graph is None:
         graph = build_graph(cfg["model"], int(cfg["trainer"]["batch_size"]))
     input_dist, manual = manual_dists(graph, cfg, ranks)

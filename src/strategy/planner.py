@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from lbannpy.layers.registry import layer_spec
+from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spec
 
 from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_widths, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
@@ -105,7 +105,8 @@ class Plan:
 # candidates
 
 
-def _divisors(p: int) -> list[int]:
+def divisors(p: int) -> list[int]:
+    """The divisors of ``p``, ascending (the split degrees a layer of ``p`` ranks can take)."""
     return [d for d in range(1, p + 1) if p % d == 0]
 
 
@@ -123,7 +124,7 @@ def _splits(typ: str, ndim: int, ranks: int) -> tuple[Distribution, ...]:
     names = DIM_NAMES[ndim]
     allowed = layer_spec(typ).split_dims  # Jia et al. Table 1: the output dimensions the type may split
     dims = [d for d in names if d in allowed]
-    divs = _divisors(ranks)
+    divs = divisors(ranks)
     out = []
 
     def rec(i: int, used: int, deg: dict[str, int]):
@@ -276,34 +277,16 @@ def strategy_memory(graph: ModelGraph, dists: Mapping[str, Distribution], machin
 
 
 def _shares_parent_output(graph: ModelGraph, dists: Mapping[str, Distribution]) -> set[str]:
-    """Layers whose output is their parent's array (:meth:`lbannpy.model.Model._plan_steps`: a ReLU fused
-    into its batch-norm, or overwriting an output that only it reads and its producer does not keep)."""
-    from lbannpy.layers.registry import layer_classes
-
+    """Layers whose output is their parent's array (:func:`lbannpy.layers.registry.activation_sharing`,
+    the rule the model applies: a ReLU fused into its batch-norm, or overwriting its parent's output)."""
     classes = layer_classes()
-    consumers: dict[str, int] = {}
-    for node in graph:
-        for p in node.parents:
-            consumers[p] = consumers.get(p, 0) + 1
-    by_name = {node.name: node for node in graph}
-    last = list(graph)[-1].name
-    out = set()
-    for node in graph:
-        if not classes[node.type].fusable_activation or len(node.parents) != 1:
-            continue
-        parent = by_name.get(node.parents[0])
-        if (parent is None or consumers.get(parent.name) != 1 or parent.name == last
-                or dists[parent.name] != dists[node.name]):
-            continue
-        pcls = classes[parent.type]
-        if pcls.fuses_relu or not pcls.output_kept:
-            out.add(node.name)
-    return out
+    return set(activation_sharing((node.name, classes[node.type], node.parents, dists[node.name])
+                                  for node in graph))
 
 
-def _fit(d: int, ranks: int) -> int:
+def fit_degree(d: int, ranks: int) -> int:
     """Largest divisor of ``ranks`` that is at most ``d``."""
-    return max(x for x in _divisors(ranks) if x <= max(d, 1))
+    return max(x for x in divisors(ranks) if x <= max(d, 1))
 
 
 def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Distribution]]:
@@ -314,12 +297,12 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
     seen_fc = False
     for node in graph:
         nd = len(node.out_shape)
-        dp = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+        dp = Distribution.make(nd, ranks, n=fit_degree(node.out_shape[0], ranks))
         spec = layer_spec(node.type)
         if "c" not in spec.split_dims:  # concat, flatten
             mp = Distribution.whole(nd, ranks)
         else:
-            mp = Distribution.make(nd, ranks, c=_fit(node.out_shape[1], ranks))
+            mp = Distribution.make(nd, ranks, c=fit_degree(node.out_shape[1], ranks))
         seen_fc = seen_fc or spec.dense
         data[node.name], model[node.name] = dp, mp
         owt[node.name] = mp if seen_fc else dp

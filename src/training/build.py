@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import UserError
+from lbannpy.machine import DEFAULT_MACHINE
+from lbannpy.strategy.planner import PlanError, plan
+from lbannpy.layers.loss import Loss
+from lbannpy.model import Model
+from lbannpy.data.dataset import split_indices, validate_dataset
+from lbannpy.data.reader import HDF5Reader
+from lbannpy.config import check_memory
+from lbannpy.optim import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -65,13 +73,9 @@ def auto_strategy(cfg: dict, world, batch_size: int, prog: str = "lbannpy.train"
 
     Who calls: every rank (a broadcast)."""
     par = cfg["parallel"]
-    from lbannpy.machine import DEFAULT_MACHINE
-
     machine = par.get("machine") or DEFAULT_MACHINE
     layers, err = None, None
     if world.rank == 0:
-        from lbannpy.strategy.planner import PlanError, plan
-
         try:
             chosen = plan(cfg, world.size, machine, memory_gib=par.get("memory_gib"),
                           batch_size=batch_size, compare=False)
@@ -90,9 +94,6 @@ def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
     """The model (each layer with its distribution) and the loss. Who calls: every rank (group
     communicators are created collectively). May replace ``cfg["parallel"]`` (strategy auto). ``prog``
     begins the notes it prints (the command that runs it)."""
-    from lbannpy.layers.loss import Loss
-    from lbannpy.model import Model
-
     batch_size = int(cfg["trainer"]["batch_size"])
     if cfg["parallel"].get("strategy") == "auto":
         cfg["parallel"] = auto_strategy(cfg, world, batch_size, prog)
@@ -114,9 +115,6 @@ def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
 
 def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     """The training reader and the validation reader (or None): every rank reads its own hyperslab."""
-    from lbannpy.data.dataset import split_indices, validate_dataset
-    from lbannpy.data.reader import HDF5Reader
-
     data, tr = cfg["data"], cfg["trainer"]
     train = data["train"]
     batch_size, seed = int(tr["batch_size"]), int(tr.get("seed", 0))
@@ -156,9 +154,6 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
 
 def build(cfg: dict, ctx, world) -> Parts:
     """Everything training needs but gradient synchronisation. ``cfg`` must be validated."""
-    from lbannpy.config import check_memory
-    from lbannpy.optim import make_optimizer
-
     if cfg["parallel"].get("strategy") == "auto":
         cfg["parallel"] = auto_strategy(cfg, world, int(cfg["trainer"]["batch_size"]))
     # every rank refuses a run whose estimated peak exceeds runtime.memory_gib before allocating any of it

@@ -14,6 +14,8 @@ import json
 import sys
 
 from .errors import UserError
+from lbannpy.checkpoint import CheckpointError
+from lbannpy import checkpoint
 
 _CHANGES_SHOWN = 4  # changes named in the refusal line; the rest are counted
 
@@ -67,8 +69,6 @@ def changed(meta: dict, record: dict) -> str | None:
     """What changed between the run that wrote a checkpoint with ``meta`` and a run whose record is
     ``record``, in one line (None: nothing, or a checkpoint from before records were kept); raises
     :class:`~lbannpy.checkpoint.CheckpointError` for a checkpoint that cannot be resumed at all."""
-    from lbannpy.checkpoint import CheckpointError
-
     if not isinstance(meta.get("reader"), dict):
         raise CheckpointError("it has no reader position (meta 'reader'); it was not written by "
                               "lbannpy.train")
@@ -90,8 +90,6 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
     """Who calls: every rank (collective): each unique block of the parameters, optimizer state and layer
     state is written once, by the rank that holds replica 0 of it; then rank 0 deletes all but the newest
     ``keep`` checkpoints."""
-    from lbannpy import checkpoint
-
     meta = {"reader": reader.state(), "rows": rows, "evals": evals, "computation": record,
             "computation_digest": digest(record)}
     optimizer.unshard_state()  # collective where the state is sharded: checkpoints hold it whole
@@ -116,8 +114,6 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
     import glob
     import os
     import stat
-
-    from lbannpy import checkpoint
 
     # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
     # checkpoint blocks forever

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import sys
 
+from lbannpy.checkpoint import CheckpointError
+from lbannpy.config import ConfigError
+from lbannpy.data.dataset import DataError
+from lbannpy.dist import DistributionError
+from lbannpy.layers.base import LayerError
+
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 6  # a non-finite loss stopped the run (one line naming the step and where)
 EXIT_WRITE_FAILED = 7  # a checkpoint or an output file could not be written (a full or read-only disk)
@@ -39,12 +45,6 @@ class WriteFailed(Exception):
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types a user can fix (config, data, layer, distribution, checkpoint, file system): these
     are reported as one line, everything else as a failure with its traceback in the run directory."""
-    from lbannpy.checkpoint import CheckpointError
-    from lbannpy.config import ConfigError
-    from lbannpy.data.dataset import DataError
-    from lbannpy.dist import DistributionError
-    from lbannpy.layers.base import LayerError
-
     return (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError, OSError)
 
 

@@ -13,6 +13,10 @@ Two kinds of parameters:
 from __future__ import annotations
 
 from .errors import UserError
+from lbannpy.comm.overlap import OverlapEngine
+from lbannpy.checkpoint import is_writer
+from .shards import StateShards
+from lbannpy.optim import PIECE
 
 
 class GradSync:
@@ -21,8 +25,6 @@ class GradSync:
 
     def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress,
                  shard_state: bool = False):
-        from lbannpy.comm.overlap import OverlapEngine
-
         self.optimizer = optimizer
         self.timer = timer
         self.clock = clock
@@ -38,8 +40,6 @@ class GradSync:
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
-        from lbannpy.checkpoint import is_writer
-
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
         self._norm_params = [p for p in synced if is_writer(p.dist, p.reduce_dims, rt.world.rank)]
         self._xp, self._world = rt.xp, rt.world
@@ -54,8 +54,6 @@ class GradSync:
             device_timing=clock.name != "host")
         self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas
         if shard_state and optimizer.has_state():
-            from .shards import StateShards
-
             self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
 
     # -- one step, in call order -------------------------------------------------------------------------
@@ -74,6 +72,17 @@ class GradSync:
         """Before backprop; returns the mark :meth:`finish` reads this step's bucket records from."""
         self.engine.start_step()
         return len(self.engine.records)
+
+    @property
+    def bucket_clock(self) -> str:
+        """What times the bucket records: ``"host"`` or, for NCCL on a GPU, ``"cuda-events"``."""
+        return self.engine.clock
+
+    def bucket_intervals(self, mark: int, seconds) -> list[tuple[float, float]]:
+        """``(start, end)`` of each bucket reduction since ``mark``, in the seconds of ``seconds`` (a clock's
+        converter); device events are read here, so the step's marks must be settled first."""
+        self.engine.resolve(seconds)
+        return [(s, e) for _, _, _, s, e in self.engine.records[mark:]]
 
     @property
     def on_layer(self):
@@ -103,8 +112,6 @@ class GradSync:
         xp = self._xp
         if xp.__name__ == "numpy":  # every gradient packed into one reused buffer: a dot per 64 Ki values
             if self._sq_buf is None:
-                from lbannpy.optim import PIECE
-
                 self._sq_buf = xp.empty(PIECE, dtype=xp.float64)
             acc = xp.array([packed_sum_squares((p.grad for p in self._norm_params), self._sq_buf)])
         else:
@@ -145,7 +152,7 @@ def device_sum_squares(xp, arrays, group: int = DEVICE_GROUP):
     """Σ a² over device arrays, in float64, as a one-element device array (no host synchronisation). The
     arrays are concatenated in groups of up to ``group`` values (one array larger than that is a group of its
     own), each group converted and reduced by one dot product: four kernels a group, not three per array
-    (mesh1k's 74 gradients took 222 launches a logged step, 7 ms of host time on a GPU)."""
+    (launches are host time, and a deep net has many small gradients)."""
     acc = xp.zeros(1, dtype=xp.float64)
     run: list = []
     size = 0
@@ -169,8 +176,8 @@ def device_sum_squares(xp, arrays, group: int = DEVICE_GROUP):
 
 def packed_sum_squares(arrays, buf) -> float:
     """Σ a² over host arrays, in float64: consecutive pieces of the arrays are converted into ``buf`` and
-    each full buffer is one dot product, so a net of many small gradients (LeNet-5's ten: 0.23 ms as a
-    conversion and a dot each) costs a copy per gradient and a dot per ``buf.size`` values."""
+    each full buffer is one dot product, so a net of many small gradients costs a copy per gradient and a
+    dot per ``buf.size`` values, not a conversion and a dot each."""
     import numpy
 
     total, fill, size = 0.0, 0, buf.size

@@ -25,6 +25,18 @@ from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 from lbannpy.machine import DEFAULT_MACHINE
+from lbannpy.config import validate
+from lbannpy.layers.base import LayerContext, Timer
+from lbannpy.data.upload import stage_batches
+from lbannpy.export import init_from
+from lbannpy.tensor import DistTensor
+from lbannpy.backend import is_gpu_array
+from lbannpy.comm.overlap import hidden_fraction
+from lbannpy.backend import to_numpy
+from lbannpy.checkpoint import CheckpointError, candidates
+from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_math, kernel_table
+from lbannpy.machine import MachineError, load_machine
+from .report import PlainProgress
 
 
 # a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
@@ -48,9 +60,6 @@ class Trainer:
     def setup(self, resume: bool = False, force: bool = False) -> None:
         """Who calls: every rank (builds group communicators: collective). ``force``: resume from a
         checkpoint of another computation (``--resume --force``)."""
-        from lbannpy.config import validate
-        from lbannpy.layers.base import LayerContext, Timer
-
         world = self.world
         # the memory estimate is checked in build(), under the distributions the run uses (strategy auto's
         # choice included), before the model or a reader allocates anything
@@ -82,8 +91,6 @@ class Trainer:
             print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
         # batches converted to the compute dtype in the reader's thread; on a GPU also staged in pinned
         # memory there and uploaded one ahead, asynchronously
-        from lbannpy.data.upload import stage_batches
-
         self.reader = stage_batches(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes,
                                     gpu=self.rt.device == "gpu")
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
@@ -95,8 +102,6 @@ class Trainer:
             self.watchdog.progress("set-up: reading the checkpoint (--resume)")
             self._resume(force)
         elif cfg["model"].get("init"):
-            from lbannpy.export import init_from
-
             init_from(cfg["model"]["init"], self.model, self.rt.xp)
         self.watchdog.progress("set-up done")
         if world.rank == 0:  # no collective after this: the entry point gathers every rank's set-up error
@@ -128,9 +133,6 @@ class Trainer:
 
     def upload(self, batch):
         """The batch's input as a distributed tensor on the device, and its labels."""
-        from lbannpy.tensor import DistTensor
-
-        from lbannpy.backend import is_gpu_array
 
         inputs = batch.inputs  # already on the device from a DeviceUploader
         if not is_gpu_array(inputs):
@@ -140,8 +142,6 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics row."""
-        from lbannpy.comm.overlap import hidden_fraction
-
         wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
         t0 = clock.now()
         h0 = time.perf_counter()
@@ -172,7 +172,7 @@ class Trainer:
         recs = sync.finish(mark)
         # bucket intervals: host times measured against the host's backward, or (GPU + NCCL) CUDA events
         # that are read below on logged steps only, against the backward's marks on the same clock
-        device_buckets = sync.engine.clock != "host"
+        device_buckets = sync.bucket_clock != "host"
         comm_iv = [] if device_buckets else [(s, e) for _, _, _, s, e in recs]
         t_comm = sum(e - s for s, e in comm_iv)
         hidden = hidden_fraction(comm_iv, [(h_bp, h_bp_end)])
@@ -195,8 +195,7 @@ class Trainer:
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
             if device_buckets:  # the marks are settled, so every bucket event of the step is complete
-                sync.engine.resolve(clock.seconds)
-                comm_iv = [(s, e) for _, _, _, s, e in sync.engine.records[mark:]]
+                comm_iv = sync.bucket_intervals(mark, clock.seconds)
                 t_comm = sum(e - s for s, e in comm_iv)
                 hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
             loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
@@ -216,8 +215,6 @@ class Trainer:
     def _read_stats(self, stats, grad_sq) -> tuple[float, dict, float]:
         """The loss statistics and the squared gradient norm to the host in one transfer (the one host
         synchronisation of a logged step): ``(loss, metrics, gradient norm)``."""
-        from lbannpy.backend import to_numpy
-
         host = to_numpy(self.rt.xp.concatenate([stats.reshape(-1), grad_sq]))
         loss, metrics = self.loss.metrics(host[:-1])
         return loss, metrics, float(np.sqrt(host[-1]))
@@ -242,8 +239,6 @@ class Trainer:
         self.sync.flush()
         self.watchdog.progress("checkpoint")
         health.check_params(self.world, self.step, self.model, self.rt.xp)
-        from lbannpy.checkpoint import CheckpointError, candidates
-
         s = self.settings
         size = outdirs.checkpoint_bytes(self.model)
         loud = size >= CKPT_PROGRESS_BYTES and self.world.rank == 0 and not self.quiet
@@ -266,9 +261,6 @@ class Trainer:
     def _choose_kernels(self, cfg: dict) -> None:
         """The run's conv kernel set, and per layer shape the set a calibration of ``parallel.machine``
         chose (a preset has none: the rule of ``runtime.kernels`` everywhere)."""
-        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_math, kernel_table
-        from lbannpy.machine import MachineError, load_machine
-
         choice = cfg["runtime"].get("kernels", "auto")
         self._kernel_machine = None
         try:
@@ -323,8 +315,6 @@ class Trainer:
         if self.world.rank != 0 or self.quiet:
             return None
         if not sys.stderr.isatty():  # a log file: plain lines, not carriage returns
-            from .report import PlainProgress
-
             return PlainProgress(self.settings.total_steps, self.step)
         from tqdm import tqdm
 
@@ -406,6 +396,6 @@ class Trainer:
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
-        self.report.bucket_clock = self.sync.engine.clock
+        self.report.bucket_clock = self.sync.bucket_clock
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from .health import json_safe
+
 class _atomic:
     """``with _atomic(path, mode) as f``: written to a temporary name, renamed over ``path`` when the block
     ends without an error (a reader or a later failure never sees half a file)."""
@@ -152,8 +154,6 @@ class Report:
         summary = self.summary(run, steps_run, final_eval, buckets, merged, distributions)
         os.makedirs(self.out_dir, exist_ok=True)
         self.write_metrics()
-        from .health import json_safe
-
         with _atomic(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(json_safe(summary), f, indent=2, sort_keys=True, allow_nan=False)  # NaN is not JSON
         split = ", ".join(sorted(set(distributions.values())))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lbannpy.backend import flat
+
 
 @dataclass
 class BucketShard:
@@ -54,13 +56,6 @@ def plan_shards(buckets) -> list[BucketShard]:
                 shard.pieces.append((p, a, b, off + a - lo))
         out.append(shard)
     return out
-
-
-def flat(a):
-    """``a`` flattened, as a view (the updates write through it)."""
-    if not a.flags.c_contiguous:
-        raise ValueError("optimizer.shard_state needs contiguous parameters and state")
-    return a.reshape(-1)
 
 
 class StateShards:

@@ -39,10 +39,14 @@ def test_bucket_times_are_cuda_events_on_a_gpu(work, train):  # noqa: F811  (fix
                                              for b in s["buckets"]), s["buckets"]
         rows = metrics(work / tag / "out")
         assert [int(r["step"]) for r in rows] == [2, 4], rows
-        for r in rows:  # logged steps: the events of the step read once its marks are settled
-            assert float(r["comm_time_s"]) > 0, r
-            assert 0.0 <= float(r["hidden_comm_fraction"]) <= 1.0, r
-        assert s["comm_time_s"] > 0 and 0.0 <= s["hidden_comm_fraction"] <= 1.0, s
+        comm = [float(r["comm_time_s"]) for r in rows]
+        hidden = [float(r["hidden_comm_s"]) for r in rows]
+        assert all(c > 0 for c in comm), rows  # logged steps: the step's events, read once its marks settle
+        for r, h, c in zip(rows, hidden, comm):
+            assert h == pytest.approx(float(r["hidden_comm_fraction"]) * c, rel=1e-12, abs=1e-15), r
+        # the run's fraction is its hidden time over its communication time, from the rows' parts
+        assert s["comm_time_s"] > 0, s
+        assert s["hidden_comm_fraction"] == pytest.approx(sum(hidden) / sum(comm), rel=1e-12, abs=1e-15), s
 
 
 def test_a_comm_error_at_runtime_start_is_one_line_per_rank(work, train):  # noqa: F811

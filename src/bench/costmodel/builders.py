@@ -10,7 +10,7 @@ from lbannpy.machine import Machine
 from lbannpy.strategy import baseline_strategies, plan
 from lbannpy.strategy.cost import required_input
 from lbannpy.strategy.graph import INPUT_NAMES, ModelGraph, Node
-from lbannpy.strategy.planner import _divisors, _fit, filter_reason
+from lbannpy.strategy.planner import divisors, fit_degree, filter_reason
 
 OPTIMIZER = {"type": "sgd", "lr": 0.01, "momentum": 0.9}  # every model trains with this
 
@@ -97,7 +97,7 @@ def default_models(quick: bool = False) -> list[BenchModel]:
 def _valid_degree(node: Node, ranks: int, make: Callable[[int], Distribution]) -> Distribution:
     """``make(k)`` for the largest divisor ``k`` of ``ranks`` that gives ``node`` a usable distribution
     (blocks no smaller than their halo, no empty blocks); leftover ranks replicate."""
-    for k in reversed(_divisors(ranks)):
+    for k in reversed(divisors(ranks)):
         d = make(k)
         if filter_reason(node, d, imbalance_tol=1.0) is None:
             return d
@@ -113,7 +113,7 @@ def spatial_strategy(graph: ModelGraph, ranks: int) -> dict[str, Distribution]:
         if nd > 2:
             out[node.name] = _valid_degree(node, ranks, lambda k: Distribution.make(nd, ranks, h=k))
         else:
-            out[node.name] = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+            out[node.name] = Distribution.make(nd, ranks, n=fit_degree(node.out_shape[0], ranks))
     return out
 
 
@@ -124,11 +124,11 @@ def hybrid_strategy(graph: ModelGraph, ranks: int) -> dict[str, Distribution]:
     out = {}
     for node in graph:
         nd = len(node.out_shape)
-        n = _fit(node.out_shape[0], ranks // 2)
+        n = fit_degree(node.out_shape[0], ranks // 2)
         if nd > 2:
             out[node.name] = _valid_degree(node, 2, lambda k: Distribution.make(nd, ranks, n=n, h=k))
         else:
-            out[node.name] = Distribution.make(nd, ranks, n=_fit(node.out_shape[0], ranks))
+            out[node.name] = Distribution.make(nd, ranks, n=fit_degree(node.out_shape[0], ranks))
     return out
 
 

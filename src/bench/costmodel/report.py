@@ -18,7 +18,7 @@ from lbannpy.machine import Machine, MachineError, load_machine
 from lbannpy.strategy import build_graph, evaluate_strategy
 
 from .builders import OPTIMIZER, STRATEGIES, BenchModel, default_models, parallel_layers, strategy_dists
-from .runs import THREAD_VARS, OtherLoad, Quiet, _run, measure_step, prepare, thread_env
+from .runs import THREAD_VARS, OtherLoad, Quiet, run_checked, measure_step, prepare, thread_env
 from .table import measure_compute_table, time_input_read, with_table
 
 TOLERANCE = 0.15  # the acceptance target: |predicted - measured| / measured
@@ -170,7 +170,7 @@ def calibrate_here(path: str, quick: bool, timeout: float = 600) -> None:
     cmd = [sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", path]
     if quick:
         cmd.append("--quick")
-    p = _run(cmd, timeout, "calibration")
+    p = run_checked(cmd, timeout, "calibration")
     print(p.stdout.rstrip(), flush=True)
 
 

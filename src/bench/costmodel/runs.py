@@ -25,7 +25,8 @@ def thread_env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+def run_checked(cmd: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with the benchmark's thread settings; a ``RuntimeError`` naming ``what`` on failure."""
     p = subprocess.run(list(cmd), env=thread_env(), capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"{what}: `{' '.join(cmd)}` exited {p.returncode}\n{p.stdout[-2000:]}\n"
@@ -38,7 +39,8 @@ def prepare(model: BenchModel, work: str, timeout: float = 300) -> tuple[str, st
     import yaml
 
     data = os.path.join(work, f"{model.name}-data.h5")
-    _run([sys.executable, "-m", "lbannpy.data", *model.data, "-o", data], timeout, f"data for {model.name}")
+    run_checked([sys.executable, "-m", "lbannpy.data", *model.data, "-o", data], timeout,
+                f"data for {model.name}")
     spec = {"model": dict(model.model), "data": {"train": {"path": data}},
             "trainer": {"batch_size": model.batch_size, "steps": 1, "seed": 1},
             "optimizer": dict(OPTIMIZER),
@@ -48,7 +50,7 @@ def prepare(model: BenchModel, work: str, timeout: float = 300) -> tuple[str, st
     with open(spec_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(spec, f, sort_keys=False)
     cfg = os.path.join(work, f"{model.name}.h5")
-    _run([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", cfg], timeout,
+    run_checked([sys.executable, "-m", "lbannpy.config", "build", spec_path, "-o", cfg], timeout,
          f"config for {model.name}")
     return cfg, data
 
@@ -65,7 +67,7 @@ def measure_step(config: str, ranks: int, layers: Mapping[str, Mapping[str, int]
            "--set", f"trainer.steps={steps}", "--set", "parallel.layers=" + json.dumps(dict(layers)),
            "--set", f"comm.overlap={'true' if overlap else 'false'}",
            "--set", f"output.dir={out_dir}", "--set", f"checkpoint.dir={out_dir}/ckpt"]
-    _run(cmd, timeout, f"training on {ranks} rank(s)")
+    run_checked(cmd, timeout, f"training on {ranks} rank(s)")
     with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     t = summary.get("median_step_s")
