@@ -90,7 +90,7 @@ class _Process:
     # -- the staging thread ---------------------------------------------------------------------------
     def submit(self, job: _Job) -> None:
         with self.lock:
-            job.owner._unposted += 1
+            job.owner.unposted += 1
         self.queue.put(job)
 
     def _run(self) -> None:
@@ -104,7 +104,7 @@ class _Process:
             except BaseException as exc:  # handed to the thread that waits
                 job.error = exc
             with self.lock:
-                job.owner._unposted -= 1
+                job.owner.unposted -= 1
                 self.unposted.notify_all()
             job.posted.set()
 
@@ -114,7 +114,7 @@ class _Process:
         if threading.current_thread() is self.thread:
             return
         with self.lock:
-            while owner._unposted:
+            while owner.unposted:
                 self.unposted.wait()
 
 
@@ -187,7 +187,7 @@ class StagedOp:
                 self.copied.record(self.p.copy_stream(self.device_id))
         job = _Job(self.owner, self.copied, post)
         self.p.submit(job)
-        where, what = self.owner._where(), self.what
+        where, what = self.owner.where(), self.what
         completed = [False]
 
         def posted():

@@ -133,7 +133,7 @@ class MPICommunicator(Communicator):
         self._freed = False
         self.check = check
         self._children: list[Communicator] = []
-        self._unposted = 0  # host-staged operations issued but not yet posted to MPI (hoststaged.py)
+        self.unposted = 0  # host-staged operations issued but not yet posted to MPI (hoststaged.py)
         # CuPy arrays through host memory: None follows the probe (cuda_aware_mpi); True forces it (the
         # benchmarks compare it with device pointers or NCCL on the same ranks)
         self.host_staged: bool | None = None
@@ -147,7 +147,8 @@ class MPICommunicator(Communicator):
     def size(self) -> int:
         return self._size
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """``rank R of P``: how the errors of this communicator (and of its host staging) name it."""
         return f"rank {self._rank} of {self._size}"
 
     @property
@@ -158,7 +159,7 @@ class MPICommunicator(Communicator):
 
     def _live(self) -> "MPI.Intracomm":
         if self._freed:
-            raise CommError(f"{self._where()}: communicator was already freed")
+            raise CommError(f"{self.where()}: communicator was already freed")
         return self._comm
 
     # -- management -----------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class MPICommunicator(Communicator):
         try:
             self._children.remove(child)
         except ValueError:
-            raise CommError(f"{self._where()}: release: {child!r} was not split or duplicated from this "
+            raise CommError(f"{self.where()}: release: {child!r} was not split or duplicated from this "
                             f"communicator, or was released already") from None
         return child
 
@@ -216,7 +217,7 @@ class MPICommunicator(Communicator):
     # -- helpers --------------------------------------------------------------------------------------
     def _drain(self) -> None:
         # a direct call must not overtake this communicator's staged operations issued before it
-        if self._unposted:
+        if self.unposted:
             from .hoststaged import process
             process(sys.modules["cupy"]).drain(self)
 
@@ -230,13 +231,13 @@ class MPICommunicator(Communicator):
     def _stage(self, what: str, buf, after=None):
         from .hoststaged import StagedOp
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-            raise CommError(f"{self._where()}: host-staged {what} posts MPI from a staging thread, which "
+            raise CommError(f"{self.where()}: host-staged {what} posts MPI from a staging thread, which "
                             f"needs MPI_THREAD_MULTIPLE; this MPI gives {query_thread()}")
         return StagedOp(self, what, buf.device.id, after)
 
     def _writable_device(self, out, what: str):
         if not out.flags.c_contiguous:
-            raise CommError(f"{self._where()}: {what} writes into a non-contiguous array of shape "
+            raise CommError(f"{self.where()}: {what} writes into a non-contiguous array of shape "
                             f"{out.shape}; pass a contiguous buffer (e.g. xp.ascontiguousarray)")
         return out
 
@@ -245,7 +246,7 @@ class MPICommunicator(Communicator):
         try:
             return fn(*args)
         except MPI.Exception as exc:
-            raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
+            raise CommError(f"{self.where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
 
     def _request(self, what: str, req: "MPI.Request", finish=None, buffers=(), status=None) -> Handle:
         # Once Test() has completed the request, MPI has freed it: a later Wait() would see a null request
@@ -258,7 +259,7 @@ class MPICommunicator(Communicator):
             try:
                 req.Wait(status)
             except MPI.Exception as exc:
-                raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}; "
+                raise CommError(f"{self.where()}: MPI {what} failed: {exc.Get_error_string()}; "
                                 f"the ranks probably passed inconsistent sizes") from exc
             completed[0] = True
 
@@ -268,7 +269,7 @@ class MPICommunicator(Communicator):
             try:
                 completed[0] = req.Test(status)
             except MPI.Exception as exc:
-                raise CommError(f"{self._where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
+                raise CommError(f"{self.where()}: MPI {what} failed: {exc.Get_error_string()}") from exc
             return completed[0]
 
         return Handle(wait, test, finish, buffers, what)
@@ -279,7 +280,7 @@ class MPICommunicator(Communicator):
         if _is_cupy(buf):
             if not cuda_aware_mpi():
                 raise CommError(
-                    f"{self._where()}: {what} was given a CuPy array but this MPI is not CUDA-aware "
+                    f"{self.where()}: {what} was given a CuPy array but this MPI is not CUDA-aware "
                     f"(MPIX_Query_cuda_support() is 0); use the 'nccl' backend for GPU arrays, build MPI "
                     f"with CUDA support, or set LBANNPY_CUDA_AWARE_MPI=1 if the probe is wrong")
             import cupy
@@ -296,16 +297,16 @@ class MPICommunicator(Communicator):
                     cupy.cuda.get_current_stream().synchronize()
         else:
             if not isinstance(buf, np.ndarray):
-                raise CommError(f"{self._where()}: {what} needs a NumPy or CuPy array, got "
+                raise CommError(f"{self.where()}: {what} needs a NumPy or CuPy array, got "
                                 f"{type(buf).__name__}")
             contiguous = buf.flags.c_contiguous
             if not contiguous and not writable:
                 buf = np.ascontiguousarray(buf)
         if writable and not buf.flags.c_contiguous:
-            raise CommError(f"{self._where()}: {what} writes into a non-contiguous array of shape "
+            raise CommError(f"{self.where()}: {what} writes into a non-contiguous array of shape "
                             f"{buf.shape}; pass a contiguous buffer (e.g. xp.ascontiguousarray)")
         if writable and not _is_cupy(buf) and not buf.flags.writeable:
-            raise CommError(f"{self._where()}: {what} writes into a read-only array of shape {buf.shape}")
+            raise CommError(f"{self.where()}: {what} writes into a read-only array of shape {buf.shape}")
         return buf, self._datatype(buf.dtype, what)
 
     def _datatype(self, dtype, what: str) -> "MPI.Datatype":
@@ -313,20 +314,20 @@ class MPICommunicator(Communicator):
         try:
             return MPI.Datatype.fromcode(np.dtype(dtype).char)
         except (KeyError, ValueError) as exc:
-            raise CommError(f"{self._where()}: {what}: MPI has no predefined datatype for {dtype}; "
+            raise CommError(f"{self.where()}: {what}: MPI has no predefined datatype for {dtype}; "
                             f"convert to float32/float64/int32/int64 first") from exc
 
     def _check_like(self, out, buf, what: str, shape=None) -> None:
         want_size = buf.size if shape is None else int(np.prod(shape))
         if out.dtype != buf.dtype or out.size != want_size:
-            raise CommError(f"{self._where()}: {what}: output buffer has {out.size} elements of {out.dtype}, "
+            raise CommError(f"{self.where()}: {what}: output buffer has {out.size} elements of {out.dtype}, "
                             f"needs {want_size} elements of {buf.dtype}")
         if _is_cupy(out) != _is_cupy(buf):
-            raise CommError(f"{self._where()}: {what}: input and output must both be NumPy or both CuPy")
+            raise CommError(f"{self.where()}: {what}: input and output must both be NumPy or both CuPy")
 
     def _check_counts(self, counts: Sequence[int], what: str, total: int | None = None,
                       total_name: str = "buffer") -> list[int]:
-        return check_counts(counts, self._size, self._where(), what, total, total_name)
+        return check_counts(counts, self._size, self.where(), what, total, total_name)
 
     def _agree(self, what: str, mine, rule) -> None:
         """With ``check`` on: gather every rank's count metadata and apply ``rule(all) -> error or None``
@@ -336,7 +337,7 @@ class MPICommunicator(Communicator):
         every = self.allgather_obj(mine)
         err = rule(every)
         if err:
-            raise CommError(f"{self._where()}: {what}: {err}")
+            raise CommError(f"{self.where()}: {what}: {err}")
 
     @staticmethod
     def _empty(buf, shape):
@@ -397,7 +398,7 @@ class MPICommunicator(Communicator):
         comm = self._live()
         counts = self._check_counts(counts, "allgatherv")
         if buf.size != counts[self._rank]:
-            raise CommError(f"{self._where()}: allgatherv: this rank gives {buf.size} elements but "
+            raise CommError(f"{self.where()}: allgatherv: this rank gives {buf.size} elements but "
                             f"counts[{self._rank}] = {counts[self._rank]} (counts {counts})")
         self._agree("allgatherv", counts, lambda every: None if all(c == every[0] for c in every) else
                     f"ranks disagree on counts: {every}")
@@ -491,7 +492,7 @@ class MPICommunicator(Communicator):
     # -- point to point -------------------------------------------------------------------------------
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self._size:
-            raise CommError(f"{self._where()}: {what} {r} does not exist (ranks 0..{self._size - 1})")
+            raise CommError(f"{self.where()}: {what} {r} does not exist (ranks 0..{self._size - 1})")
 
     def isend(self, buf, dest: int, tag: int = 0) -> Handle:
         """Point to point: send ``buf`` (copied first if not contiguous) to ``dest``."""
@@ -516,7 +517,7 @@ class MPICommunicator(Communicator):
             def landed():
                 got = status.Get_count(dt)
                 if got != buf.size:
-                    raise CommError(f"{self._where()}: received {got} elements from rank {source} "
+                    raise CommError(f"{self.where()}: received {got} elements from rank {source} "
                                     f"(tag {tag}) into a buffer of {buf.size}; sender and receiver sizes "
                                     f"must match")
                 return buf
@@ -529,7 +530,7 @@ class MPICommunicator(Communicator):
         def finish():
             got = status.Get_count(dt)
             if got != arr.size:
-                raise CommError(f"{self._where()}: received {got} elements from rank {source} (tag {tag}) "
+                raise CommError(f"{self.where()}: received {got} elements from rank {source} (tag {tag}) "
                                 f"into a buffer of {arr.size}; sender and receiver sizes must match")
             return buf
 

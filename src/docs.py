@@ -33,22 +33,36 @@ class _Captured(Exception):
 
 
 @contextlib.contextmanager
-def _grab_parsers():
-    """While active, the first ``parse_args``/``parse_known_args`` call raises with its parser."""
-    saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+def _grab_parsers(subcommands: dict):
+    """While active, the first ``parse_args``/``parse_known_args`` call raises with its parser, and the
+    subcommand parsers made through ``add_subparsers`` are collected into ``subcommands`` (name -> parser,
+    from the returned action's ``choices``)."""
+    saved = (argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args,
+             argparse.ArgumentParser.add_subparsers)
+    actions = []
 
     def grab(self, *args, **kwargs):
+        for action in actions:
+            subcommands.update(action.choices)
         raise _Captured(self)
 
+    def add_subparsers(self, **kwargs):
+        action = saved[2](self, **kwargs)
+        actions.append(action)
+        return action
+
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = grab
+    argparse.ArgumentParser.add_subparsers = add_subparsers
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved
+        (argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args,
+         argparse.ArgumentParser.add_subparsers) = saved
 
 
-def _parser_of(call) -> argparse.ArgumentParser:
-    with _grab_parsers():
+def _parser_of(call, subcommands: dict | None = None) -> argparse.ArgumentParser:
+    """The parser ``call`` parses its arguments with; its subcommands' parsers into ``subcommands``."""
+    with _grab_parsers({} if subcommands is None else subcommands):
         try:
             call()
         except _Captured as c:
@@ -67,13 +81,6 @@ def _run_module(module: str, argv: list[str]):
         finally:
             sys.argv = old
     return call
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
 
 
 def _help_block(title: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -98,9 +105,10 @@ def commands_page() -> str:
                     parser = _parser_of(_run_module(module, [name, "--help"]))
                     lines += _help_block(f"python -m lbannpy.bench {name}", parser)
                 continue
-            parser = _parser_of(_run_module(module, ["--help"]))
+            subcommands: dict = {}
+            parser = _parser_of(_run_module(module, ["--help"]), subcommands)
             lines += _help_block(f"python -m {module}", parser)
-            for name, sub in _subparsers(parser).items():
+            for name, sub in subcommands.items():
                 lines += _help_block(f"python -m {module} {name}", sub)
     finally:
         if old is None:

@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="also write the results to this JSON file")
     ap.add_argument("--summary", nargs="+", metavar="SUMMARY_JSON",
                     help="print the I/O wait share of these training runs (their summary.json) against the "
-                         f"{IO_WAIT_TARGET:.0%} target, and nothing else")
+                         f"{IO_WAIT_TARGET * 100:g}%% target, and nothing else")
     ap.add_argument("--hyperslab-worker", action="store_true", help=argparse.SUPPRESS)
     return ap
 
