@@ -181,12 +181,13 @@ class DeviceUploader:
         xp = self.xp
         buf = self._device[self._dslot]
         self._dslot ^= 1
-        # the compute stream read this buffer two steps ago: the copy must not land before that is done
+        # a buffer (re)made here comes from the compute stream's memory, and the compute stream read it two
+        # steps ago: the copy must not land before either is done, so the event comes after both
+        x = self._device_array(buf, "inputs", staged.inputs.shape, staged.inputs.dtype)
+        y = self._device_array(buf, "labels", staged.labels.shape, staged.labels.dtype)
         compute = xp.cuda.get_current_stream()
         self._freed.record(compute)
         self.copy_stream.wait_event(self._freed)
-        x = self._device_array(buf, "inputs", staged.inputs.shape, staged.inputs.dtype)
-        y = self._device_array(buf, "labels", staged.labels.shape, staged.labels.dtype)
         x.set(staged.inputs, stream=self.copy_stream)
         y.set(staged.labels, stream=self.copy_stream)
         done = self._copied[staged.slot]
