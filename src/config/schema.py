@@ -229,6 +229,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             "gpu, ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit mantissa "
             "products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 convolutions are "
             "float32, as the own kernels and the CPU compute them"),
+        Key("cuda_graph", Str(("auto", "on", "off")), "auto",
+            "gpu: the training step as one CUDA graph, captured per input shape after warm-up steps and "
+            "replayed (one launch a step); auto: where the run can be captured, else eager with one line "
+            "naming what prevented it; on: refuse a run that cannot be captured, with that line; off: eager"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
         Key("memory_gib", Float(0.0, lo_open=True), UNSET,

@@ -43,6 +43,8 @@ class Trainer:
         self.step = 0
         self.resumed_from = None  # the checkpoint path --resume started from
         self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
+        self.graphs = None  # a graphstep.StepGraphs when the training step is captured
+        self.step_mode = None  # the graphstep.Decision of set-up
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False, force: bool = False) -> None:
@@ -87,6 +89,7 @@ class Trainer:
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress,
                              shard_state=bool(cfg["optimizer"].get("shard_state", False)))
+        self._choose_step_mode(cfg)
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         self.record = ckpt.computation(cfg)
         if resume:
@@ -104,6 +107,38 @@ class Trainer:
             outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
             outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
             self.report.start_metrics()
+
+    def _choose_step_mode(self, cfg: dict) -> None:
+        """``runtime.cuda_graph``: capture the training step (a stream of the run's own then carries every
+        step), or run it eagerly; one line on rank 0 says which, and why not where it could not be."""
+        from .graphstep import CaptureRefused, StepGraphs, decide
+
+        xp = self.rt.xp
+        try:
+            self.step_mode = decide(cfg, self.rt.device, getattr(self.rt, "backend", ""), xp, self.model,
+                                    self.optimizer, self.trace, world=self.world)
+        except CaptureRefused as exc:
+            raise UserError(str(exc)) from None
+        self.graphs = None
+        if self.rt.device == "gpu" and self.world.rank == 0:
+            sys.stderr.write(f"lbannpy.train: {self.step_mode.line()}\n")
+            sys.stderr.flush()
+        if self.step_mode.mode != "graph":
+            return
+        # the legacy default stream cannot be captured; a non-blocking stream does not wait for it, so it
+        # waits once for the set-up's work (initial weights, communicators) there
+        stream = xp.cuda.Stream(non_blocking=True)
+        ready = xp.cuda.Event(disable_timing=True)
+        ready.record(xp.cuda.get_current_stream())
+        stream.wait_event(ready)
+        stream.use()
+        self.graphs = StepGraphs(xp, stream)
+        # a replayed step runs no Python per layer: no per-layer or per-bucket timing events (an event
+        # recorded during a capture is never recorded at a replay), only the step's marks outside it
+        self.timer.clock = None
+        for bucket in self.sync.engine.buckets:
+            bucket.timed = False
+        self.sync.engine.clock = "host"
 
     def _resume(self, force: bool) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -138,6 +173,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics row."""
+        if self.graphs is not None:
+            return self._graph_step()
         from lbannpy.comm.overlap import hidden_fraction
 
         wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
@@ -208,6 +245,60 @@ class Trainer:
                "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
         if timing:
             row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
+        self.report.end_step()
+        return row
+
+    def _step_body(self, x_local, labels):
+        """What a captured step does, on the device only: forward, loss statistics, backward, gradient
+        reduction, optimizer update, the squared gradient norm. Returns ``(stats, grad_sq)``."""
+        from lbannpy.tensor import DistTensor
+
+        sync, model = self.sync, self.model
+        x = DistTensor(x_local, model.input_shape, model.input_dist, self.world.rank)
+        self.optimizer.zero_grad()
+        logits = model.forward(x, before_layer=sync.before_forward)
+        stats = self.loss.forward_stats(logits, labels)
+        mark = sync.start_backward()
+        model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
+        sync.finish(mark)
+        return stats, sync.grad_norm_sq()
+
+    def _graph_step(self) -> dict:
+        """One optimizer step of a captured run (``runtime.cuda_graph``): eager while the input shape warms
+        up, then captured once and replayed; a logged step reads the loss statistics and the gradient norm
+        (one small transfer), an unlogged one makes no host synchronisation."""
+        wd, clock, st = self.watchdog, self.clock, self.settings
+        t0 = clock.now()
+        h0 = time.perf_counter()
+        wd.progress("waiting for data")
+        batch = self.next_batch(self.reader)
+        t_io = time.perf_counter() - h0
+        x, labels = self.upload(batch)
+        lr = self.optimizer.lr
+        self.model.set_train(True)
+        wd.progress("training step (CUDA graph)")
+        (stats, grad_sq), how = self.report.untimed(
+            lambda: self.graphs.step(x.local, labels, self._step_body))
+        if how == "replayed":  # the host's share of a step: the optimizer's step counter
+            self.optimizer.finish_step()
+        self.step += 1
+        logged = self.step % st.log_every == 0 or self.step == st.total_steps
+        t_end = clock.now()
+        wd.progress(f"step {self.step} done")
+        metrics, timing = {}, {}
+        if logged:
+            clock.settle()
+            dt = clock.seconds(t_end) - clock.seconds(t0)
+            loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
+            health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
+            health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
+            metrics["grad_norm"] = grad_norm
+            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
+        row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
+               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": 0.0,
+               "hidden_comm_fraction": 0.0, "hidden_comm_s": 0.0}
+        if timing:
+            row["samples_per_s"] = row.pop("samples_per_s")
         self.report.end_step()
         return row
 
@@ -404,6 +495,10 @@ class Trainer:
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
+        if self.step_mode is not None:
+            g = self.graphs
+            run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,
+                                     replays=g.replays if g else 0)
         self.report.bucket_clock = self.sync.engine.clock
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})

@@ -1,0 +1,150 @@
+"""``runtime.cuda_graph``: which runs the step graph refuses, and the one line that names why
+(:mod:`lbannpy.training.graphstep`). The models are built on NumPy; a GPU's array module is a small object
+whose ``cuda.Stream`` has (or lacks) ``begin_capture``, which is all the decision reads of it."""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from lbannpy.comm import SingleCommunicator
+from lbannpy.layers.base import LayerContext
+from lbannpy.layers.registry import layer_specs
+from lbannpy.model import Model
+from lbannpy.optim import make_optimizer
+from lbannpy.training.graphstep import CaptureRefused, agreed, decide, refusal
+
+
+class _Stream:
+    def begin_capture(self):
+        raise AssertionError("the decision must not capture anything")
+
+
+GPU_XP = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(Stream=_Stream))
+NO_CAPTURE_XP = types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(Stream=object))
+
+PLAIN = [{"name": "c1", "type": "conv", "filters": 2, "kernel": 3, "padding": 1},
+         {"name": "r1", "type": "relu"},
+         {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+         {"name": "f1", "type": "fc", "units": 3}]
+
+
+def model(layers=PLAIN, kernels=None):
+    ctx = LayerContext(SingleCommunicator(), np, "float64", seed=1)
+    if kernels is not None:
+        ctx.conv_kernels = kernels
+    spec = {"name": "m", "input": {"channels": 2, "spatial": [8, 8]}, "layers": layers,
+            "loss": "cross_entropy"}
+    return Model(spec, 2, ctx, {})
+
+
+def cfg(graph="auto", optimizer=None, comm=None):
+    return {"runtime": {"cuda_graph": graph}, "optimizer": optimizer or {"type": "sgd", "lr": 0.1,
+                                                                         "momentum": 0.9},
+            "comm": comm or {}}
+
+
+def why(c=None, m=None, device="gpu", backend="nccl", xp=GPU_XP, trace=False):
+    c = c or cfg()
+    m = m or model()
+    return refusal(c, device, backend, xp, m, make_optimizer(c["optimizer"], m.params, 10), trace)
+
+
+def test_a_plain_sgd_net_on_nccl_is_captured():
+    assert why() == ""
+    c = cfg("on")
+    m = model()
+    d = decide(c, "gpu", "nccl", GPU_XP, m, make_optimizer(c["optimizer"], m.params, 10))
+    assert d.mode == "graph" and "one CUDA graph per input shape" in d.line()
+
+
+def test_every_layer_type_the_registry_marks_uncapturable_is_named_with_its_note():
+    """The layer registry's declaration, not a list in the step module: each registered one-input type
+    declared uncapturable, between a conv and an fc, is named with its own note."""
+    for name, spec in layer_specs().items():
+        if spec.capturable or spec.max_parents != 1 or spec.flat_output:
+            continue
+        layers = [PLAIN[0], {"name": "t", "type": name}, PLAIN[-1]]
+        assert why(m=model(layers)) == f"layer 't' ({name}): {spec.capture_note}", name
+
+
+def test_a_layer_declared_uncapturable_refuses_the_capture():
+    m = model()
+    assert why(m=m) == ""
+    pool = m.layers[2]
+    pool.spec = dataclasses.replace(pool.spec, capturable=False, capture_note="it reads a host value")
+    assert why(m=m) == "layer 'p1' (pool): it reads a host value"
+
+
+def test_the_mpi_backend_is_refused():
+    assert why(backend="mpi").startswith("runtime.backend mpi: MPI calls wait on the host")
+
+
+def test_aten_kernels_are_refused_by_layer_name():
+    pytest.importorskip("torch")
+    from lbannpy.layers.kernels.select import conv_kernels
+
+    got = why(m=model(kernels=conv_kernels("aten", "cpu")))
+    assert got.startswith("layer 'c1' uses ATen kernels, whose outputs come from torch's caching allocator")
+    assert got.endswith("set runtime.kernels: own")
+
+
+@pytest.mark.parametrize("opt,start", [
+    ({"type": "adam", "lr": 1e-3}, "optimizer adam: its bias corrections change every step"),
+    ({"type": "sgd", "lr": 0.1, "schedule": {"type": "cosine"}}, "optimizer.schedule: the learning rate"),
+    ({"type": "sgd", "lr": 0.1, "schedule": {"type": "none", "warmup_steps": 3}}, "optimizer.schedule: "),
+    ({"type": "sgd", "lr": 0.1, "shard_state": True}, "optimizer.shard_state: "),
+], ids=["adam", "cosine-schedule", "warmup", "shard-state"])
+def test_optimizers_whose_per_step_values_live_on_the_host_are_refused(opt, start):
+    assert why(cfg(optimizer=opt)).startswith(start)
+
+
+def test_an_optimizer_that_declares_its_capture_reason_is_believed():
+    c = cfg(optimizer={"type": "adam", "lr": 1e-3})
+    m = model()
+    opt = make_optimizer(c["optimizer"], m.params, 10)
+    opt.capture_reason = lambda: ""
+    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == ""
+    opt.capture_reason = lambda: "its moments are rebound"
+    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == "its moments are rebound"
+
+
+def test_replicated_fc_trace_and_a_cupy_without_capture_are_refused():
+    assert why(cfg(comm={"replicate_fc": 1})).startswith("comm.replicate_fc: ")
+    assert why(trace=True) == "--trace: per-layer timings need eager steps"
+    assert why(xp=NO_CAPTURE_XP) == "the array module cupy has no stream capture (Stream.begin_capture)"
+
+
+def test_on_refuses_with_the_line_auto_falls_back_with_it_off_is_silent():
+    c_on, c_auto, c_off = cfg("on"), cfg("auto"), cfg("off")
+    m = model()
+    opt = make_optimizer(c_on["optimizer"], m.params, 10)
+    with pytest.raises(CaptureRefused, match=r"^runtime.cuda_graph on: the training step cannot be captured: "
+                                             r"runtime.backend mpi: "):
+        decide(c_on, "gpu", "mpi", GPU_XP, m, opt)
+    d = decide(c_auto, "gpu", "mpi", GPU_XP, m, opt)
+    assert d.mode == "eager" and d.reason.startswith("runtime.backend mpi")
+    assert d.line().startswith("step: eager (runtime.cuda_graph auto): not capturable: runtime.backend mpi")
+    assert "\n" not in d.line()
+    d = decide(c_off, "gpu", "nccl", GPU_XP, m, opt)
+    assert d.mode == "eager" and d.reason == "" and d.line() == "step: eager (runtime.cuda_graph off)"
+    # a CPU run: auto is plainly eager, on is refused
+    assert decide(c_auto, "cpu", "mpi", np, m, opt).mode == "eager"
+    with pytest.raises(CaptureRefused, match="runtime.device cpu: CUDA graphs need a GPU"):
+        decide(c_on, "cpu", "single", np, m, opt)
+
+
+class _World:
+    def __init__(self, size, reasons):
+        self.size, self.reasons = size, reasons
+
+    def allgather_obj(self, obj):
+        return list(self.reasons)
+
+
+def test_ranks_agree_on_one_reason_naming_the_first_rank_that_has_one():
+    assert agreed(_World(3, ["", "", ""]), "") == ""
+    assert agreed(_World(2, ["x", "x"]), "x") == "x"
+    assert agreed(_World(3, ["", "layer 'c1' uses ATen", ""]), "") == "layer 'c1' uses ATen (rank 1)"
