@@ -148,3 +148,16 @@ def test_ranks_agree_on_one_reason_naming_the_first_rank_that_has_one():
     assert agreed(_World(3, ["", "", ""]), "") == ""
     assert agreed(_World(2, ["x", "x"]), "x") == "x"
     assert agreed(_World(3, ["", "layer 'c1' uses ATen", ""]), "") == "layer 'c1' uses ATen (rank 1)"
+
+
+def test_the_key_takes_yaml_s_bare_on_and_off_as_the_words():
+    """``--set runtime.cuda_graph=on`` reaches the schema as YAML 1.1's boolean True."""
+    from lbannpy.config import ConfigError
+    from lbannpy.config.schema import lookup
+
+    key = lookup(["runtime", "cuda_graph"])
+    assert key.default == "auto"
+    assert [key.type.check(v, "runtime.cuda_graph") for v in (True, False, "auto", "on")] == \
+        ["on", "off", "auto", "on"]
+    with pytest.raises(ConfigError, match="runtime.cuda_graph: unknown value 'yes'"):
+        key.type.check("yes", "runtime.cuda_graph")
