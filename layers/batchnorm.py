@@ -108,7 +108,7 @@ class BatchNorm(Layer):
                 vals = rd.read(((g, g + 1), self.cbox))[0]
             else:
                 vals = rd.read(((0, written), self.cbox)).mean(axis=0)
-            setattr(self, k, self.ctx.xp.asarray(np.ascontiguousarray(vals), dtype=np.float64))
+            getattr(self, k)[...] = self.ctx.xp.asarray(np.ascontiguousarray(vals), dtype=np.float64)
 
     def fp_compute(self, xs):
         (x,) = xs
@@ -125,9 +125,10 @@ class BatchNorm(Layer):
         if self.stats_comm.size > 1:
             tot = self.stats_comm.allreduce(tot)
         count = self.stat_count
-        y, mean, var, self.running_mean, self.running_var = K.bn_train_forward(
+        # the running statistics are written in place: the buffers stay those of set-up (capture-safe)
+        y, mean, var, _, _ = K.bn_train_forward(
             x, tot, count, self.gamma.value, self.beta.value, self.eps, self.momentum, self.running_mean,
-            self.running_var, relu=relu)
+            self.running_var, relu=relu, in_place=True)
         self._saved = (x, mean, var, count, y if relu else None)
         return y
 

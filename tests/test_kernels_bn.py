@@ -113,6 +113,12 @@ def test_training_step_from_packed_sums_matches_torch_with_running_statistics(co
     assert_close(y, yt.detach().numpy(), rtol)
     assert_close(rm, rmt.numpy(), rtol)
     assert_close(rv, rvt.numpy(), rtol)
+    # in place (the layer's call): the given buffers hold the same bits and are returned
+    rm_ip, rv_ip = rm0.copy(), rv0.copy()
+    ip = kbn.bn_train_forward(xs[0], tot, count, g, b, eps, mom, rm_ip, rv_ip, relu=relu, in_place=True)
+    assert ip[3] is rm_ip and ip[4] is rv_ip
+    np.testing.assert_array_equal(rm_ip, rm)
+    np.testing.assert_array_equal(rv_ip, rv)
     ys = [o[0] if relu else None for o in outs]
     sums = [kbn.bn_backward_sums(d, p, mean, var, eps, y=yy) for d, p, yy in zip(dys, xs, ys)]
     stot = sums[0] + sums[1]

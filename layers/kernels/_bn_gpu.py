@@ -31,13 +31,14 @@ _RED = (  # (in, out, map, reduce, post, identity, name)
 _ELT = (  # (in, out, operation, name)
     ("float64 s1, float64 s2, T s, float64 n", "float64 t1, float64 t2",
      "double v = (double)s; t1 = s1 + n * v; t2 = s2 + 2.0 * v * s1 + n * v * v;", "lbannpy_bn_sums"),
-    ("float64 t1, float64 t2, float64 count, T gamma, T beta, float64 eps, float64 mom, float64 rm0, "
-     "float64 rv0", "float64 mean, float64 var, T scale, T shift, float64 rm, float64 rv",
+    # the running statistics rm, rv are updated in place (a captured step keeps writing the same buffers)
+    ("float64 t1, float64 t2, float64 count, T gamma, T beta, float64 eps, float64 mom",
+     "float64 mean, float64 var, T scale, T shift, float64 rm, float64 rv",
      "double mu = t1 / count; double v = t2 / count - mu * mu; v = v < 0.0 ? 0.0 : v;"
      "double k = (double)gamma / sqrt(v + eps);"
      "mean = mu; var = v; scale = (T)k; shift = (T)((double)beta - mu * k);"
-     "rm = (1.0 - mom) * rm0 + mom * mu;"
-     "rv = (1.0 - mom) * rv0 + mom * (v * (count / (count > 1.0 ? count - 1.0 : 1.0)));",
+     "rm = (1.0 - mom) * rm + mom * mu;"
+     "rv = (1.0 - mom) * rv + mom * (v * (count / (count > 1.0 ? count - 1.0 : 1.0)));",
      "lbannpy_bn_stats"),
     ("float64 mean, float64 var, T gamma, T beta, float64 eps", "T scale, T shift",
      "double k = (double)gamma / sqrt(var + eps); scale = (T)k; shift = (T)((double)beta - mean * k);",
@@ -89,12 +90,15 @@ def local_sums(k: Kernels, x):
 
 def train_forward(k: Kernels, x, tot, count, gamma, beta, eps, momentum, running_mean, running_var, relu):
     """``(y, mean, var, running_mean, running_var)`` from the reduced sums: one per-channel kernel, one
-    element-wise pass."""
+    element-wise pass. The running statistics are updated in the given arrays."""
     c = tot.shape[0] // 2
     beta = 0.0 if beta is None else beta
-    mean, var, scale, shift, rm, rv = k.stats(tot[:c], tot[c:], float(count), gamma, beta, float(eps),
-                                              float(momentum), running_mean, running_var)
-    return _normalise(k, x, scale, shift, relu), mean, var, rm, rv
+    xp = k.xp
+    mean, var = xp.empty(c, dtype="float64"), xp.empty(c, dtype="float64")
+    scale, shift = xp.empty(c, dtype=x.dtype), xp.empty(c, dtype=x.dtype)
+    k.stats(tot[:c], tot[c:], float(count), gamma, beta, float(eps), float(momentum), mean, var, scale, shift,
+            running_mean, running_var)
+    return _normalise(k, x, scale, shift, relu), mean, var, running_mean, running_var
 
 
 def forward(k: Kernels, x, mean, var, gamma, beta, eps, relu):

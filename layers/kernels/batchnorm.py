@@ -113,21 +113,29 @@ def bn_mean_var(total, total_sq, count):
     return mean, var.clip(min=0.0)
 
 
-def bn_train_forward(x, tot, count, gamma, beta, eps, momentum, running_mean, running_var, relu=False):
+def bn_train_forward(x, tot, count, gamma, beta, eps, momentum, running_mean, running_var, relu=False,
+                     in_place=False):
     """A training step's forward from the reduced sums ``tot`` (:func:`bn_local_sums` summed over the
     statistics group, ``count`` values per channel): ``(y, mean, var, running_mean, running_var)``, the
-    running statistics moved by ``momentum`` towards this batch's mean and unbiased variance (new arrays:
-    the given ones are not written). Compiled: one call (:func:`bn_mean_var`'s arithmetic, the running
-    update's and :func:`bn_forward`'s, in their order)."""
+    running statistics moved by ``momentum`` towards this batch's mean and unbiased variance (new arrays,
+    the given ones not written; with ``in_place`` the given ones, updated: a captured GPU step keeps
+    writing the same buffers). Compiled: one call (:func:`bn_mean_var`'s arithmetic, the running update's
+    and :func:`bn_forward`'s, in their order)."""
     c = tot.shape[0] // 2
     if _compiled(x, gamma, beta) and _compiled(tot, running_mean, running_var):
         n, _, p = _ncp(x)
         st, y = numpy.empty(4 * c), numpy.empty_like(x)
         _cbn.train_fwd(x.dtype.itemsize, x, n, c, p, tot, float(count), gamma, beta, float(eps), int(relu),
                        float(momentum), running_mean, running_var, st, y)
-        return y, st[:c], st[c:2 * c], st[2 * c:3 * c], st[3 * c:]
+        rm, rv = st[2 * c:3 * c], st[3 * c:]
+        if in_place:
+            running_mean[...], running_var[...] = rm, rv
+            rm, rv = running_mean, running_var
+        return y, st[:c], st[c:2 * c], rm, rv
     gpu = _gpu_kernels(x)
     if gpu is not None and x.size:
+        if not in_place:
+            running_mean, running_var = running_mean.copy(), running_var.copy()
         return _bn_gpu.train_forward(gpu, x, tot, count, gamma, beta, eps, momentum, running_mean,
                                      running_var, relu)
     mean, var = bn_mean_var(tot[:c], tot[c:], count)
@@ -135,6 +143,9 @@ def bn_train_forward(x, tot, count, gamma, beta, eps, momentum, running_mean, ru
     m = momentum
     rm = (1 - m) * running_mean + m * mean
     rv = (1 - m) * running_var + m * unbiased
+    if in_place:
+        running_mean[...], running_var[...] = rm, rv
+        rm, rv = running_mean, running_var
     return bn_forward(x, mean, var, gamma, beta, eps, relu=relu), mean, var, rm, rv
 
 

@@ -85,7 +85,9 @@ def _bn_step(xp, h, dy, relu, dtype):
     if xp is cupy:
         _standin.reset_launches()
     tot = K.bn_local_sums(x)
-    y, mean, var, rm2, rv2 = K.bn_train_forward(x, tot, count, g, b, 1e-5, 0.1, rm, rv, relu=relu)
+    y, mean, var, rm2, rv2 = K.bn_train_forward(x, tot, count, g, b, 1e-5, 0.1, rm, rv, relu=relu,
+                                                in_place=True)
+    assert rm2 is rm and rv2 is rv  # the running statistics stay in their buffers (a captured step's)
     t2 = K.bn_backward_sums(d, x, mean, var, 1e-5, y=y if relu else None)
     K.bn_add_param_grads(t2, gg, gb)
     dx = K.bn_backward_data_summed(d, x, mean, var, g, 1e-5, t2, count, y=y if relu else None)
