@@ -34,8 +34,7 @@ SPEC = LayerSpec("batchnorm", "batch normalization over samples and spatial dime
     Key("sync", Str(("group", "global")), "group",
         "statistics over the ranks holding one sample (group) or over all ranks (global)")),
     _infer, weights_split=True, spatial_statistics=True, pointwise=True, order=30,
-    capture_note="its running statistics are new arrays each step (a replay would keep updating the first "
-                 "ones)")
+    capturable=True)
 
 
 @register(SPEC)
