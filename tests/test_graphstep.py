@@ -161,3 +161,113 @@ def test_the_key_takes_yaml_s_bare_on_and_off_as_the_words():
         ["on", "off", "auto", "on"]
     with pytest.raises(ConfigError, match="runtime.cuda_graph: unknown value 'yes'"):
         key.type.check("yes", "runtime.cuda_graph")
+
+
+# ------------------------------------------------------------------------------------ StepGraphs
+class _Capture:
+    """A CUDA-like runtime in miniature: work issued while a stream captures is recorded, not run, and a
+    graph's launch runs what was recorded; allocations name the allocator in use."""
+
+    def __init__(self):
+        self.recording = None
+        self.allocator = None
+        self.cuda = types.SimpleNamespace(MemoryPool=self._Pool, using_allocator=self._using)
+
+    class _Pool:
+        def malloc(self, nbytes):
+            raise AssertionError("not called by the fake body")
+
+    def _using(self, malloc):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.allocator = malloc
+            try:
+                yield
+            finally:
+                self.allocator = None
+        return ctx()
+
+    def issue(self, op):
+        if self.recording is not None:
+            self.recording.append(op)
+        else:
+            op()
+
+    def empty_like(self, a):
+        return np.empty_like(a)
+
+
+class _Graph:
+    def __init__(self, ops):
+        self.ops = ops
+        self.launches = 0
+
+    def launch(self, stream):
+        self.launches += 1
+        for op in self.ops:
+            op()
+
+
+class _CaptureStream:
+    def __init__(self, rt):
+        self.rt = rt
+
+    def begin_capture(self):
+        assert self.rt.recording is None, "capture begun twice"
+        self.rt.recording = []
+
+    def end_capture(self):
+        ops, self.rt.recording = self.rt.recording, None
+        return _Graph(ops)
+
+
+def _step_body(rt, calls):
+    """A training step in miniature: one device operation reading both inputs into a persistent output."""
+    def body(x, y):
+        calls.append(rt.allocator is not None)  # whether the capture's pool was the allocator
+        out = np.zeros(1)
+        rt.issue(lambda: out.__setitem__(0, 10 * x.sum() + y.sum()))
+        return out, out
+    return body
+
+
+def test_step_graphs_warm_up_capture_once_per_shape_and_replay_on_new_inputs():
+    from lbannpy.training.graphstep import StepGraphs
+
+    rt = _Capture()
+    graphs = StepGraphs(rt, _CaptureStream(rt), warmup=2)
+    calls: list = []
+    body = _step_body(rt, calls)
+    hows, got = [], []
+    for i in range(6):
+        x, y = np.full((2, 3), float(i)), np.array([i, 1])
+        (out, _), how = graphs.step(x, y, body)
+        hows.append(how)
+        got.append(float(out[0]))
+        assert got[-1] == 10 * x.sum() + y.sum(), (i, how, got)  # a stale batch would give an old value
+    assert hows == ["eager", "eager", "captured", "replayed", "replayed", "replayed"]
+    # the body ran for the warm-up steps and once under capture (with the private pool), never at a replay
+    assert calls == [False, False, True]
+    assert graphs.captures == 1 and graphs.replays == 3
+    # another shape (a last partial batch) warms up and is captured on its own; the first graph stays
+    x2, y2 = np.ones((1, 3)), np.array([4])
+    assert [graphs.step(x2, y2, body)[1] for _ in range(4)] == ["eager", "eager", "captured", "replayed"]
+    (out, _), how = graphs.step(np.full((2, 3), 7.0), np.array([7, 1]), body)
+    assert how == "replayed" and out[0] == 10 * 42 + 8
+    assert graphs.captures == 2 and len(calls) == 6
+
+
+def test_a_failing_capture_is_ended_and_its_error_raised():
+    from lbannpy.training.graphstep import StepGraphs
+
+    rt = _Capture()
+    graphs = StepGraphs(rt, _CaptureStream(rt), warmup=0)
+
+    def bad(x, y):
+        raise RuntimeError("a host synchronisation during capture")
+
+    with pytest.raises(RuntimeError, match="host synchronisation during capture"):
+        graphs.step(np.zeros(2), np.zeros(1), bad)
+    assert rt.recording is None and rt.allocator is None and graphs.captures == 0
