@@ -256,6 +256,8 @@ class OverlapEngine:
 
     # -- the main thread ------------------------------------------------------------------------------------
     def start_step(self) -> None:
+        while not self._completed.empty():  # posted by a step that was abandoned (a failed capture)
+            self._completed.get_nowait()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None

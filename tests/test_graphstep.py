@@ -259,15 +259,34 @@ def test_step_graphs_warm_up_capture_once_per_shape_and_replay_on_new_inputs():
     assert graphs.captures == 2 and len(calls) == 6
 
 
-def test_a_failing_capture_is_ended_and_its_error_raised():
-    from lbannpy.training.graphstep import StepGraphs
+def test_a_failing_capture_is_ended_agreed_on_and_nothing_is_launched():
+    from lbannpy.training.graphstep import CaptureFailed, StepGraphs
 
     rt = _Capture()
-    graphs = StepGraphs(rt, _CaptureStream(rt), warmup=0)
+    told = []
+
+    def agree(err):  # as agreed(): this rank's error, or another rank's
+        told.append(err)
+        return err or "RuntimeError: rank 1 could not capture (rank 1)"
+
+    graphs = StepGraphs(rt, _CaptureStream(rt), warmup=0, agree=agree)
 
     def bad(x, y):
-        raise RuntimeError("a host synchronisation during capture")
+        raise RuntimeError("a host synchronisation during capture\nat layer c1")
 
-    with pytest.raises(RuntimeError, match="host synchronisation during capture"):
+    with pytest.raises(CaptureFailed, match=r"^RuntimeError: a host synchronisation during capture$"):
         graphs.step(np.zeros(2), np.zeros(1), bad)
     assert rt.recording is None and rt.allocator is None and graphs.captures == 0
+    # this rank captured, another did not: no rank launches its graph
+    calls: list = []
+    out = np.full(1, -1.0)
+
+    def good(x, y):
+        calls.append(1)
+        rt.issue(lambda: out.__setitem__(0, 5.0))
+        return out, out
+
+    with pytest.raises(CaptureFailed, match="rank 1 could not capture"):
+        graphs.step(np.zeros(2), np.zeros(1), good)
+    assert told == ["RuntimeError: a host synchronisation during capture", ""]
+    assert out[0] == -1.0 and calls == [1] and graphs.captures == 0

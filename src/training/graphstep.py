@@ -48,6 +48,11 @@ class CaptureRefused(ValueError):
     """``runtime.cuda_graph: on`` for a run whose step cannot be captured; the message names what."""
 
 
+class CaptureFailed(RuntimeError):
+    """The capture of a step failed on some rank (agreed on by every rank); nothing of it ran on the
+    device, and no rank keeps a graph. The message names the rank and the error."""
+
+
 def _optimizer_reason(optimizer, opt_cfg: dict) -> str:
     """Why the optimizer's update cannot be replayed, or ''. An optimizer that keeps its per-step values
     on the device says so with ``capture_reason()`` ('' when capturable); otherwise its update kernels take
@@ -159,12 +164,15 @@ class StepGraphs:
     ``step(x, y, body)`` runs ``body(x, y) -> outputs`` eagerly during warm-up, captures it once per shape
     and replays it after; returns ``(outputs, how)`` with ``how`` one of ``eager``, ``captured``,
     ``replayed``. On a replay nothing of ``body`` runs on the host: host-side bookkeeping a step needs
-    (the optimizer's step counter) is the caller's."""
+    (the optimizer's step counter) is the caller's. ``agree(error) -> error``: every rank's capture error
+    ('' for none) made one (collective; see :func:`agreed`), so that either every rank launches its graph
+    or none does: a failed capture raises :class:`CaptureFailed` on every rank before anything ran."""
 
-    def __init__(self, xp, stream, warmup: int = WARMUP_STEPS):
+    def __init__(self, xp, stream, warmup: int = WARMUP_STEPS, agree=None):
         self.xp = xp
         self.stream = stream
         self.warmup = int(warmup)
+        self.agree = agree or (lambda err: err)
         self._shapes: dict[tuple, _Shape] = {}
         self.captures = 0
         self.replays = 0
@@ -179,7 +187,16 @@ class StepGraphs:
             sh.warm += 1
             return body(x, y), "eager"
         if sh.graph is None:
-            self._capture(sh, x, y, body)
+            try:
+                self._capture(sh, x, y, body)
+                err = ""
+            except Exception as exc:  # a real error comes back when the step runs eagerly
+                err = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            err = self.agree(err)
+            if err:
+                self._shapes.clear()
+                self.captures = 0
+                raise CaptureFailed(err)
             sh.graph.launch(self.stream)
             return sh.out, "captured"
         # the batch into the buffers the graph reads, on the compute stream, before its launch
@@ -209,6 +226,7 @@ class StepGraphs:
                     stream.end_capture()
                 except Exception:
                     pass
+                sh.x = sh.y = None
                 raise
             graph = stream.end_capture()
         sh.pool, sh.graph, sh.out = pool, graph, out

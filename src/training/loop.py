@@ -111,7 +111,7 @@ class Trainer:
     def _choose_step_mode(self, cfg: dict) -> None:
         """``runtime.cuda_graph``: capture the training step (a stream of the run's own then carries every
         step), or run it eagerly; one line on rank 0 says which, and why not where it could not be."""
-        from .graphstep import CaptureRefused, StepGraphs, decide
+        from .graphstep import CaptureRefused, StepGraphs, agreed, decide
 
         xp = self.rt.xp
         try:
@@ -132,7 +132,7 @@ class Trainer:
         ready.record(xp.cuda.get_current_stream())
         stream.wait_event(ready)
         stream.use()
-        self.graphs = StepGraphs(xp, stream)
+        self.graphs = StepGraphs(xp, stream, agree=lambda err: agreed(self.world, err))
         # a replayed step runs no Python per layer: no per-layer or per-bucket timing events (an event
         # recorded during a capture is never recorded at a replay), only the step's marks outside it
         self.timer.clock = None
@@ -263,10 +263,29 @@ class Trainer:
         sync.finish(mark)
         return stats, sync.grad_norm_sq()
 
+    def _capture_failed(self, exc, t_opt: int, x_local, labels):
+        """A capture that failed on some rank: ``on`` stops the run with the error; ``auto`` says so in one
+        line, runs this step eagerly (with the same batch) and every later one too."""
+        asked = self.step_mode.asked
+        if asked == "on":
+            raise UserError(f"runtime.cuda_graph on: the capture of step {self.step + 1} failed: {exc}")
+        from .graphstep import Decision
+
+        self.step_mode = Decision("eager", asked, f"the capture of step {self.step + 1} failed: {exc}")
+        self.graphs = None
+        if self.clock.name != "host":  # eager steps time their layers on the device again
+            self.timer.clock = self.clock
+        if self.world.rank == 0:
+            self._say(self.step_mode.line())
+        self.optimizer.t = t_opt  # the failed capture's body ran on the host only
+        return self._step_body(x_local, labels)
+
     def _graph_step(self) -> dict:
         """One optimizer step of a captured run (``runtime.cuda_graph``): eager while the input shape warms
         up, then captured once and replayed; a logged step reads the loss statistics and the gradient norm
         (one small transfer), an unlogged one makes no host synchronisation."""
+        from .graphstep import CaptureFailed
+
         wd, clock, st = self.watchdog, self.clock, self.settings
         t0 = clock.now()
         h0 = time.perf_counter()
@@ -277,8 +296,13 @@ class Trainer:
         lr = self.optimizer.lr
         self.model.set_train(True)
         wd.progress("training step (CUDA graph)")
-        (stats, grad_sq), how = self.report.untimed(
-            lambda: self.graphs.step(x.local, labels, self._step_body))
+        t_opt = self.optimizer.t
+        try:
+            (stats, grad_sq), how = self.report.untimed(
+                lambda: self.graphs.step(x.local, labels, self._step_body))
+        except CaptureFailed as exc:  # every rank alike, before any of the step ran on the device
+            (stats, grad_sq) = self._capture_failed(exc, t_opt, x.local, labels)
+            how = "eager"
         if how == "replayed":  # the host's share of a step: the optimizer's step counter
             self.optimizer.finish_step()
         self.step += 1
