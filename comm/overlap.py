@@ -42,7 +42,8 @@ rebinds to another array later is still handled, by copying it in and out.
 Intervals of every reduction are recorded (``records``) for the overlap report: host times, except on
 a GPU with NCCL and ``device_timing``, where the host only launches the allreduce: there they are CUDA
 events on the communicator's stream, turned into seconds by :meth:`OverlapEngine.resolve` when a report
-is built (never on the step path).
+is built (never on the step path). The records of the last :data:`RECORD_STEPS` steps are kept (a run of
+any length holds a bounded list; older events are dropped unread).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ from typing import Callable, Sequence
 from .base import CommError
 
 _STOP = object()
+#: steps whose bucket records are kept (the summary's median reduction times are over these)
+RECORD_STEPS = 1024
 
 
 @dataclass
@@ -258,6 +261,11 @@ class OverlapEngine:
     def start_step(self) -> None:
         while not self._completed.empty():  # posted by a step that was abandoned (a failed capture)
             self._completed.get_nowait()
+        keep = RECORD_STEPS * max(len(self.buckets), 1)
+        if len(self.records) >= 2 * keep:  # trimmed every RECORD_STEPS steps: a slice, not a shift a step
+            cut = len(self.records) - keep
+            del self.records[:cut]
+            self._resolved = max(0, self._resolved - cut)
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handle = None

@@ -58,7 +58,8 @@ def _dropout_infer(lay: LayerArgs) -> Inferred:
 @register(LayerSpec("dropout", "inverted dropout (identity at evaluation)", (
     Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element", aliases=("rate",)),),
     _dropout_infer, pointwise=True, order=60,
-    capture_note="its random key is made from a host step counter (a replay would draw the same numbers)"))
+    capture_note="the step count its checkpoints save stays on the host, where a replayed step does not "
+                 "advance it"))
 class Dropout(Layer):
     def setup(self, dist):
         super().setup(dist)
@@ -67,12 +68,18 @@ class Dropout(Layer):
             raise LayerError(f"layer '{self.name}' (dropout): p must be in [0, 1), got {self.p}")
         self.step = 0
         self.layer_id = stable_seed(self.name)
+        xp = self.ctx.xp
+        # on a GPU the mask's step is a counter in device memory, advanced by a kernel: a replayed forward
+        # draws the next step's mask, as an eager one does
+        self._step_dev = None if xp.__name__ == "numpy" else xp.zeros(1, dtype=xp.uint64)
 
     def state(self) -> dict:
         return {"step": self.step}
 
     def load_state(self, state: dict) -> None:
         self.step = int(state["step"])
+        if self._step_dev is not None:
+            self._step_dev[...] = self.step
 
     def fp_compute(self, xs):
         (x,) = xs
@@ -80,9 +87,12 @@ class Dropout(Layer):
             self._scale = None
             return x
         box = self.local_box("in")
-        self._scale = K.dropout_mask(self.ctx.seed, self.step, self.layer_id, box, self.p,
+        step = self.step if self._step_dev is None else self._step_dev
+        self._scale = K.dropout_mask(self.ctx.seed, step, self.layer_id, box, self.p,
                                      xp=self.ctx.xp, dtype=x.dtype)
         self.step += 1
+        if self._step_dev is not None:
+            self._step_dev += 1
         return K.dropout_forward(x, self._scale)
 
     def bp_compute(self, dy):

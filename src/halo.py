@@ -8,7 +8,10 @@ read). Output blocks are those of the same split applied to ``stencil.output_sha
 stride 2 a rank's window need not meet its own block and may need rows from a non-neighbour; windows may
 reach past an immediate neighbour. Nothing here assumes a halo narrower than a block.
 
-Plans are pure: built from shapes only, computable for any rank, cached by :func:`halo_plan`.
+Plans are pure: built from shapes only, computable for any rank, cached by :func:`halo_plan`. A plan built
+directly (a layer's own) also keeps the packed send and receive buffers of its exchanges, planned at the
+first and reused by every later one (a captured step keeps using the same buffers); an exchange started
+while the last one of its direction is still in flight gets fresh buffers, so overlapping uses stay correct.
 
 No hang on a bad plan: :func:`check_halo` loops over *every* rank's geometry, so a plan that cannot work
 (an empty input or output block, a kernel longer than the padded input) raises the same
@@ -174,6 +177,28 @@ class HaloPlan:
         self.boundary_slices = [relative_slices(b, out0) for b in self.boundary_boxes]
         self.boundary_window_slices = [relative_slices(stencil.input_window(b), win0)
                                        for b in self.boundary_boxes]
+        # (direction, dtype, array module) -> (receive, send) buffers; directions in flight
+        self.keep_buffers = True
+        self._buffers: dict = {}
+        self._in_flight: set = set()
+
+    def _exchange_buffers(self, xp, direction: str, dtype):
+        """``(key, recv, send)`` for an exchange (``"fwd"``: ``recv_size``/``send_size`` elements) or its
+        adjoint (``"bwd"``: the reverse): the plan's own buffers, or fresh ones (``key`` None) while the
+        last exchange of that direction is still in flight or the plan is shared."""
+        n_recv, n_send = (self.recv_size, self.send_size) if direction == "fwd" else \
+            (self.send_size, self.recv_size)
+        key = (direction, str(dtype), xp.__name__)
+        if not self.keep_buffers or key in self._in_flight:
+            return None, xp.empty(n_recv, dtype=dtype), xp.empty(n_send, dtype=dtype)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = self._buffers[key] = (xp.empty(n_recv, dtype=dtype), xp.empty(n_send, dtype=dtype))
+        self._in_flight.add(key)
+        return (key,) + bufs
+
+    def _done(self, key) -> None:
+        self._in_flight.discard(key)
 
     def __repr__(self) -> str:
         return (f"HaloPlan(rank {self.rank}, input {shape_str(self.global_shape)} under {self.dist}, "
@@ -233,12 +258,16 @@ class HaloPlan:
         ``wait()`` returns the receive buffer (``recv_size`` elements, laid out as ``recvs``)."""
         check_comm(comm, self.dist, self.rank, "halo exchange")
         check_array(local, self.local_shape, "halo exchange input block", self.rank)
-        xp = array_module(local)
-        recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
-        sendbuf = pack(local, self.sends)
+        key, recvbuf, sendbuf = self._exchange_buffers(array_module(local), "fwd", local.dtype)
+        pack(local, self.sends, sendbuf)
         handles = self._post(comm, recvbuf, self.recvs, sendbuf, self.sends, 2 * self.tag)
-        return HaloExchange(None, handles, lambda: recvbuf, (recvbuf, sendbuf, local),
-                            f"halo rank {self.rank}", received=recvbuf)
+
+        def finish():
+            self._done(key)
+            return recvbuf
+
+        return HaloExchange(None, handles, finish, (recvbuf, sendbuf, local), f"halo rank {self.rank}",
+                            received=recvbuf)
 
     def ghost_window(self, received, piece: GhostPiece):
         """Not collective: the input window of ``piece`` with its received values in place and zeros
@@ -262,12 +291,13 @@ class HaloPlan:
         (this rank's input gradient block, in place), which it returns."""
         check_comm(comm, self.dist, self.rank, "halo accumulate")
         check_array(grad, self.local_shape, "halo accumulate output block", self.rank)
-        xp = array_module(grad)
-        recvbuf = xp.empty(self.send_size, dtype=grad.dtype)
+        key, recvbuf, _ = self._exchange_buffers(array_module(grad), "bwd", grad.dtype)
         handles = self._post(comm, recvbuf, self.sends, packed, self.recvs, 2 * self.tag + 1)
 
         def finish():
-            return unpack(recvbuf, self.sends, grad, add=True)
+            unpack(recvbuf, self.sends, grad, add=True)
+            self._done(key)
+            return grad
 
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, packed, grad), f"halo accumulate rank {self.rank}")
@@ -289,13 +319,14 @@ class HaloPlan:
         Returns a :class:`HaloExchange` whose ``wait()`` returns the window (shape ``window_shape``)."""
         check_comm(comm, self.dist, self.rank, "halo exchange")
         window = self.local_window(local, out)
-        xp = array_module(local)
-        recvbuf = xp.empty(self.recv_size, dtype=local.dtype)
-        sendbuf = pack(local, self.sends)
+        key, recvbuf, sendbuf = self._exchange_buffers(array_module(local), "fwd", local.dtype)
+        pack(local, self.sends, sendbuf)
         handles = self._post(comm, recvbuf, self.recvs, sendbuf, self.sends, 2 * self.tag)
 
         def finish():
-            return unpack(recvbuf, self.recvs, window)
+            unpack(recvbuf, self.recvs, window)
+            self._done(key)
+            return window
 
         return HaloExchange(window, handles, finish, (recvbuf, sendbuf, window, local),
                             f"halo rank {self.rank}", received=recvbuf)
@@ -354,12 +385,14 @@ class HaloPlan:
             grad[...] = 0
         if self.owned_box is not None:
             grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
-        recvbuf = xp.empty(self.send_size, dtype=grad_window.dtype)
-        sendbuf = pack(grad_window, self.recvs)
+        key, recvbuf, sendbuf = self._exchange_buffers(xp, "bwd", grad_window.dtype)
+        pack(grad_window, self.recvs, sendbuf)
         handles = self._post(comm, recvbuf, self.sends, sendbuf, self.recvs, 2 * self.tag + 1)
 
         def finish():
-            return unpack(recvbuf, self.sends, grad, add=True)
+            unpack(recvbuf, self.sends, grad, add=True)
+            self._done(key)
+            return grad
 
         return Handle(lambda: wait_all(handles), lambda: all(h.test() for h in handles), finish,
                       (recvbuf, sendbuf, grad, grad_window), f"halo accumulate rank {self.rank}")
@@ -387,7 +420,7 @@ class HaloExchange(Handle):
                          buffers, label)
         self.window = window
         # the ghost parts as they arrived (``plan.recv_size`` elements): with the local block they rebuild
-        # the window later without communication (:meth:`HaloPlan.refill`)
+        # the window later without communication (:meth:`HaloPlan.refill`), until the plan's next exchange
         self.received = received
 
 
@@ -414,8 +447,11 @@ def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_bo
 @functools.lru_cache(maxsize=512)
 def halo_plan(dist: Distribution, global_shape: tuple, stencil: Stencil, rank: int,
               tag: int | None = None) -> HaloPlan:
-    """Cached :class:`HaloPlan` (plans hold no buffers, so sharing one is safe)."""
-    return HaloPlan(dist, tuple(global_shape), stencil, rank, tag)
+    """Cached :class:`HaloPlan`, shared: it keeps no buffers (a caller may hold one exchange's ghost values
+    while another caller starts the next)."""
+    plan = HaloPlan(dist, tuple(global_shape), stencil, rank, tag)
+    plan.keep_buffers = False
+    return plan
 
 
 def window_of(global_array, box: Box):

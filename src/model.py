@@ -134,6 +134,20 @@ class Model:
                         self.parents[layer.name][0] if layer.name in self._fused else None)
                        for layer in self.layers]
         self._input_grad_for = None
+        # the sum of a multi-consumer tensor's gradients, one buffer per (tensor, shape, dtype) planned at its
+        # first use and written every step after (a captured step keeps writing the same one)
+        self._grad_sums: dict = {}
+
+    def _grad_sum(self, key: str, a, b):
+        """``a + b`` into the planned buffer of tensor ``key``'s gradient (``a`` may be that buffer)."""
+        buf = self._grad_sums.get((key, a.shape, a.dtype.str))
+        if buf is None:
+            buf = self._grad_sums[(key, a.shape, a.dtype.str)] = self.ctx.xp.empty_like(a)
+        if a is buf:
+            buf += b
+        else:
+            self.ctx.xp.add(a, b, out=buf)
+        return buf
 
     @property
     def params(self):
@@ -196,7 +210,8 @@ class Model:
                 key = first if p in INPUT_NAMES else p
                 have = grads.get(key)
                 if have is not None:
-                    grads[key] = DistTensor.trusted(have.local + dx.local, dx.global_shape, dx.dist, dx.rank,
+                    total = self._grad_sum(key, have.local, dx.local)
+                    grads[key] = DistTensor.trusted(total, dx.global_shape, dx.dist, dx.rank,
                                                     have.local.shape)
                 else:
                     grads[key] = dx

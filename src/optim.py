@@ -9,6 +9,13 @@ completes; its ``t`` lets an update that is applied late (replicated fully-conne
 just before the layer's next forward) use the learning rate and moments of the step it belongs to.
 On a GPU each parameter's update is one ``ElementwiseKernel`` (weight decay, moments and step together),
 where the array expressions launch 4 (SGD with momentum) to 12 (Adam) kernels a parameter.
+
+Capture-safe on a GPU: what changes from step to step is read from device memory, never passed as a launch
+argument. The learning rate, Adam's bias corrections and the first-step flag of each step are rows of a
+table in device memory (:class:`StepTable`, computed on the host once with the same arithmetic as the host
+path), and the step counter is a device integer that :meth:`Optimizer.finish_step` increments with a kernel;
+an update indexes the table by that counter (less ``back`` steps for a late update, a constant of its call
+site). The state (momentum, moments) is created at set-up, so no step binds a new buffer.
 """
 from __future__ import annotations
 
@@ -39,18 +46,29 @@ def learning_rate(base_lr: float, step: int, total_steps: int, schedule: dict | 
     raise ScheduleError(f"unknown learning-rate schedule {kind!r}; use none, step or cosine")
 
 
+# a row of the step table: the learning rate, Adam's bias corrections 1 - b1^k and 1 - b2^k, and whether the
+# step is the first (SGD's momentum buffer then takes the gradient itself, as torch.optim.SGD)
+ROW = 4
+# the row of the update's step in the table ``tab``: the device counter less the call site's constant ``back``
+_ROW = "const long long r = (tdev[0] - back) * 4; const T lr = tab[r];"
 # the GPU updates: (in, out, operation, name); outputs are updated in place (the parameter, the moments)
 _GPU_UPDATES = {
-    "sgd": ("T g, T wd, T lr", "T v", "v = v - lr * (wd != (T)0 ? g + wd * v : g);", "lbannpy_sgd"),
+    "sgd": ("T g, T wd, raw T tab, raw int64 tdev, int64 back", "T v",
+            _ROW + "v = v - lr * (wd != (T)0 ? g + wd * v : g);", "lbannpy_sgd"),
     "momentum": (
-        "T g, T wd, T lr, T mom, int32 first, int32 nesterov", "T v, T b",
+        "T g, T wd, raw T tab, raw int64 tdev, int64 back, T mom, int32 nesterov", "T v, T b",
+        _ROW + "const bool first = tab[r + 3] != (T)0;"
         "T gg = wd != (T)0 ? g + wd * v : g; T bb = first ? gg : b * mom + gg; b = bb;"
         "v = v - lr * (nesterov ? gg + mom * bb : bb);", "lbannpy_sgd_momentum"),
     "adam": (
-        "T g, T wd, T lr, T b1, T a1, T b2, T a2, T c1, T c2, T eps", "T v, T m, T s",
+        "T g, T wd, raw T tab, raw int64 tdev, int64 back, T b1, T a1, T b2, T a2, T eps", "T v, T m, T s",
+        _ROW + "const T c1 = tab[r + 1], c2 = tab[r + 2];"
         "T gg = wd != (T)0 ? g + wd * v : g; m = m * b1 + a1 * gg; s = s * b2 + a2 * gg * gg;"
         "v = v - lr * (m / c1) / (sqrt(s / c2) + eps);", "lbannpy_adam"),
 }
+#: most rows a step table plans at set-up (a run of more steps grows it when it gets there, eagerly: the
+#: table is then a new buffer, and ``StepTable.generation`` counts up so a captured step is captured again)
+MAX_PLANNED_ROWS = 1 << 16
 _gpu_cache: dict = {}
 
 
@@ -88,6 +106,53 @@ def _pieces(*arrays):
         yield tuple(f[i:i + PIECE] for f in flat)
 
 
+def _module(a):
+    import sys
+
+    return sys.modules[type(a).__module__.split(".")[0]]
+
+
+class StepTable:
+    """What changes from optimizer step to step, in device memory: a row of :data:`ROW` values per step (see
+    :func:`Optimizer.row`) in each dtype the parameters use, and the step counter ``tdev`` (one int64). An
+    update reads row ``tdev - back``; rows are planned for the run's steps at set-up, so a replayed step
+    launches the same arguments every time."""
+
+    def __init__(self, xp, optimizer):
+        self.xp, self.optimizer = xp, optimizer
+        self.rows = 0
+        self.tables: dict = {}  # dtype -> flat device array of rows * ROW values
+        self.generation = 0  # counts the times the tables were made anew (a graph reading them is stale)
+        self.tdev = xp.zeros(1, dtype=xp.int64)
+
+    def plan(self, dtypes, rows: int) -> None:
+        """Rows ``[0, rows)`` in every dtype of ``dtypes`` (computed on the host, uploaded once)."""
+        import numpy
+
+        dtypes = {numpy.dtype(d) for d in dtypes} | set(self.tables)
+        if rows <= self.rows and dtypes <= set(self.tables):
+            return
+        rows = max(rows, self.rows)
+        host = numpy.array([self.optimizer.row(t) for t in range(rows)], dtype=numpy.float64).reshape(-1)
+        # each value rounded once to the dtype, as a Python float argument of the same kernel would be
+        self.tables = {d: self.xp.asarray(host.astype(d)) for d in dtypes}
+        self.rows = rows
+        self.generation += 1
+
+    def table(self, dtype, t: int):
+        """The table of ``dtype``, with a row for step ``t`` (grown, eagerly, by doubling past the plan)."""
+        import numpy
+
+        dtype = numpy.dtype(dtype)
+        if t >= self.rows or dtype not in self.tables:
+            self.plan([dtype], max(t + 1, 2 * self.rows) if t >= self.rows else self.rows)
+        return self.tables[dtype]
+
+    def set_step(self, t: int) -> None:
+        """The device counter to ``t`` (at set-up and after a resume: a copy, never in a step)."""
+        self.tdev[...] = t
+
+
 class Optimizer:
     def __init__(self, params, lr: float, weight_decay: float = 0.0, schedule: dict | None = None,
                  total_steps: int = 1):
@@ -96,9 +161,48 @@ class Optimizer:
         self.weight_decay = float(weight_decay)
         self.schedule = schedule
         self.total_steps = total_steps
-        self.t = 0  # optimizer steps taken
+        self._t = 0  # optimizer steps taken
         self.state: dict[str, dict] = {p.name: {} for p in self.params}
         self.shards = None  # a lbannpy.training.shards.StateShards keeps part of the state (shard_state)
+        self.steps = None  # the StepTable of GPU parameters
+        devs = [p for p in self.params if type(p.value).__module__ != "numpy"]
+        if devs and _gpu_updates(devs[0].value) is not None:
+            self.steps = StepTable(_module(devs[0].value), self)
+            self.steps.plan({p.value.dtype for p in devs}, min(int(total_steps), MAX_PLANNED_ROWS) + 1)
+        for p in self.params:  # at set-up: no step binds a new state buffer
+            self._slots(p.value, self.state[p.name])
+
+    @property
+    def t(self) -> int:
+        """Optimizer steps taken (the host's count; the device counter follows it)."""
+        return self._t
+
+    @t.setter
+    def t(self, value: int) -> None:
+        self._t = int(value)
+        if self.steps is not None:
+            self.steps.set_step(self._t)
+
+    def row(self, t: int) -> tuple:
+        """Step ``t``'s row of the device table: learning rate, the two bias corrections (1 for an optimizer
+        without them), and 1.0 on the first step."""
+        return (learning_rate(self.base_lr, t, self.total_steps, self.schedule), 1.0, 1.0,
+                1.0 if t == 0 else 0.0)
+
+    def _slots(self, value, st: dict) -> dict:
+        """``st`` with every state slot of a parameter piece like ``value`` (zeros where one is missing: at
+        set-up, or after a resume from a checkpoint without it)."""
+        for slot in self.slot_names():
+            if slot not in st:
+                st[slot] = _module(value).zeros(value.shape, dtype=value.dtype)
+        return st
+
+    def _launch_step(self, g, t: int):
+        """The GPU update's step arguments ``(table, counter, back)``: the row read is ``t``'s."""
+        back = self._t - t
+        if not 0 <= back <= self._t:
+            raise ValueError(f"optimizer step {t} is not one of the {self._t + 1} steps so far")
+        return self.steps.table(g.dtype, t), self.steps.tdev, back
 
     def has_state(self) -> bool:
         """Whether the optimizer keeps state per parameter element (momentum, moments)."""
@@ -150,7 +254,16 @@ class Optimizer:
         return g + self.weight_decay * value if self.weight_decay else g
 
     def finish_step(self) -> None:
-        self.t += 1
+        self._t += 1
+        if self.steps is not None:  # on the device, in stream order: a replayed step counts too
+            self.steps.tdev += 1
+
+    def count_replayed_step(self) -> None:
+        """The host's count after a replayed captured step (whose graph advanced the device counter
+        itself); the next step's row is planned here, outside any capture."""
+        self._t += 1
+        if self.steps is not None and self._t >= self.steps.rows:
+            self.steps.plan(self.steps.tables, max(self._t + 1, 2 * self.steps.rows))
 
     def zero_grad(self) -> None:
         """Every gradient to zeros; a lazy parameter's is only marked stale (its layer's first contribution
@@ -164,9 +277,9 @@ class Optimizer:
 
 class SGD(Optimizer):
     def __init__(self, params, lr, momentum: float = 0.0, nesterov: bool = False, **kw):
-        super().__init__(params, lr, **kw)
         self.momentum = float(momentum)
         self.nesterov = nesterov
+        super().__init__(params, lr, **kw)
 
     def slot_names(self) -> list[str]:
         return ["momentum"] if self.momentum else []
@@ -174,26 +287,22 @@ class SGD(Optimizer):
     def _update(self, value, g, lr, st, t):
         gpu = _gpu_updates(g)
         if gpu is not None:
+            tab, tdev, back = self._launch_step(g, t)
             if not self.momentum:
-                gpu["sgd"](g, self.weight_decay, lr, value)
+                gpu["sgd"](g, self.weight_decay, tab, tdev, back, value)
                 return
-            buf = st.get("momentum")
-            first = buf is None
-            if first:  # its contents are replaced by the first update's (decayed) gradient
-                buf = st["momentum"] = g.copy()
-            gpu["momentum"](g, self.weight_decay, lr, self.momentum, int(first), int(self.nesterov), value,
+            buf = self._slots(value, st)["momentum"]
+            gpu["momentum"](g, self.weight_decay, tab, tdev, back, self.momentum, int(self.nesterov), value,
                             buf)
             return
         g = self._decayed(value, g)
         if self.momentum:
-            buf = st.get("momentum")
-            if buf is None:
-                buf = st["momentum"] = g.copy()
-                first = True
-            else:
-                first = False
+            buf = self._slots(value, st)["momentum"]
+            first = t == 0  # the buffer takes the first update's (decayed) gradient
             for v, gv, bv in _pieces(value, g, buf):
-                if not first:
+                if first:
+                    bv[...] = gv
+                else:
                     bv *= self.momentum
                     bv += gv
                 v -= lr * (gv + self.momentum * bv if self.nesterov else bv)
@@ -204,23 +313,26 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     def __init__(self, params, lr, betas=(0.9, 0.999), eps: float = 1e-8, **kw):
-        super().__init__(params, lr, **kw)
         self.b1, self.b2 = (float(b) for b in betas)
         self.eps = float(eps)
+        super().__init__(params, lr, **kw)
 
     def slot_names(self) -> list[str]:
         return ["m", "v"]
 
+    def row(self, t: int) -> tuple:
+        k = t + 1
+        return (learning_rate(self.base_lr, t, self.total_steps, self.schedule), 1 - self.b1 ** k,
+                1 - self.b2 ** k, 1.0 if t == 0 else 0.0)
+
     def _update(self, value, g, lr, st, t):
-        if "m" not in st:
-            st["m"] = g * 0
-            st["v"] = g * 0
+        self._slots(value, st)
         m, v = st["m"], st["v"]
         gpu = _gpu_updates(g)
         if gpu is not None:
-            b1, b2, k = self.b1, self.b2, t + 1
-            gpu["adam"](g, self.weight_decay, lr, b1, 1 - b1, b2, 1 - b2, 1 - b1 ** k, 1 - b2 ** k, self.eps,
-                        value, m, v)
+            tab, tdev, back = self._launch_step(g, t)
+            b1, b2 = self.b1, self.b2
+            gpu["adam"](g, self.weight_decay, tab, tdev, back, b1, 1 - b1, b2, 1 - b2, self.eps, value, m, v)
             return
         g = self._decayed(value, g)
         m *= self.b1

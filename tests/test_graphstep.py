@@ -101,6 +101,16 @@ def test_optimizers_whose_per_step_values_live_on_the_host_are_refused(opt, star
     assert why(cfg(optimizer=opt)).startswith(start)
 
 
+def test_an_optimizer_with_a_device_step_table_is_captured_whatever_its_schedule():
+    """Learning rate, bias corrections and step counter read from device memory (``Optimizer.steps``)."""
+    c = cfg(optimizer={"type": "adam", "lr": 1e-3, "schedule": {"type": "cosine", "warmup_steps": 2}})
+    m = model()
+    opt = make_optimizer(c["optimizer"], m.params, 10)
+    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt).startswith("optimizer adam")
+    opt.steps = types.SimpleNamespace(generation=0)
+    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == ""
+
+
 def test_an_optimizer_that_declares_its_capture_reason_is_believed():
     c = cfg(optimizer={"type": "adam", "lr": 1e-3})
     m = model()

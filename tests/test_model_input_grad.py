@@ -78,3 +78,39 @@ def test_only_the_layer_reading_the_input_keeps_its_window_between_steps():
         assert c1._window is None and c2._window is None and c2._window_buf is None and c2._x is None
     assert seen[0] is seen[1]
     assert not np.array_equal(outs[0], outs[1])  # the reused window holds the new input
+
+
+def test_gradients_of_a_tensor_read_twice_are_summed_into_one_planned_buffer():
+    """A residual net (c1 read by r1 and s1; s1 reads r1 and c1): the summed gradients live in a buffer
+    planned at the first step and written in place after (a captured step keeps writing the same one),
+    and every weight gradient equals PyTorch's autograd of the same net, at every step."""
+    import torch
+
+    spec = {"input": {"channels": 3, "spatial": [5, 6]},
+            "layers": [{"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1},
+                       {"name": "r1", "type": "relu"}, {"name": "s1", "type": "sum", "parents": ["r1", "c1"]},
+                       {"name": "t1", "type": "sum", "parents": ["s1", "c1"]},
+                       {"name": "f1", "type": "fc", "units": 5}]}
+    model = Model(spec, 2, LayerContext(SingleCommunicator(), np, "float64", seed=3), {})
+    w = {p.name: torch.tensor(p.value.copy(), requires_grad=True) for p in model.params}
+    rng = np.random.default_rng(2)
+    buffers = None
+    for _ in range(3):
+        x = rng.standard_normal(model.input_shape)
+        y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
+        dy = rng.standard_normal(y.local.shape)
+        for p in model.params:
+            p.grad[...] = 0
+        model.backward(DistTensor(dy, y.global_shape, y.dist, 0), input_grad=False)
+        c = torch.nn.functional.conv2d(torch.tensor(x), w["c1.weight"], w["c1.bias"], padding=1)
+        t = torch.relu(c) + c + c
+        out = t.reshape(2, -1) @ w["f1.weight"].T + w["f1.bias"]
+        for v in w.values():
+            v.grad = None
+        out.backward(torch.tensor(dy))
+        for p in model.params:
+            np.testing.assert_allclose(p.grad, w[p.name].grad.numpy(), rtol=1e-12, atol=1e-12)
+        now = {k: (id(b), b.ctypes.data) for k, b in model._grad_sums.items()}
+        assert sorted(k[0] for k in now) == ["c1"]  # c1: read by r1, s1 and t1; the others once
+        assert buffers is None or now == buffers
+        buffers = now

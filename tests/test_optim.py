@@ -61,6 +61,23 @@ def test_optimizer_matches_torch(case):
         np.testing.assert_allclose(p.value, tw.detach().numpy(), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_state_is_created_at_set_up_and_updated_in_place(case):
+    """A step never binds a new state buffer (a captured step would keep updating the old one)."""
+    rng = np.random.default_rng(3)
+    p = Param("w", (4, 3), ((0, 4), (0, 3)), rng.standard_normal((4, 3)), np.zeros((4, 3)),
+              Distribution.whole(2, 1), ())
+    opt = make_optimizer(case.config(), [p], total_steps=10)
+    assert sorted(opt.state["w"]) == opt.slot_names()
+    before = dict(opt.state["w"])
+    assert all(not a.any() for a in before.values())
+    for _ in range(3):
+        p.grad[...] = rng.standard_normal((4, 3))
+        opt.step()
+    assert opt.state["w"].keys() == before.keys()
+    assert all(opt.state["w"][k] is a and a.any() for k, a in before.items())
+
+
 @pytest.mark.parametrize("case", CASES[:3], ids=[c.name for c in CASES[:3]])
 def test_large_parameters_are_updated_in_pieces_bit_for_bit(case, monkeypatch):
     # a parameter larger than a piece (plus a ragged end): the same float32 bits as one whole-array update

@@ -71,6 +71,32 @@ def test_engine_delivers_every_bucket_and_updates_out_of_order(overlap):
         eng.close()
 
 
+def test_the_engine_keeps_the_records_of_the_last_steps_only(monkeypatch):
+    """A long run holds a bounded list: the records of at most twice ``RECORD_STEPS`` steps, the newest
+    kept in order, each step's still readable from the mark taken after ``start_step``."""
+    import lbannpy.comm.overlap as overlap
+
+    monkeypatch.setattr(overlap, "RECORD_STEPS", 3)
+    params = [P(p.name, p.grad.size) for p in PARAMS]
+    eng = OverlapEngine(params, [SingleCommunicator()] * len(params), bucket_bytes=9000,
+                        first_bucket_bytes=100, overlap=False)
+    nb = len(eng.buckets)
+    try:
+        for step in range(20):
+            eng.start_step()
+            mark = len(eng.records)
+            for layer in ("f1", "c2", "c1"):
+                eng.layer_done(layer)
+            eng.finish()
+            assert [b for b, *_ in eng.records[mark:]] == list(range(nb))
+            assert len(eng.records) <= 2 * 3 * nb
+            posts = [post for _, _, post, _, _ in eng.records]
+            assert posts == sorted(posts)
+        assert len(eng.records) >= 3 * nb
+    finally:
+        eng.close()
+
+
 def test_gradients_live_in_the_bucket_buffers():
     """No packing or unpacking: after set-up every gradient is a view into its bucket's flat buffer,
     keeping its shape and the values it had."""

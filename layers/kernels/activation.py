@@ -65,17 +65,23 @@ def dropout_mask(seed, step, layer_id, global_box, p, xp=None, dtype=numpy.float
     ``1/(1-p)`` where kept, ``0`` where dropped; each element is dropped with probability ``p``.
 
     The result depends only on ``(seed, step, layer_id)`` and each element's global coordinates.
-    ``xp`` is the array module of the result (NumPy by default; a module or 'numpy'/'cupy').
+    ``xp`` is the array module of the result (NumPy by default; a module or 'numpy'/'cupy'). ``step`` is an
+    int, or a one-element uint64 array of ``xp`` (a step counter in device memory: the key is then derived
+    on the device, so a replayed launch draws the mask of the counter's current value).
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if xp is None or isinstance(xp, str):
         xp = get_xp(xp or "numpy")
-    key = _mix_int(int(seed) & _MASK64)
-    key = _mix_int(key ^ (int(step) & _MASK64))
-    key = _mix_int(key ^ (int(layer_id) & _MASK64))
     ndim = len(global_box)
-    h = xp.full((1,) * ndim, key, dtype=xp.uint64)
+    key = _mix_int(int(seed) & _MASK64)
+    if not hasattr(step, "reshape"):
+        key = _mix_int(key ^ (int(step) & _MASK64))
+        key = _mix_int(key ^ (int(layer_id) & _MASK64))
+        h = xp.full((1,) * ndim, key, dtype=xp.uint64)
+    else:  # the same splitmix64 chain, on the device counter
+        h = _mix(xp, step.reshape((1,) * ndim) ^ xp.uint64(key))
+        h = _mix(xp, h ^ xp.uint64(int(layer_id) & _MASK64))
     for i, (lo, hi) in enumerate(global_box):
         if lo < 0 or hi < lo:
             raise ValueError(f"dropout box {tuple(global_box)}: need 0 <= start <= stop in every dimension")

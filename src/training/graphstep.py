@@ -54,13 +54,16 @@ class CaptureFailed(RuntimeError):
 
 
 def _optimizer_reason(optimizer, opt_cfg: dict) -> str:
-    """Why the optimizer's update cannot be replayed, or ''. An optimizer that keeps its per-step values
-    on the device says so with ``capture_reason()`` ('' when capturable); otherwise its update kernels take
-    the learning rate (and Adam its bias corrections) as host values baked into a captured launch, which is
-    right only while they stay the same every step."""
+    """Why the optimizer's update cannot be replayed, or ''. An optimizer may say so itself with
+    ``capture_reason()`` ('' when capturable). One with a device step table (``steps``: learning rate, bias
+    corrections and step counter in device memory) reads every per-step value there. Otherwise its update
+    kernels take the learning rate (and Adam its bias corrections) as host values baked into a captured
+    launch, which is right only while they stay the same every step."""
     own = getattr(optimizer, "capture_reason", None)
     if callable(own):
         return own()
+    if getattr(optimizer, "steps", None) is not None:
+        return ""
     kind = opt_cfg.get("type", "sgd")
     if kind == "adam":
         return ("optimizer adam: its bias corrections change every step and are passed to the update "
@@ -180,6 +183,11 @@ class StepGraphs:
     @staticmethod
     def key(x, y) -> tuple:
         return (tuple(x.shape), str(x.dtype), tuple(y.shape), str(y.dtype))
+
+    def reset(self) -> None:
+        """Drop every captured graph (something a graph reads was made anew): each shape warms up and is
+        captured again."""
+        self._shapes.clear()
 
     def step(self, x, y, body):
         sh = self._shapes.setdefault(self.key(x, y), _Shape())

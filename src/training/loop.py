@@ -133,6 +133,10 @@ class Trainer:
         stream.wait_event(ready)
         stream.use()
         self.graphs = StepGraphs(xp, stream, agree=lambda err: agreed(self.world, err))
+        table = getattr(self.optimizer, "steps", None)
+        self._table_generation = None if table is None else table.generation
+        # layers that count steps on the host as well (e.g. for checkpoints) count the replayed ones here
+        self._replay_counters = [lay for lay in self.model.layers if hasattr(lay, "count_replayed_step")]
         # a replayed step runs no Python per layer: no per-layer or per-bucket timing events (an event
         # recorded during a capture is never recorded at a replay), only the step's marks outside it
         self.timer.clock = None
@@ -303,8 +307,15 @@ class Trainer:
         except CaptureFailed as exc:  # every rank alike, before any of the step ran on the device
             (stats, grad_sq) = self._capture_failed(exc, t_opt, x.local, labels)
             how = "eager"
-        if how == "replayed":  # the host's share of a step: the optimizer's step counter
-            self.optimizer.finish_step()
+        if how == "replayed":  # the host's share of a step: its counts of the steps taken
+            self.optimizer.count_replayed_step()
+            for layer in self._replay_counters:
+                layer.count_replayed_step()
+        table = getattr(self.optimizer, "steps", None)
+        if table is not None and table.generation != self._table_generation:
+            # the optimizer's step table was made anew (the run outgrew it): graphs read the old one
+            self._table_generation = table.generation
+            self.graphs.reset()
         self.step += 1
         logged = self.step % st.log_every == 0 or self.step == st.total_steps
         t_end = clock.now()

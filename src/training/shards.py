@@ -72,6 +72,7 @@ class StateShards:
         self.shards = plan_shards(buckets)
         self._by_first = {id(s.params[0]): s for s in self.shards}
         optimizer.shards = self
+        self.reshard()  # the state the optimizer created at set-up, cut to this rank's ranges
 
     def share(self, index: int) -> float:
         """The part of bucket ``index``'s optimizer state this rank keeps (about 1/g; 1 unsharded)."""
@@ -108,9 +109,9 @@ class StateShards:
         """Who calls: every rank (collective over each sharded bucket's group): the optimizer state of every
         sharded parameter made whole, for a checkpoint; :meth:`reshard` undoes it."""
         state = self.optimizer.state
-        # every sharded bucket is updated every step: after the first, each piece has every slot (known
-        # on every rank, also one without pieces: no exchange of names)
-        slots = self.optimizer.slot_names() if self.optimizer.t > 0 else []
+        # each piece has every slot from set-up on (known on every rank, also one without pieces: no
+        # exchange of names)
+        slots = self.optimizer.slot_names()
         for s in self.shards:
             for slot in slots:
                 full = self._gather(s, lambda p, a, b, slot=slot: flat(state[p.name][slot]))

@@ -26,7 +26,7 @@ BN_NET = [
     {"name": "f1", "type": "fc", "units": 4},
 ]
 PLAIN_NET = [layer for layer in BN_NET if layer["type"] != "batchnorm"]
-# dropout takes its random key from a host step counter: declared uncapturable in the layer registry
+# dropout's checkpointed step count is a host value: declared uncapturable in the layer registry
 DROP_NET = BN_NET[:3] + [{"name": "d1", "type": "dropout", "p": 0.25}] + BN_NET[3:]
 GPU = ("--set", "runtime.device=gpu")
 
@@ -64,7 +64,7 @@ def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
     trains exactly as ``off`` does (float64, bit for bit)."""
     p = train(gpu_run, config(work, "auto", DROP_NET), "--set", "runtime.backend=nccl")
     said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: layer 'd1' "
-                                "(dropout): its random key")
+                                "(dropout): the step count its checkpoints save")
     assert len(said) == 1, p.stderr
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert summary["cuda_graph"]["mode"] == "eager" and summary["cuda_graph"]["replays"] == 0, summary
@@ -79,7 +79,7 @@ def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
 
 
 @pytest.mark.parametrize("layers,backend,named", [
-    (DROP_NET, "nccl", "layer 'd1' (dropout): its random key is made from a host step counter"),
+    (DROP_NET, "nccl", "layer 'd1' (dropout): the step count its checkpoints save stays on the host"),
     (PLAIN_NET, "mpi", "runtime.backend mpi: MPI calls wait on the host for the stream"),
 ], ids=["uncapturable-layer", "mpi-backend"])
 def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, layers, backend, named):

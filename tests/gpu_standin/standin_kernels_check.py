@@ -202,3 +202,152 @@ def test_relu_backward_is_one_kernel_and_equals_the_host(dtype):
     got = relu_backward(d_dy, d_y)
     assert _standin.launches() == {"kernel lbannpy_relu_bwd": 1}
     np.testing.assert_array_equal(got.get(), relu_backward(dy, y))
+
+
+def _dev_params(xp, shapes, dtype, seed=0):
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.base import Param
+
+    rng = np.random.default_rng(seed)
+    return [Param(f"w{i}", s, tuple((0, n) for n in s), xp.asarray(rng.standard_normal(s).astype(dtype)),
+                  xp.zeros(s, dtype=dtype), Distribution.whole(len(s), 1), ()) for i, s in enumerate(shapes)]
+
+
+def _args(call):
+    """A launch's arguments as what a captured graph would keep: device pointers and host values."""
+    return tuple(a.data.ptr if isinstance(a, cupy.ndarray) else a for a in call)
+
+
+SCHEDULED = [dict(OPT_CASES[1], schedule={"type": "cosine", "warmup_steps": 2, "min_lr": 1e-3}),
+             dict(OPT_CASES[2], schedule={"type": "step", "step_size": 2, "gamma": 0.5}),
+             dict(OPT_CASES[4], schedule={"type": "cosine", "warmup_steps": 3})]
+
+
+@pytest.mark.parametrize("cfg", SCHEDULED, ids=lambda c: f"{c['type']}-{c['schedule']['type']}")
+def test_optimizer_launches_the_same_arguments_every_step(cfg, monkeypatch):
+    """The learning rate, Adam's bias corrections, the first-step flag and the step counter are read from
+    device memory: every step launches the same arguments into the same buffers (what a step captured once
+    and replayed does), and the updates equal the host optimizer's, also a late update of the step before
+    and a resumed step counter."""
+    import lbannpy.optim as optim
+    from lbannpy.optim import learning_rate, make_optimizer
+
+    shapes, steps = [(4, 3), (7, 1)], 6
+    dev, host = _dev_params(cupy, shapes, np.float64), _dev_params(np, shapes, np.float64)
+    opt_d, opt_h = make_optimizer(cfg, dev, total_steps=steps), make_optimizer(cfg, host, total_steps=steps)
+    assert len({learning_rate(cfg["lr"], t, steps, cfg["schedule"]) for t in range(steps)}) > 2
+    state0 = {(p, s): a.data.ptr for p, st in opt_d.state.items() for s, a in st.items()}
+    assert sorted(opt_d.state["w0"]) == opt_d.slot_names()  # created at set-up, before any step
+    calls = []
+    kernels = optim._gpu_updates(dev[0].value)
+    for name, k in list(kernels.items()):
+        monkeypatch.setitem(kernels, name, lambda *a, _k=k: calls.append(_args(a)) or _k(*a))
+    rng = np.random.default_rng(4)
+    seen = []
+
+    def step(t=None, late=False):
+        gs = [rng.standard_normal(s) for s in shapes]
+        for ps, xp in ((dev, cupy), (host, np)):
+            for p, g in zip(ps, gs):
+                p.grad[...] = xp.asarray(g)
+        calls.clear()
+        if late:
+            opt_d.step_params(dev, t=t)
+            opt_h.step_params(host, t=t)
+        else:
+            opt_d.step()
+            opt_h.step()
+        seen.append(list(calls))
+        for pd, ph in zip(dev, host):
+            np.testing.assert_allclose(cupy.asnumpy(pd.value), ph.value, rtol=1e-13, atol=1e-15)
+            for slot, sh in opt_h.state[ph.name].items():
+                np.testing.assert_allclose(cupy.asnumpy(opt_d.state[pd.name][slot]), sh, rtol=1e-13,
+                                           atol=1e-15)
+
+    for _ in range(steps):
+        step()
+    assert len(seen[0]) == len(shapes) and all(s == seen[0] for s in seen), seen
+    assert {(p, s): a.data.ptr for p, st in opt_d.state.items() for s, a in st.items()} == state0
+    step(t=opt_d.t - 1, late=True)  # a replicated layer's update, applied after its step ended
+    late = seen[-1]
+    step(t=opt_d.t - 1, late=True)
+    assert seen[-1] == late  # a late update launches its own constant arguments too
+    for opt in (opt_d, opt_h):  # a resume sets the counter (a copy, outside any step)
+        opt.t = 2
+    step()
+    assert int(opt_d.steps.tdev[0]) == 3
+
+
+def test_optimizer_update_follows_the_learning_rate_in_device_memory():
+    """Writing a step's learning rate into the device table changes that step's update: the value is read
+    from device memory, not launched."""
+    from lbannpy.optim import make_optimizer
+
+    dev = _dev_params(cupy, [(5, 2)], np.float64)
+    p = dev[0]
+    opt = make_optimizer({"type": "sgd", "lr": 0.1}, dev, total_steps=4)
+    g = np.random.default_rng(2).standard_normal((5, 2))
+    want = cupy.asnumpy(p.value).copy()
+    for t, lr in enumerate((0.1, 0.75, 0.1)):
+        if lr != 0.1:
+            opt.steps.table(np.float64, t)[4 * t:4 * t + 1] *= 7.5  # on the device
+        p.grad[...] = cupy.asarray(g)
+        opt.step()
+        want -= lr * g
+        np.testing.assert_allclose(cupy.asnumpy(p.value), want, rtol=1e-14)
+
+
+def test_optimizer_step_table_grows_outside_steps_and_says_so():
+    """Past the planned steps the table is planned anew (eagerly, by the host's count of replayed steps),
+    its generation tells a captured step to capture again, and the rows are the schedule's."""
+    from lbannpy.optim import learning_rate, make_optimizer
+
+    cfg = {"type": "adam", "lr": 0.01, "schedule": {"type": "step", "step_size": 1, "gamma": 0.5}}
+    opt = make_optimizer(cfg, _dev_params(cupy, [(2, 2)], np.float32), total_steps=2)
+    rows, gen = opt.steps.rows, opt.steps.generation
+    for _ in range(rows):
+        opt.count_replayed_step()
+    assert opt.steps.rows > opt.t and opt.steps.generation == gen + 1
+    tab = cupy.asnumpy(opt.steps.table(np.float32, opt.t)).reshape(-1, 4)
+    want = [(learning_rate(0.01, t, 2, cfg["schedule"]), 1 - 0.9 ** (t + 1), 1 - 0.999 ** (t + 1), t == 0)
+            for t in range(opt.steps.rows)]
+    np.testing.assert_array_equal(tab, np.array(want, dtype=np.float64).astype(np.float32))
+
+def test_dropout_mask_from_a_device_step_counter_equals_the_host_keys():
+    from lbannpy.layers.kernels import activation as A
+
+    box = ((0, 3), (2, 7), (1, 5))
+    step = cupy.zeros(1, dtype=np.uint64)
+    for k in range(4):
+        got = A.dropout_mask(11, step, 5, box, 0.4, xp=cupy, dtype=np.float64)
+        np.testing.assert_array_equal(cupy.asnumpy(got), A.dropout_mask(11, k, 5, box, 0.4, dtype=np.float64))
+        step += 1
+
+
+def test_dropout_layer_draws_each_steps_mask_from_device_memory():
+    """The GPU layer's masks at steps 0, 1, 2 (and after a resume to step 7) equal the host layer's; the
+    step lives in one device counter the forward advances on the device."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    spec = {"input": {"channels": 3, "spatial": [5, 6]},
+            "layers": [{"name": "d1", "type": "dropout", "p": 0.5}, {"name": "f1", "type": "fc", "units": 2}]}
+    h = RNG.standard_normal((2, 3, 5, 6))
+    models = {xp: Model(spec, 2, LayerContext(SingleCommunicator(), xp, "float64", seed=9), {})
+              for xp in (cupy, np)}
+    counter = models[cupy].layers[0]._step_dev
+    ptr = counter.data.ptr
+    for k in range(4):
+        if k == 3:
+            for m in models.values():
+                m.layers[0].load_state({"step": 7})
+        masks = []
+        for xp, m in models.items():
+            m.set_train(True)
+            m.forward(DistTensor(xp.asarray(h), m.input_shape, m.input_dist, 0))
+            masks.append(m._acts["d1"].local)
+        np.testing.assert_array_equal(cupy.asnumpy(masks[0]), masks[1])
+        assert not (masks[1] == h).all()
+    assert models[cupy].layers[0]._step_dev.data.ptr == ptr and int(counter[0]) == 8

@@ -225,6 +225,42 @@ def test_two_plans_in_flight_with_distinct_tags(comm, xp):
     assert_all(comm, ok, "concurrent plans mixed their messages or ignored out=")
 
 
+def _ptr(a) -> int:
+    return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+
+
+def test_a_plan_exchanges_through_the_same_buffers_every_step(comm, xp):
+    """A layer's plan packs and receives into the buffers of its first exchange at every later one (a
+    captured step keeps using them), each window equal to the global reference and each accumulated
+    gradient to a shared plan's (which keeps no buffers); an exchange started while another of the same
+    plan is in flight gets its own buffers, and both are right."""
+    shape = (2, 2, 12, 14)
+    dist = Distribution.make(4, ranks=comm.size, h=comm.size)
+    stencil = Stencil.conv(4, 3, 1, "same")
+    plan, shared = HaloPlan(dist, shape, stencil, comm.rank), HaloPlan(dist, shape, stencil, comm.rank)
+    shared.keep_buffers = False
+    sl = tuple(slice(a, b) for a, b in plan.input_box)
+    failures, received = [], []
+    for k in range(3):
+        g = global_input(shape) * (k + 1)
+        ex = plan.start(comm, xp.asarray(g[sl]))
+        if not np.array_equal(to_numpy(ex.wait()), window_of(g, plan.window_box)):
+            failures.append(f"exchange {k}: window differs from the global reference")
+        received.append(ex.received)
+        y = xp.asarray(window_grad(plan, dist, comm.rank) * (k - 1.5))
+        got = to_numpy(plan.accumulate_start(comm, y).wait())
+        if not np.array_equal(got, to_numpy(shared.accumulate_start(comm, y).wait())):
+            failures.append(f"exchange {k}: accumulated gradient differs from the shared plan's")
+    if not plan.local and len({_ptr(r) for r in received}) != 1:
+        failures.append("the receive buffer changed between exchanges")
+    g1, g2 = global_input(shape), -global_input(shape)
+    a, b = plan.start(comm, xp.asarray(g1[sl])), plan.start(comm, xp.asarray(g2[sl]))
+    wb, wa = to_numpy(b.wait()), to_numpy(a.wait())
+    if not (np.array_equal(wa, window_of(g1, plan.window_box))
+            and np.array_equal(wb, window_of(g2, plan.window_box))):
+        failures.append("two exchanges of one plan in flight mixed their buffers")
+    assert_all(comm, not failures, "; ".join(failures))
+
 @dataclass(frozen=True)
 class BadPlan:
     name: str
