@@ -43,7 +43,7 @@ class Trainer:
         self.step = 0
         self.resumed_from = None  # the checkpoint path --resume started from
         self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
-        self.graphs = None  # a graphstep.StepGraphs when the training step is captured
+        self.graphs = None  # a graphloop.GraphRun when the training step is captured
         self.step_mode = None  # the graphstep.Decision of set-up
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -109,40 +109,10 @@ class Trainer:
             self.report.start_metrics()
 
     def _choose_step_mode(self, cfg: dict) -> None:
-        """``runtime.cuda_graph``: capture the training step (a stream of the run's own then carries every
-        step), or run it eagerly; one line on rank 0 says which, and why not where it could not be."""
-        from .graphstep import CaptureRefused, StepGraphs, agreed, decide
+        """``runtime.cuda_graph``: the step captured (:mod:`.graphloop`) or eager; one line says which."""
+        from .graphloop import choose
 
-        xp = self.rt.xp
-        try:
-            self.step_mode = decide(cfg, self.rt.device, getattr(self.rt, "backend", ""), xp, self.model,
-                                    self.optimizer, self.trace, world=self.world)
-        except CaptureRefused as exc:
-            raise UserError(str(exc)) from None
-        self.graphs = None
-        if self.rt.device == "gpu" and self.world.rank == 0:
-            sys.stderr.write(f"lbannpy.train: {self.step_mode.line()}\n")
-            sys.stderr.flush()
-        if self.step_mode.mode != "graph":
-            return
-        # the legacy default stream cannot be captured; a non-blocking stream does not wait for it, so it
-        # waits once for the set-up's work (initial weights, communicators) there
-        stream = xp.cuda.Stream(non_blocking=True)
-        ready = xp.cuda.Event(disable_timing=True)
-        ready.record(xp.cuda.get_current_stream())
-        stream.wait_event(ready)
-        stream.use()
-        self.graphs = StepGraphs(xp, stream, agree=lambda err: agreed(self.world, err))
-        table = getattr(self.optimizer, "steps", None)
-        self._table_generation = None if table is None else table.generation
-        # layers that count steps on the host as well (e.g. for checkpoints) count the replayed ones here
-        self._replay_counters = [lay for lay in self.model.layers if hasattr(lay, "count_replayed_step")]
-        # a replayed step runs no Python per layer: no per-layer or per-bucket timing events (an event
-        # recorded during a capture is never recorded at a replay), only the step's marks outside it
-        self.timer.clock = None
-        for bucket in self.sync.engine.buckets:
-            bucket.timed = False
-        self.sync.engine.clock = "host"
+        self.step_mode, self.graphs = choose(self, cfg)
 
     def _resume(self, force: bool) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -178,7 +148,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics row."""
         if self.graphs is not None:
-            return self._graph_step()
+            return self.graphs.train_step()
         from lbannpy.comm.overlap import hidden_fraction
 
         wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
@@ -249,91 +219,6 @@ class Trainer:
                "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
         if timing:
             row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
-        self.report.end_step()
-        return row
-
-    def _step_body(self, x_local, labels):
-        """What a captured step does, on the device only: forward, loss statistics, backward, gradient
-        reduction, optimizer update, the squared gradient norm. Returns ``(stats, grad_sq)``."""
-        from lbannpy.tensor import DistTensor
-
-        sync, model = self.sync, self.model
-        x = DistTensor(x_local, model.input_shape, model.input_dist, self.world.rank)
-        self.optimizer.zero_grad()
-        logits = model.forward(x, before_layer=sync.before_forward)
-        stats = self.loss.forward_stats(logits, labels)
-        mark = sync.start_backward()
-        model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
-        sync.finish(mark)
-        return stats, sync.grad_norm_sq()
-
-    def _capture_failed(self, exc, t_opt: int, x_local, labels):
-        """A capture that failed on some rank: ``on`` stops the run with the error; ``auto`` says so in one
-        line, runs this step eagerly (with the same batch) and every later one too."""
-        asked = self.step_mode.asked
-        if asked == "on":
-            raise UserError(f"runtime.cuda_graph on: the capture of step {self.step + 1} failed: {exc}")
-        from .graphstep import Decision
-
-        self.step_mode = Decision("eager", asked, f"the capture of step {self.step + 1} failed: {exc}")
-        self.graphs = None
-        if self.clock.name != "host":  # eager steps time their layers on the device again
-            self.timer.clock = self.clock
-        if self.world.rank == 0:
-            self._say(self.step_mode.line())
-        self.optimizer.t = t_opt  # the failed capture's body ran on the host only
-        return self._step_body(x_local, labels)
-
-    def _graph_step(self) -> dict:
-        """One optimizer step of a captured run (``runtime.cuda_graph``): eager while the input shape warms
-        up, then captured once and replayed; a logged step reads the loss statistics and the gradient norm
-        (one small transfer), an unlogged one makes no host synchronisation."""
-        from .graphstep import CaptureFailed
-
-        wd, clock, st = self.watchdog, self.clock, self.settings
-        t0 = clock.now()
-        h0 = time.perf_counter()
-        wd.progress("waiting for data")
-        batch = self.next_batch(self.reader)
-        t_io = time.perf_counter() - h0
-        x, labels = self.upload(batch)
-        lr = self.optimizer.lr
-        self.model.set_train(True)
-        wd.progress("training step (CUDA graph)")
-        t_opt = self.optimizer.t
-        try:
-            (stats, grad_sq), how = self.report.untimed(
-                lambda: self.graphs.step(x.local, labels, self._step_body))
-        except CaptureFailed as exc:  # every rank alike, before any of the step ran on the device
-            (stats, grad_sq) = self._capture_failed(exc, t_opt, x.local, labels)
-            how = "eager"
-        if how == "replayed":  # the host's share of a step: its counts of the steps taken
-            self.optimizer.count_replayed_step()
-            for layer in self._replay_counters:
-                layer.count_replayed_step()
-        table = getattr(self.optimizer, "steps", None)
-        if table is not None and table.generation != self._table_generation:
-            # the optimizer's step table was made anew (the run outgrew it): graphs read the old one
-            self._table_generation = table.generation
-            self.graphs.reset()
-        self.step += 1
-        logged = self.step % st.log_every == 0 or self.step == st.total_steps
-        t_end = clock.now()
-        wd.progress(f"step {self.step} done")
-        metrics, timing = {}, {}
-        if logged:
-            clock.settle()
-            dt = clock.seconds(t_end) - clock.seconds(t0)
-            loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
-            health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
-            health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
-            metrics["grad_norm"] = grad_norm
-            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
-        row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
-               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": 0.0,
-               "hidden_comm_fraction": 0.0, "hidden_comm_s": 0.0}
-        if timing:
-            row["samples_per_s"] = row.pop("samples_per_s")
         self.report.end_step()
         return row
 
@@ -531,7 +416,7 @@ class Trainer:
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
         if self.step_mode is not None:
-            g = self.graphs
+            g = self.graphs.graphs if self.graphs is not None else None
             run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,
                                      replays=g.replays if g else 0)
         self.report.bucket_clock = self.sync.engine.clock
