@@ -15,7 +15,10 @@ non-blocking stream after that stream waits (device side) on an event: the calle
 (recorded on the stream that wrote the inputs) or one recorded on the calling thread's current stream of
 this device. A handle records an event after its operation; ``wait()`` makes the caller's current stream
 wait on it (device side) and returns at once: the host never blocks, so the launch queue stays full.
-Events are made with ``disable_timing=True`` (cheaper to record and wait on).
+Events are made with ``disable_timing=True`` (cheaper to record and wait on), and reused: a stream wait
+takes the event's state when it is enqueued, so the ordering event of each calling thread is recorded
+again by every call, and a handle's event goes back to the communicator once every waiter is enqueued.
+Steps that repeat their operations make no events after the first (a captured step keeps the same ones).
 
 Point to point: an ``ncclSend`` blocks its stream until the peer posts the matching ``ncclRecv``, so a
 send and a receive posted one after the other on two ranks that exchange data would deadlock. Sends and
@@ -30,6 +33,7 @@ machines without CuPy.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 from .base import CommError, Communicator, Handle, check_counts, check_op
@@ -93,6 +97,8 @@ class NCCLCommunicator(Communicator):
         with self._device:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self._pending: list[tuple] = []  # queued point-to-point ops: (kind, array, peer, tag, handle_state)
+        self._spare_events: list = []  # handle events whose waits are all enqueued: recorded again
+        self._orderers = threading.local()  # per calling thread: the event _begin orders this stream after
         self._children: list[Communicator] = []
         self._freed = False
 
@@ -200,17 +206,24 @@ class NCCLCommunicator(Communicator):
         return getattr(self._nccl_mod, _OP_NAMES[check_op(op)])
 
     def _event(self):
-        """A fresh event of this device; no timing (cheaper to record and to wait on)."""
-        with self._device:
-            return self._cupy.cuda.Event(disable_timing=True)
+        """An event of this device free to record (a spare one, else a new one); no timing (cheaper to
+        record and to wait on)."""
+        try:
+            return self._spare_events.pop()
+        except IndexError:
+            with self._device:
+                return self._cupy.cuda.Event(disable_timing=True)
 
     def _begin(self, after=None):
         """Order this stream after the inputs' producers: ``after`` (an event recorded on the stream that
         wrote them) or else the calling thread's current stream on this device. Device side only."""
         self._live()
         with self._device:
-            if after is None:
-                after = self._cupy.cuda.get_current_stream().record(self._event())
+            if after is None:  # the wait below is enqueued at once: the thread's one event is reused
+                ev = getattr(self._orderers, "event", None)
+                if ev is None:
+                    ev = self._orderers.event = self._cupy.cuda.Event(disable_timing=True)
+                after = self._cupy.cuda.get_current_stream().record(ev)
             self._stream.wait_event(after)
         return self._stream
 
@@ -221,7 +234,12 @@ class NCCLCommunicator(Communicator):
 
     def _handle(self, what: str, buffers, finish=None) -> Handle:
         ev = self._stream.record(self._event())
-        return Handle(lambda: self._consume(ev), lambda: ev.done, finish, buffers, what)
+
+        def wait():
+            self._consume(ev)
+            self._spare_events.append(ev)  # its one wait is enqueued: free to record again
+
+        return Handle(wait, lambda: ev.done, finish, buffers, what)
 
     def _empty(self, like, shape):
         with self._device:
@@ -387,6 +405,10 @@ class NCCLCommunicator(Communicator):
         def wait():
             self._launch_pending()
             self._consume(state["event"])
+            group = state["group"]
+            group[0] -= 1
+            if group[0] == 0:  # every operation of the group waited on: its event is free again
+                self._spare_events.append(state["event"])
 
         def test():
             self._launch_pending()
@@ -417,8 +439,9 @@ class NCCLCommunicator(Communicator):
         finally:
             nccl.groupEnd()
         ev = s.record(self._event())
+        group = [len(ops)]  # handles not yet waited on
         for *_, state in ops:
-            state["event"] = ev
+            state["event"], state["group"] = ev, group
 
     def isend(self, buf, dest: int, tag: int = 0) -> Handle:
         """Point to point (queued until a wait/test/flush or the next collective)."""

@@ -74,7 +74,8 @@ class Dropout(Layer):
         self._step_dev = None if xp.__name__ == "numpy" else xp.zeros(1, dtype=xp.uint64)
 
     def state(self) -> dict:
-        return {"step": self.step}
+        # on a GPU the device counter is the count (a replayed step advances it, not the host's)
+        return {"step": self.step if self._step_dev is None else int(self._step_dev[0])}
 
     def load_state(self, state: dict) -> None:
         self.step = int(state["step"])

@@ -173,6 +173,7 @@ def test_waiting_never_blocks_the_host():
         assert row["ok"], row
         assert row["host_syncs"] == 0, row
         assert row["timed_events"] == 0, row
+        assert row["events_made"] == 0 and row["repeats_ok"] == [True] * 3, row  # events reused
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -386,12 +387,13 @@ def _waits(out: dict) -> None:  # pragma: no cover - runs under mpiexec
     from lbannpy.comm import make_communicator
 
     syncs = count_host_syncs(cupy)
-    timed = []
+    timed, made = [], []
     real_event = cupy.cuda.Event
 
     def counting_event(*a, **k):
         if not k.get("disable_timing", a[1] if len(a) > 1 else False):
             timed.append(1)
+        made.append(1)
         return real_event(*a, **k)
 
     cupy.cuda.Event = counting_event
@@ -422,6 +424,16 @@ def _waits(out: dict) -> None:  # pragma: no cover - runs under mpiexec
         w = cupy.asnumpy(w)
     out["timed_events"] = len(timed)
     ok = float(cupy.asnumpy(y)[0]) == sum(range(p)) and float(cupy.asnumpy(z)[0]) == (me - 1) % p
+    del made[:]  # the same operations again, as a later step repeats them: no new event
+    for k in range(3):
+        y2 = c.allreduce(x + k)
+        hs = [c.irecv(z, (me - 1) % p), c.isend(x + k, (me + 1) % p)]
+        c.flush()
+        for h in hs:
+            h.wait()
+        got = (float(cupy.asnumpy(y2)[0]), float(cupy.asnumpy(z)[0]))
+        out.setdefault("repeats_ok", []).append(got == (sum(range(p)) + p * k, (me - 1) % p + k))
+    out["events_made"] = len(made)
     out["ok"] = bool(ok and float(w[0]) == p)
     c.free()
 

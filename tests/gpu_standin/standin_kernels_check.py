@@ -351,3 +351,5 @@ def test_dropout_layer_draws_each_steps_mask_from_device_memory():
         np.testing.assert_array_equal(cupy.asnumpy(masks[0]), masks[1])
         assert not (masks[1] == h).all()
     assert models[cupy].layers[0]._step_dev.data.ptr == ptr and int(counter[0]) == 8
+    counter += 2  # two replayed forwards advance the device counter alone: a checkpoint saves it
+    assert models[cupy].layers[0].state() == {"step": 10}
