@@ -7,31 +7,55 @@ import numpy as _np
 
 from cupy import _standin
 from cupy import cuda
+from cupy.cuda import _graph
 
 __version__ = "13.99.0+standin"
 _ITEM_SYNC = "host sync"
 
 
-def _wrap_result(r, owners, stream, what):
-    """Wrap a NumPy result: a view of an input allocation stays a view, anything else is a new buffer."""
+def _wrap_result(r, owners, stream, what, sink=None):
+    """Wrap a NumPy result: a view of an input allocation stays a view, anything else is a new buffer.
+    While capturing, ``sink`` collects the new buffers (None for a view) for the replay to fill."""
     if isinstance(r, tuple):
-        return tuple(_wrap_result(x, owners, stream, what) for x in r)
+        return tuple(_wrap_result(x, owners, stream, what, sink) for x in r)
     if isinstance(r, list):
-        return [_wrap_result(x, owners, stream, what) for x in r]
+        return [_wrap_result(x, owners, stream, what, sink) for x in r]
     if isinstance(r, _np.ndarray):
         for a in owners:
             if _np.may_share_memory(r, a.buf):
+                if sink is not None:
+                    sink.append(None)
                 return ndarray._view(r, a)
         out = ndarray._new(r.shape, r.dtype)
+        _standin.launch(stream, writes=[out._alloc], what=what, covered=True)
         out._a[...] = r
-        _standin.launch(stream, writes=[out._alloc], what=what)
+        if sink is not None:
+            sink.append(_graph.weak([out])[0])
         return out
     if isinstance(r, _np.generic):   # reductions return 0-d device arrays
         out = ndarray._new((), r.dtype)
+        _standin.launch(stream, writes=[out._alloc], what=what, covered=True)
         out._a[...] = r
-        _standin.launch(stream, writes=[out._alloc], what=what)
+        if sink is not None:
+            sink.append(_graph.weak([out])[0])
         return out
     return r
+
+
+def _refill(r, sink, pos=None):
+    """Replay of a captured NumPy call: its new-buffer results written into the buffers made at capture."""
+    pos = [0] if pos is None else pos
+    if isinstance(r, (tuple, list)):
+        for x in r:
+            _refill(x, sink, pos)
+    elif isinstance(r, (_np.ndarray, _np.generic)):
+        out = sink[pos[0]]
+        pos[0] += 1
+        if out is not None:
+            if out._a.shape != _np.shape(r):
+                raise RuntimeError(f"a captured operation's result changed shape at replay ({out._a.shape} "
+                                   f"-> {_np.shape(r)}): data-dependent shapes cannot be captured")
+            out._a[...] = r
 
 
 def _unwrap(x, dev, allocs, what):
@@ -65,6 +89,19 @@ def _call(fn, args, kwargs, what, writes_out=True):
         else:
             k[key] = _unwrap(v, dev, allocs, what)
     stream = cuda.get_current_stream()
+    if _standin.capturing(stream):
+        sink = []
+        if "out" in kwargs:
+            replay = lambda: fn(*a, **k)  # noqa: E731
+        else:
+            replay = lambda: _refill(fn(*a, **k), sink)  # noqa: E731
+        _standin.launch(stream, reads=allocs, writes=outs, what=what, replay=replay)
+        state = _graph.before_call(stream, allocs)
+        r = fn(*a, **k)
+        _graph.after_call(stream, state)
+        if "out" in kwargs:
+            return kwargs["out"]
+        return _wrap_result(r, allocs, stream, what, sink)
     _standin.launch(stream, reads=allocs, writes=outs, what=what)  # check stream order before running
     r = fn(*a, **k)
     if "out" in kwargs:
@@ -90,6 +127,17 @@ class ndarray:
         dtype = _np.dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = int(_np.prod(shape)) * dtype.itemsize
+        if memptr is None and cuda.memory._allocator() is not None:
+            memptr = cuda.memory.alloc(n)
+        if memptr is not None:  # over given memory (a pool block): holds its lease
+            a, off = memptr.mem, memptr.ptr - memptr.mem.ptr
+            if off + n > a.nbytes:
+                raise ValueError(f"ndarray of {n} bytes at offset {off} runs past the end of allocation "
+                                 f"{a.ptr:#x} of {a.nbytes} bytes")
+            self._alloc, self._lease = a, memptr._lease
+            self._a = _np.ndarray(shape, dtype, buffer=a.buf, offset=off, order=order) if n else \
+                _np.empty(shape, dtype)
+            return
         self._alloc = _standin.allocate(n, _standin.local.device)
         self._a = _np.ndarray(shape, dtype, buffer=self._alloc.buf[:max(n, 1)] if n else None, order=order) \
             if n else _np.empty(shape, dtype)
@@ -99,10 +147,12 @@ class ndarray:
         return cls(shape, dtype)
 
     @classmethod
-    def _view(cls, a, alloc):
+    def _view(cls, a, alloc, own=True):
         v = cls.__new__(cls)
         v._a = a
         v._alloc = alloc
+        if own and alloc.lease is not None:  # a view keeps its pool block out of the pool, as its base does
+            v._lease = alloc.lease()
         return v
 
     # --- identity and metadata
@@ -200,8 +250,15 @@ class ndarray:
     def set(self, arr, stream=None):
         if not isinstance(arr, _np.ndarray):
             raise TypeError("set() takes a numpy.ndarray")
+        s = cuda.get_current_stream() if stream is None else stream
+        replay = None
+        if _standin.capturing(s):  # a graph's copy node reads the host memory when launched
+            if not _standin.is_pinned(arr):
+                _graph.on_pageable_copy(s, "ndarray.set")
+            dst = _graph.weak([self])[0]
+            replay = lambda: dst._a.__setitem__(Ellipsis, arr)  # noqa: E731
+        _standin.launch(s, writes=[self._alloc], what="ndarray.set", replay=replay)
         self._a[...] = arr
-        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="ndarray.set")
 
     # --- NumPy protocols: operate on the NumPy views, keep results on the device
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -223,7 +280,7 @@ class ndarray:
         if isinstance(value, _np.ndarray):  # CuPy uploads a NumPy right-hand side of an assignment
             value = asarray(value)
         _call(f, (self, _upload_index(key), value), {}, "setitem")
-        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="setitem")
+        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="setitem", covered=True)
 
     def _method(name):
         def m(self, *args, **kwargs):
@@ -239,8 +296,11 @@ class ndarray:
     del _n
 
     def fill(self, value):
+        s = cuda.get_current_stream()
+        dst = _graph.weak([self])[0] if _standin.capturing(s) else None
+        _standin.launch(s, writes=[self._alloc], what="ndarray.fill",
+                        replay=None if dst is None else lambda: dst._a.fill(value))
         self._a.fill(value)
-        _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what="ndarray.fill")
 
     T = property(lambda s: s.transpose())
     real = property(lambda s: _call(lambda a: a.real, (s,), {}, "real"))
@@ -251,7 +311,7 @@ class ndarray:
                 raise TypeError("operand type <class 'numpy.ndarray'> is not a cupy.ndarray")
             r = _call(lambda a, b: getattr(a, name)(b), (self, other), {}, name)
             if inplace:
-                _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what=name)
+                _standin.launch(cuda.get_current_stream(), writes=[self._alloc], what=name, covered=True)
                 return self
             return r
         op.__name__ = name
@@ -282,6 +342,8 @@ def asarray(a, dtype=None, order=None):
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     src = _np.asarray(a, dtype=dtype, order=order)
+    if _standin._active:
+        _graph.on_pageable_copy(cuda.get_current_stream(), "cupy.asarray")
     out = ndarray(src.shape, src.dtype)
     out._a[...] = src
     # CUDA: a copy from pageable host memory to the device synchronises the stream before it starts (the
@@ -320,8 +382,11 @@ def _creator(name):
     def create(*args, **kwargs):
         r = f(*args, **kwargs)
         out = ndarray(r.shape, r.dtype)
+        s = cuda.get_current_stream()
+        dst = _graph.weak([out])[0] if _standin.capturing(s) and name != "empty" else None
+        _standin.launch(s, writes=[out._alloc], what=f"cupy.{name}", covered=name == "empty",
+                        replay=None if dst is None else lambda: dst._a.__setitem__(Ellipsis, r))
         out._a[...] = r
-        _standin.launch(cuda.get_current_stream(), writes=[out._alloc], what=f"cupy.{name}")
         return out
     create.__name__ = name
     return create
@@ -365,6 +430,15 @@ lib.stride_tricks = _StrideTricks("cupy.lib.stride_tricks")
 
 from cupy._kernels import ElementwiseKernel as ElementwiseKernel  # noqa: E402  (compiled on the host)
 from cupy._kernels import ReductionKernel as ReductionKernel  # noqa: E402
+
+
+_default_pool = cuda.MemoryPool()
+
+
+def get_default_memory_pool():
+    """A pool with CuPy's name; the stand-in's default allocator is not a pool (fresh allocations), so this
+    one serves arrays only where its ``malloc`` is made the allocator (``cupy.cuda.set_allocator``)."""
+    return _default_pool
 
 
 class RawKernel:

@@ -144,9 +144,10 @@ class ElementwiseKernel:
                                  f"{dev} is current")
         return list(args) + [None] * (n_in + n_out - len(args))
 
-    def _outputs(self, full, types, shape, stream):
+    def _outputs(self, full, types, shape, stream, run):
         """The outputs (given, checked against ``shape``, or allocated), after one launch on ``stream``
-        that reads the inputs and writes them."""
+        that reads the inputs and writes them; ``run(inputs, outputs)`` is the kernel's work (a capture
+        records it for the graph's launches)."""
         from cupy import cuda, ndarray
 
         n_in, outs = len(self.in_params), []
@@ -161,8 +162,14 @@ class ElementwiseKernel:
                                  f"the kernel writes {dt}{shape}")
             outs.append(a)
         reads = [a._alloc for a in full[:n_in] if isinstance(a, ndarray)]
-        _standin.launch(stream or cuda.get_current_stream(), reads=reads, writes=[o._alloc for o in outs],
-                        what=f"kernel {self.name}")
+        s = stream or cuda.get_current_stream()
+        replay = None
+        if _standin.capturing(s):
+            from cupy.cuda import _graph
+            ins, wouts = _graph.weak(full[:n_in]), _graph.weak(outs)
+            replay = lambda: run(ins, wouts)  # noqa: E731
+        _standin.launch(s, reads=reads, writes=[o._alloc for o in outs], what=f"kernel {self.name}",
+                        replay=replay)
         return outs
 
     # -- the call ----------------------------------------------------------------------------------------
@@ -180,7 +187,7 @@ class ElementwiseKernel:
             shape = (int(size),)
         else:
             raise ValueError(f"ElementwiseKernel {self.name}: no array argument; pass size=")
-        outs = self._outputs(full, types, shape, stream)
+        outs = self._outputs(full, types, shape, stream, lambda i, o: self._run(i, o, shape, types))
         self._run(full[:n_in], outs, shape, types)
         if self.no_return:
             return None
@@ -283,22 +290,26 @@ class ReductionKernel(ElementwiseKernel):
         kept = [d for d in range(nd) if d not in axes]
         out_shape = tuple(1 if d in axes else shape[d] for d in range(nd)) if keepdims else \
             tuple(shape[d] for d in kept)
-        outs = self._outputs(full, types, out_shape, stream)
         nred = int(_np.prod([shape[d] for d in axes]))
         nout = int(_np.prod([shape[d] for d in kept]))
         order = kept + list(axes)
-        ins = []  # each non-raw input broadcast, the reduced axes last, flattened: element i = _o * nred + _r
-        for p, a in zip(self.in_params, full[:n_in]):
-            if isinstance(a, ndarray) and not p.raw:
-                h = _np.ascontiguousarray(_np.transpose(_np.broadcast_to(a._a, shape), order)).reshape(-1)
-                a = ndarray._view(h, a._alloc)
-            ins.append(a)
-        cargs, kinds, keep, back = self._cargs(ins, outs, (nout * nred,), types)
-        fn = getattr(_compile(self._source(types, kinds)), "standin_kernel")
-        fn.restype = None
-        fn(ctypes.c_int64(nout), ctypes.c_int64(nred), *cargs)
-        for o, h in back:
-            o._a[...] = h
+
+        def run(args, outs):
+            ins = []  # each non-raw input broadcast, the reduced axes last, flattened: i = _o * nred + _r
+            for p, a in zip(self.in_params, args):
+                if isinstance(a, ndarray) and not p.raw:
+                    h = _np.ascontiguousarray(_np.transpose(_np.broadcast_to(a._a, shape), order)).reshape(-1)
+                    a = ndarray._view(h, a._alloc, own=False)
+                ins.append(a)
+            cargs, kinds, keep, back = self._cargs(ins, outs, (nout * nred,), types)
+            fn = getattr(_compile(self._source(types, kinds)), "standin_kernel")
+            fn.restype = None
+            fn(ctypes.c_int64(nout), ctypes.c_int64(nred), *cargs)
+            for o, h in back:
+                o._a[...] = h
+
+        outs = self._outputs(full, types, out_shape, stream, run)
+        run(full[:n_in], outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _source(self, types, kinds):

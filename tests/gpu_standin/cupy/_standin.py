@@ -39,7 +39,12 @@ def _caller():
     return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
-def count_sync(kind):
+def count_sync(kind, stream=None, event=None, device=None):
+    """Count a host synchronisation (refused while it involves an active stream capture: the stream, the
+    current stream when none is given, an event recorded in a capture, or the device)."""
+    if _active:
+        from cupy.cuda import _graph
+        _graph.on_host_sync(kind, stream, event, device)
     _syncs[(kind, _caller())] += 1
 
 
@@ -54,7 +59,8 @@ def reset_host_syncs():
 
 # ---------------------------------------------------------------- allocator
 class Allocation:
-    __slots__ = ("ptr", "nbytes", "device", "buf", "last_write", "__weakref__")
+    __slots__ = ("ptr", "nbytes", "device", "buf", "last_write", "pool", "pool_key", "lease", "graphs",
+                 "__weakref__")
 
     def __init__(self, ptr, nbytes, device):
         self.ptr = ptr
@@ -62,6 +68,7 @@ class Allocation:
         self.device = device
         self.buf = numpy.zeros(max(nbytes, 1), dtype=numpy.uint8)
         self.last_write = None   # (stream uid, seq, stream repr)
+        self.pool = self.pool_key = self.lease = self.graphs = None  # pool blocks (cupy.cuda.memory)
 
 
 import weakref  # noqa: E402
@@ -71,6 +78,23 @@ _next_ptr = [1 << 32]
 
 
 def allocate(nbytes, device):
+    """A fresh allocation of the plain allocator (no pool)."""
+    cap = capture_allocation(nbytes, device, None)
+    a = new_allocation(nbytes, device)
+    if cap is not None:
+        cap.born.add(a)
+    return a
+
+
+def capture_allocation(nbytes, device, pool):
+    """The capture an allocation belongs to (refused there unless ``pool`` is the capture's), or None."""
+    if not _active:
+        return None
+    from cupy.cuda import _graph
+    return _graph.on_allocate(nbytes, device, pool)
+
+
+def new_allocation(nbytes, device):
     with _lock:
         ptr = _next_ptr[0]
         _next_ptr[0] += ((max(nbytes, 1) + 511) // 512) * 512 + 512
@@ -113,6 +137,8 @@ def merge(dst, src):
 
 
 _launches = collections.Counter()
+_graph_launches = [0]
+_active = []  # the active stream captures (cupy.cuda._graph.Capture); empty outside capture
 _NOT_KERNELS = frozenset({"cupy.empty"})  # allocations launch nothing
 
 
@@ -125,12 +151,32 @@ def launches():
 
 def reset_launches():
     _launches.clear()
+    _graph_launches[0] = 0
 
 
-def launch(stream, reads=(), writes=(), what="kernel"):
-    """Model one kernel launch on ``stream`` reading/writing the given allocations."""
+def graph_launches():
+    """The number of ``cupy.cuda.Graph.launch`` calls (outside a capture) since the last reset_launches()."""
+    return _graph_launches[0]
+
+
+def capturing(stream):
+    """Whether ``stream`` belongs to an active capture (its work is recorded into a graph)."""
+    if not _active:
+        return False
+    from cupy.cuda import _graph
+    return _graph.capture_of(stream) is not None
+
+
+def launch(stream, reads=(), writes=(), what="kernel", replay=None, covered=False, count=True):
+    """Model one kernel launch on ``stream`` reading/writing the given allocations. Called before the
+    operation's work. On a capturing stream the launch is recorded instead: ``replay`` (a callable) redoes
+    the work when the graph is launched; ``covered`` says another node's replay does it."""
+    if _active:
+        from cupy.cuda import _graph
+        if _graph.on_launch(stream, reads, writes, what, replay, covered, count):
+            return
     with _lock:
-        if writes and what not in _NOT_KERNELS:
+        if writes and count and what not in _NOT_KERNELS:
             _launches[what] += 1
         merge(stream._clock, _host_clock)
         for a in list(reads) + list(writes):
@@ -155,6 +201,9 @@ def host_access(allocs, what="host access"):
     """Model the host (a CUDA-aware MPI, a copy by pointer) reading or writing the allocations outside any
     stream: every last write must already be complete as the host has observed it (a stream or event
     synchronisation on the writer's stream), or the host would read memory still being written."""
+    if _active:
+        from cupy.cuda import _graph
+        _graph.on_host_access(allocs, what)
     with _lock:
         for a in allocs:
             lw = a.last_write
@@ -170,3 +219,17 @@ def host_access(allocs, what="host access"):
 def host_observes(clock):
     with _lock:
         merge(_host_clock, clock)
+
+
+def is_pinned(host):
+    """Whether a host array's memory is page-locked: its buffer chain reaches an object of a class named
+    like CuPy's pinned memory (``PinnedMemory``, ``PinnedMemoryPointer``) or marked ``_standin_pinned``."""
+    seen = 0
+    obj = host
+    while obj is not None and seen < 32:
+        if getattr(obj, "_standin_pinned", False) or type(obj).__name__ in ("PinnedMemory",
+                                                                            "PinnedMemoryPointer"):
+            return True
+        obj = getattr(obj, "base", None) if not isinstance(obj, memoryview) else obj.obj
+        seen += 1
+    return False

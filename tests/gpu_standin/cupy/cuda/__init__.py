@@ -36,7 +36,7 @@ class Device:
 
     def synchronize(self):
         """Host waits for every stream of this device."""
-        _standin.count_sync("Device.synchronize")
+        _standin.count_sync("Device.synchronize", device=self.id)
         for s in list(_all_streams):
             if s.device_id == self.id:
                 _standin.host_observes(s._clock)
@@ -96,17 +96,31 @@ class Stream:
             raise runtime.CUDARuntimeError(
                 f"wait_event: event of device {event.device_id} waited on {self!r} of device "
                 f"{self.device_id}")
+        if (_standin._active or event._capture is not None) and _graph.on_wait(self, event):
+            return
         if event._clock is not None:
             _standin.merge(self._clock, event._clock)
 
     def synchronize(self):
-        _standin.count_sync("Stream.synchronize")
+        _standin.count_sync("Stream.synchronize", stream=self)
         _standin.host_observes(self._clock)
 
     @property
     def done(self):
+        if _standin._active:
+            _graph.on_query("Stream.done", stream=self)
         _standin.host_observes(self._clock)  # NumPy work is complete at launch
         return True
+
+    # stream capture (cupy.cuda._graph)
+    def begin_capture(self, mode=None):
+        _graph.begin_capture(self, mode)
+
+    def end_capture(self):
+        return _graph.end_capture(self)
+
+    def is_capturing(self):
+        return _graph.is_capturing(self)
 
     def use(self):
         _standin.local.streams[_standin.local.device] = self
@@ -177,6 +191,7 @@ class Event:
         self.interprocess = interprocess
         self._clock = None
         self._time = None
+        self._capture = None  # the capture that recorded it last (cupy.cuda._graph)
         self.ptr = 0x5000_0000 + next(_uids) * 16
 
     def _record(self, stream):
@@ -184,6 +199,9 @@ class Event:
         if stream.device_id != self.device_id:
             raise runtime.CUDARuntimeError(
                 f"Event.record: event of device {self.device_id} recorded on {stream!r}")
+        self._capture = None
+        if _standin._active and _graph.on_record(self, stream):
+            return
         import time
         self._clock = dict(stream._clock)
         self._time = time.perf_counter()
@@ -192,12 +210,14 @@ class Event:
         self._record(get_current_stream() if stream is None else stream)
 
     def synchronize(self):
-        _standin.count_sync("Event.synchronize")
+        _standin.count_sync("Event.synchronize", event=self)
         if self._clock is not None:
             _standin.host_observes(self._clock)
 
     @property
     def done(self):
+        if _standin._active:
+            _graph.on_query("Event.done", event=self)
         if self._clock is not None:
             _standin.host_observes(self._clock)
         return True
@@ -205,24 +225,37 @@ class Event:
 
 def get_elapsed_time(start_event, end_event):
     for e in (start_event, end_event):
+        if _standin._active:
+            _graph.on_host_sync("get_elapsed_time", event=e)
         if e.disable_timing:
             raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event created with "
                                            "disable_timing")
         if e._time is None:
             raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event not recorded")
-    _standin.count_sync("get_elapsed_time")
+    _standin.count_sync("get_elapsed_time", event=end_event)
     return (end_event._time - start_event._time) * 1000.0
 
 
 class MemoryPointer:
-    def __init__(self, alloc, offset):
+    def __init__(self, alloc, offset, lease=None):
         self.mem = alloc
         self.ptr = alloc.ptr + offset
         self.device_id = alloc.device
+        # a pool block stays out of its pool while a pointer to it lives (cupy.cuda.memory)
+        self._lease = lease if lease is not None else (alloc.lease() if alloc.lease is not None else None)
 
     @property
     def device(self):
         return Device(self.device_id)
+
+
+from cupy.cuda import _graph  # noqa: E402
+from cupy.cuda._graph import Graph as Graph  # noqa: E402
+from cupy.cuda.memory import MemoryPool as MemoryPool  # noqa: E402
+from cupy.cuda.memory import alloc as alloc  # noqa: E402
+from cupy.cuda.memory import get_allocator as get_allocator  # noqa: E402
+from cupy.cuda.memory import set_allocator as set_allocator  # noqa: E402
+from cupy.cuda.memory import using_allocator as using_allocator  # noqa: E402
 
 
 def __getattr__(name):

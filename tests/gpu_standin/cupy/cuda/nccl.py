@@ -94,7 +94,28 @@ def groupEnd():
     _group["depth"] -= 1
     if _group["depth"] == 0:
         ops, _group["ops"] = _group["ops"], []
-        _execute(ops)
+        captured = [op for op in ops if isinstance(op, _Captured)]
+        if captured and len(captured) != len(ops):
+            raise NcclError(NCCL_ERROR_INVALID_USAGE, "a group mixes calls on capturing streams and others")
+        if not captured:
+            _execute(ops)
+            return
+        from cupy.cuda import _graph
+        if len({id(_graph.capture_of(op.stream)) for op in captured}) != 1:
+            raise NcclError(NCCL_ERROR_INVALID_USAGE, "a group's calls are on streams of different captures")
+        makes = [op.make for op in captured]
+        # the group is one node of the capture, after its calls' nodes: each launch of the graph posts the
+        # whole group again, on every rank
+        _standin.launch(captured[-1].stream, what="nccl group", count=False,
+                        replay=lambda: _execute([m() for m in makes]))
+
+
+class _Captured:
+    """A call of a group on a capturing stream: ``make()`` builds its post when the graph is launched."""
+    __slots__ = ("stream", "make")
+
+    def __init__(self, stream, make):
+        self.stream, self.make = stream, make
 
 
 def _execute(ops):
@@ -221,11 +242,24 @@ class NcclCommunicator:
         raise NcclError(NCCL_ERROR_INVALID_ARGUMENT,
                         f"{what}: stream {stream:#x} is not a stream of device {self._device}")
 
-    def _launch(self, what, stream, reads, writes):
+    def _issue(self, what, stream, reads, writes, make):
+        """One NCCL call on ``stream``: ``make()`` reads the send buffer and returns the MPI post. On a
+        capturing stream nothing moves now: each launch of the graph calls ``make()`` again."""
         if _standin.local.device != self._device:
             raise NcclError(NCCL_ERROR_INVALID_USAGE, f"{what}: device {_standin.local.device} is current, "
                             f"the communicator is on device {self._device}")
-        _standin.launch(self._stream(stream, what), reads=reads, writes=writes, what=f"nccl {what}")
+        s = self._stream(stream, what)
+        if not _standin.capturing(s):
+            _standin.launch(s, reads=reads, writes=writes, what=f"nccl {what}")
+            _submit(make())
+            return
+        make()  # the checks of the arguments, now; the post it builds is dropped
+        if _group["depth"] > 0:
+            _standin.launch(s, reads=reads, writes=writes, what=f"nccl {what}", covered=True)
+            _group["ops"].append(_Captured(s, make))
+        else:
+            _standin.launch(s, reads=reads, writes=writes, what=f"nccl {what}",
+                            replay=lambda: _execute([make()]))
 
     def _reduce_post(self, send, op, what, finish):
         if op not in _OPS and op != NCCL_AVG:
@@ -242,8 +276,8 @@ class NcclCommunicator:
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         sa, s = self._buf(sendbuf, count, datatype, "allReduce")
         ra, r = self._buf(recvbuf, count, datatype, "allReduce")
-        self._launch("allReduce", stream, [sa], [ra])
-        _submit(self._reduce_post(s, op, "allReduce", lambda v: r.__setitem__(Ellipsis, v)))
+        self._issue("allReduce", stream, [sa], [ra],
+                    lambda: self._reduce_post(s, op, "allReduce", lambda v: r.__setitem__(Ellipsis, v)))
 
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
         sa, s = self._buf(sendbuf, count, datatype, "reduce")
@@ -251,24 +285,28 @@ class NcclCommunicator:
         if self._rank == root:
             ra, r = self._buf(recvbuf, count, datatype, "reduce")
             writes = [ra]
-        self._launch("reduce", stream, [sa], writes)
-        _submit(self._reduce_post(s, op, "reduce",
-                                  lambda v: r.__setitem__(Ellipsis, v) if self._rank == root else None))
+        self._issue("reduce", stream, [sa], writes,
+                    lambda: self._reduce_post(s, op, "reduce",
+                                              lambda v: r.__setitem__(Ellipsis, v) if self._rank == root
+                                              else None))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         sa, s = self._buf(sendbuf, recvcount * self._ndev, datatype, "reduceScatter")
         ra, r = self._buf(recvbuf, recvcount, datatype, "reduceScatter")
-        self._launch("reduceScatter", stream, [sa], [ra])
         lo = self._rank * recvcount
-        _submit(self._reduce_post(s, op, "reduceScatter",
-                                  lambda v: r.__setitem__(Ellipsis, v[lo:lo + recvcount])))
+        self._issue("reduceScatter", stream, [sa], [ra],
+                    lambda: self._reduce_post(s, op, "reduceScatter",
+                                              lambda v: r.__setitem__(Ellipsis, v[lo:lo + recvcount])))
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         sa, s = self._buf(sendbuf, count, datatype, "allGather")
         ra, r = self._buf(recvbuf, count * self._ndev, datatype, "allGather")
-        self._launch("allGather", stream, [sa], [ra])
-        comm, src = self._live(), s.copy()
-        _submit(lambda: (comm.Iallgather(src, r), None))
+        comm = self._live()
+
+        def make():
+            src = s.copy()
+            return lambda: (comm.Iallgather(src, r), None)
+        self._issue("allGather", stream, [sa], [ra], make)
 
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
         sendbuf, recvbuf = sendbuff, recvbuff
@@ -277,18 +315,20 @@ class NcclCommunicator:
         if self._rank == root:
             sa, s = self._buf(sendbuf, count, datatype, "broadcast")
             reads = [sa]
-        self._launch("broadcast", stream, reads, [ra])
         comm = self._live()
-        if self._rank == root:
-            src = s.copy()
 
-            def post():
-                r[...] = src
-                return comm.Ibcast(r, root=root), None
-        else:
-            def post():
-                return comm.Ibcast(r, root=root), None
-        _submit(post)
+        def make():
+            if self._rank == root:
+                src = s.copy()
+
+                def post():
+                    r[...] = src
+                    return comm.Ibcast(r, root=root), None
+            else:
+                def post():
+                    return comm.Ibcast(r, root=root), None
+            return post
+        self._issue("broadcast", stream, reads, [ra], make)
 
     def bcast(self, buff, count, datatype, root, stream):
         self.broadcast(buff, buff, count, datatype, root, stream)
@@ -296,16 +336,18 @@ class NcclCommunicator:
     def send(self, sendbuf, count, datatype, peer, stream):
         sa, s = self._buf(sendbuf, count, datatype, "send")
         self._check_peer(peer, "send")
-        self._launch("send", stream, [sa], [])
-        comm, src = self._live(), s.copy()
-        _submit(lambda: (comm.Isend(src, dest=peer, tag=7), None))
+        comm = self._live()
+
+        def make():
+            src = s.copy()
+            return lambda: (comm.Isend(src, dest=peer, tag=7), None)
+        self._issue("send", stream, [sa], [], make)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         ra, r = self._buf(recvbuf, count, datatype, "recv")
         self._check_peer(peer, "recv")
-        self._launch("recv", stream, [], [ra])
         comm = self._live()
-        _submit(lambda: (comm.Irecv(r, source=peer, tag=7), None))
+        self._issue("recv", stream, [], [ra], lambda: lambda: (comm.Irecv(r, source=peer, tag=7), None))
 
     def _check_peer(self, peer, what):
         if not isinstance(peer, int) or not 0 <= peer < self._ndev:
