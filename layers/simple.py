@@ -57,9 +57,7 @@ def _dropout_infer(lay: LayerArgs) -> Inferred:
 
 @register(LayerSpec("dropout", "inverted dropout (identity at evaluation)", (
     Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element", aliases=("rate",)),),
-    _dropout_infer, pointwise=True, order=60,
-    capture_note="the step count its checkpoints save stays on the host, where a replayed step does not "
-                 "advance it"))
+    _dropout_infer, pointwise=True, order=60, capturable=True))
 class Dropout(Layer):
     def setup(self, dist):
         super().setup(dist)

@@ -47,9 +47,7 @@ class GraphRun:
         self._generation = None if table is None else table.generation
         # layers that count steps on the host as well (e.g. for checkpoints) count the replayed ones here
         self._counters = [lay for lay in t.model.layers if hasattr(lay, "count_replayed_step")]
-        # a replayed step runs no Python per layer: no per-layer or per-bucket timing events (an event
-        # recorded during a capture is never recorded at a replay), only the step's marks outside it
-        t.timer.clock = None
+        # no bucket timing events: an event recorded during a capture is never recorded at a replay
         for bucket in t.sync.engine.buckets:
             bucket.timed = False
         t.sync.engine.clock = "host"
@@ -79,12 +77,21 @@ class GraphRun:
             raise UserError(f"runtime.cuda_graph on: the capture of step {t.step + 1} failed: {exc}")
         t.step_mode = Decision("eager", asked, f"the capture of step {t.step + 1} failed: {exc}")
         t.graphs = None
-        if t.clock.name != "host":  # eager steps time their layers on the device again
-            t.timer.clock = t.clock
         if t.world.rank == 0:
             t._say(t.step_mode.line())
         t.optimizer.t = t_opt  # the failed capture's body ran on the host only
         return self.body(x_local, labels)
+
+    def _untimed(self, x_local, labels):
+        """A capture or a replay: no per-layer times (a replay runs no layer's Python; a capture's would be
+        host times of launches, and a timing event recorded in a capture is never recorded at a replay)."""
+        t = self.trainer
+        t.graph_untimed_steps += 1
+        clock, t.timer.clock = t.timer.clock, None
+        try:
+            return t.report.untimed(lambda: self.graphs.step(x_local, labels, self.body))
+        finally:
+            t.timer.clock = clock
 
     def _count_replayed(self) -> None:
         """The host's share of a replayed step: its counts of the steps taken."""
@@ -108,7 +115,10 @@ class GraphRun:
         wd.progress("training step (CUDA graph)")
         t_opt = t.optimizer.t
         try:
-            (stats, grad_sq), how = t.report.untimed(lambda: self.graphs.step(x.local, labels, self.body))
+            if self.graphs.next(x.local, labels) == "eager":  # per-layer times as any eager step's
+                (stats, grad_sq), how = self.graphs.step(x.local, labels, self.body)
+            else:
+                (stats, grad_sq), how = self._untimed(x.local, labels)
         except CaptureFailed as exc:  # every rank alike, before any of the step ran on the device
             (stats, grad_sq), how = self._failed(exc, t_opt, x.local, labels), "eager"
         if how == "replayed":
@@ -124,6 +134,7 @@ class GraphRun:
         wd.progress(f"step {t.step} done")
         metrics, timing = {}, {}
         if logged:
+            t.timer.settle()
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
             loss, metrics, grad_norm = t._read_stats(stats, grad_sq)

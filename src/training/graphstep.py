@@ -189,6 +189,13 @@ class StepGraphs:
         captured again."""
         self._shapes.clear()
 
+    def next(self, x, y) -> str:
+        """What :meth:`step` will do with inputs like these: ``eager``, ``capture`` or ``replay``."""
+        sh = self._shapes.get(self.key(x, y))
+        if sh is not None and sh.graph is not None:
+            return "replay"
+        return "eager" if sh is None or sh.warm < self.warmup else "capture"
+
     def step(self, x, y, body):
         sh = self._shapes.setdefault(self.key(x, y), _Shape())
         if sh.graph is None and sh.warm < self.warmup:

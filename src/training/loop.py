@@ -44,6 +44,7 @@ class Trainer:
         self.resumed_from = None  # the checkpoint path --resume started from
         self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
         self.graphs = None  # a graphloop.GraphRun when the training step is captured
+        self.graph_untimed_steps = 0  # captured or replayed steps: no per-layer times
         self.step_mode = None  # the graphstep.Decision of set-up
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -420,5 +421,7 @@ class Trainer:
             run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,
                                      replays=g.replays if g else 0)
         self.report.bucket_clock = self.sync.engine.clock
+        # per-layer means over the steps that timed their layers (a replayed step runs no layer's Python)
+        self.report.warmup_steps += self.graph_untimed_steps
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})

@@ -6,7 +6,7 @@ On the CUDA stand-in in every test run (``LBANNPY_GPU=real`` for real CuPy/NCCL;
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +16,8 @@ import pytest
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1]))
 from train_util import PY, assert_same_weights, build_config, final_params, make_data, metrics  # noqa: E402
-from gpu.conftest import REAL, worker_env  # noqa: E402
+
+REAL = os.environ.get("LBANNPY_GPU", "") == "real"
 
 BN_NET = [
     {"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1, "bias": False},
@@ -26,7 +27,6 @@ BN_NET = [
     {"name": "f1", "type": "fc", "units": 4},
 ]
 PLAIN_NET = [layer for layer in BN_NET if layer["type"] != "batchnorm"]
-# dropout's checkpointed step count is a host value: declared uncapturable in the layer registry
 DROP_NET = BN_NET[:3] + [{"name": "d1", "type": "dropout", "p": 0.25}] + BN_NET[3:]
 GPU = ("--set", "runtime.device=gpu")
 
@@ -60,16 +60,16 @@ def lines_with(text: str, part: str) -> list[str]:
 
 
 def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
-    """A dropout layer (declared uncapturable in the registry): ``auto`` prints one line naming it and
-    trains exactly as ``off`` does (float64, bit for bit)."""
-    p = train(gpu_run, config(work, "auto", DROP_NET), "--set", "runtime.backend=nccl")
-    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: layer 'd1' "
-                                "(dropout): the step count its checkpoints save")
+    """Replicated fully-connected layers (their late updates are applied with the host's step counter):
+    ``auto`` prints one line naming them and trains exactly as ``off`` does (float64, bit for bit)."""
+    rep = {"comm": {"replicate_fc": 1}}
+    p = train(gpu_run, config(work, "auto", DROP_NET, **rep), "--set", "runtime.backend=nccl")
+    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: comm.replicate_fc: ")
     assert len(said) == 1, p.stderr
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert summary["cuda_graph"]["mode"] == "eager" and summary["cuda_graph"]["replays"] == 0, summary
-    assert summary["cuda_graph"]["reason"].startswith("layer 'd1' (dropout)"), summary
-    p = train(gpu_run, config(work, "off", DROP_NET), "--set", "runtime.backend=nccl",
+    assert summary["cuda_graph"]["reason"].startswith("comm.replicate_fc: "), summary
+    p = train(gpu_run, config(work, "off", DROP_NET, **rep), "--set", "runtime.backend=nccl",
               "--set", "runtime.cuda_graph=off")
     assert lines_with(p.stderr, "step: eager (runtime.cuda_graph off)") and "not capturable" not in p.stderr
     assert_same_weights(final_params(work / "off" / "ckpt"), final_params(work / "auto" / "ckpt"), 0.0,
@@ -78,14 +78,14 @@ def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
                                                                                              "out")]
 
 
-@pytest.mark.parametrize("layers,backend,named", [
-    (DROP_NET, "nccl", "layer 'd1' (dropout): the step count its checkpoints save stays on the host"),
-    (PLAIN_NET, "mpi", "runtime.backend mpi: MPI calls wait on the host for the stream"),
-], ids=["uncapturable-layer", "mpi-backend"])
-def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, layers, backend, named):
+@pytest.mark.parametrize("extra,backend,named", [
+    ({"optimizer": {"shard_state": True}}, "nccl", "optimizer.shard_state: the sharded update"),
+    ({}, "mpi", "runtime.backend mpi: MPI calls wait on the host for the stream"),
+], ids=["sharded-state", "mpi-backend"])
+def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, extra, backend, named):
     """``on``: exit status 2 on every rank before any step, one line naming what prevents the capture."""
     tag = f"on-{backend}"
-    p = train(gpu_run, config(work, tag, layers), "--set", f"runtime.backend={backend}",
+    p = train(gpu_run, config(work, tag, PLAIN_NET, **extra), "--set", f"runtime.backend={backend}",
               "--set", "runtime.cuda_graph=on", env={"LBANNPY_CUDA_AWARE_MPI": "1"}, check=False)
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     said = lines_with(p.stderr, "runtime.cuda_graph on: the training step cannot be captured: ")
@@ -95,21 +95,6 @@ def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, layers, bac
 
 
 # ------------------------------------------------------------------------------- the captured step
-def _has_capture() -> bool:
-    """Whether the array module the workers import (the stand-in, or real CuPy) captures streams."""
-    code = "import cupy; print(hasattr(cupy.cuda.Stream, 'begin_capture'))"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=worker_env())
-    return p.stdout.strip().endswith("True")
-
-
-@pytest.fixture(scope="module")
-def capture():
-    if not _has_capture():
-        pytest.skip("the CUDA stand-in has no stream capture (Stream.begin_capture): the captured step is "
-                    "proven under LBANNPY_GPU=real only")
-
-
 def checkpoint_tensors(ckpt_dir) -> dict:
     """Every tensor of the newest checkpoint (parameters, optimizer state, batch-norm running
     statistics), by name."""
@@ -138,22 +123,28 @@ def assert_bitwise_same_run(work, tag, ref, what):
 
 
 STEPS = 8
-GRAPHED_RUNS = [  # (ranks, parallel, name)
-    (1, {}, "one-gpu"),
-    (2, {"default": {"n": 2}}, "sample"),
-    (2, {"default": {"h": 2}}, "spatial"),
+STEP_LR = {"type": "sgd", "lr": 0.05, "schedule": {"type": "step", "step_size": 3, "gamma": 0.5}}
+# (a cosine schedule spans trainer.steps, so a run stopped early would follow another one)
+ADAM_WARMUP = {"type": "adam", "lr": 0.01, "schedule": {"type": "step", "step_size": 2, "gamma": 0.7,
+                                                        "warmup_steps": 2}}
+GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, name)
+    (1, {}, BN_NET, STEP_LR, "one-gpu-step-lr"),
+    (2, {"default": {"n": 2}}, DROP_NET, {}, "sample-dropout"),
+    (2, {"default": {"h": 2}}, BN_NET, ADAM_WARMUP, "spatial-adam-warmup"),
 ]
 
 
-@pytest.mark.parametrize("ranks,parallel,name", GRAPHED_RUNS, ids=[r[2] for r in GRAPHED_RUNS])
-def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, capture, ranks, parallel,
-                                                               name):
+@pytest.mark.parametrize("ranks,parallel,layers,optimizer,name", GRAPHED_RUNS,
+                         ids=[r[-1] for r in GRAPHED_RUNS])
+def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ranks, parallel, layers,
+                                                               optimizer, name):
     """float64, ``runtime.kernels: own``: with the step captured (``on``) the run ends with the eager run's
-    every checkpoint tensor (weights, momentum, batch-norm running statistics), its logged losses, gradient
-    norms and validation metrics, bit for bit; with evaluation every 3 steps and a checkpoint, stopped
-    after 5 steps and resumed to 8 (the resumed run warms up and captures again). A graph that replayed
-    a stale batch would train on one batch only and fail this."""
-    common = dict(steps=STEPS, parallel=parallel,
+    every checkpoint tensor (weights, optimizer state, batch-norm running statistics, dropout's step), its
+    logged losses, gradient norms, learning rates and validation metrics, bit for bit; with evaluation
+    every 3 steps and a checkpoint, stopped after 5 steps and resumed to 8 (the resumed run warms up and
+    captures again); a learning-rate schedule, dropout. A graph that replayed a stale batch would train on
+    one batch only and fail this."""
+    common = dict(steps=STEPS, parallel=parallel, optimizer=optimizer,
                   data={"validation": {"fraction": 0.25}}, trainer={"eval_every": 3},
                   output={"log_every": 2})
     run = ("mpiexec", "-n", ranks, PY, "-m", "lbannpy.train")
@@ -161,21 +152,21 @@ def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ca
     if ranks > 1:
         opts += ("--set", "runtime.backend=nccl")
     ref, tag, resumed = f"eager-{name}", f"graph-{name}", f"graph-resumed-{name}"
-    gpu_run([*run, config(work, ref, BN_NET, **common), *opts, "--set", "runtime.cuda_graph=off"])
-    p = gpu_run([*run, config(work, tag, BN_NET, **common), *opts, "--set", "runtime.cuda_graph=on"])
+    gpu_run([*run, config(work, ref, layers, **common), *opts, "--set", "runtime.cuda_graph=off"])
+    p = gpu_run([*run, config(work, tag, layers, **common), *opts, "--set", "runtime.cuda_graph=on"])
     assert len(lines_with(p.stderr, "step: one CUDA graph per input shape")) == 1, p.stderr
     s = json.loads((work / tag / "out" / "summary.json").read_text())["cuda_graph"]
     # two eager warm-up steps, one captured (and launched), the rest replayed
     assert s["mode"] == "graph" and s["captures"] == 1 and s["replays"] == STEPS - 3, s
     assert_bitwise_same_run(work, tag, ref, f"captured step, {name}")
     half = dict(common, steps=5)
-    gpu_run([*run, config(work, resumed, BN_NET, **half), *opts, "--set", "runtime.cuda_graph=on"])
-    gpu_run([*run, config(work, resumed, BN_NET, **common), "--resume", *opts,
+    gpu_run([*run, config(work, resumed, layers, **half), *opts, "--set", "runtime.cuda_graph=on"])
+    gpu_run([*run, config(work, resumed, layers, **common), "--resume", *opts,
              "--set", "runtime.cuda_graph=on"])
     assert_bitwise_same_run(work, resumed, ref, f"captured step resumed after 5 steps, {name}")
 
 
-def test_a_replayed_unlogged_step_makes_no_host_synchronisation(work, gpu_launch, capture):
+def test_a_replayed_unlogged_step_makes_no_host_synchronisation(work, gpu_launch):
     """Counted by the stand-in (real CUDA cannot count them): the replayed steps between logged ones make
     no host synchronisation at all."""
     if REAL:
