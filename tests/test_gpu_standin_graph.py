@@ -28,7 +28,18 @@ def test_standin_graph_checks():
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     passed = re.search(r"(\d+) passed", p.stdout)
-    assert passed and int(passed.group(1)) >= 36, p.stdout[-2000:]
+    assert passed and int(passed.group(1)) >= 37, p.stdout[-2000:]
+
+
+def test_standin_capture_matches_cuda():
+    """The checks a real GPU passes too (tests/gpu_standin/capture_parity_check.py), on the stand-in."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--import-mode=importlib", str(STANDIN / "capture_parity_check.py")],
+                       env=standin_env(), cwd=TESTS.parent,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", p.stdout)
+    assert passed and int(passed.group(1)) >= 18, p.stdout[-2000:]
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found")

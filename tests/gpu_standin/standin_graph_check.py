@@ -183,22 +183,6 @@ def test_replay_is_ordered_against_work_outside_the_graph():
     np.testing.assert_array_equal(y.get(), np.full(4, 2.0))
 
 
-def test_copy_from_pinned_memory_is_replayed_with_the_host_buffer_at_launch():
-    host = pinned((2, 3))
-    x = cupy.zeros((2, 3))
-    pool, s = cupy.cuda.MemoryPool(), side_stream()
-    with cupy.cuda.using_allocator(pool.malloc), s:
-        s.begin_capture()
-        x.set(host, stream=s)
-        y = x * 3.0
-        g = s.end_capture()
-    for k in range(2):
-        host[...] = RNG.standard_normal((2, 3))
-        g.launch(s)
-        s.synchronize()
-        np.testing.assert_array_equal(y.get(), host * 3.0)
-
-
 def test_a_graph_launched_inside_a_capture_is_a_child_node():
     x = cupy.zeros(3)
     pool, s = cupy.cuda.MemoryPool(), side_stream()
@@ -252,9 +236,9 @@ def test_what_a_capture_allows_outside_it():
 
 
 # ---------------------------------------------------------------- refusals, each with the call site
-def _refused(op, match, exc=CUDAError, pool=True):
+def _refused(op, match, exc=CUDAError, pool=True, invalidates=True):
     """``op(s, x, y)`` during a capture on ``s`` (``y`` already captured) raises ``exc`` naming the call
-    site, and the capture is invalidated."""
+    site; CUDA's refusals invalidate the capture, CuPy's (a RuntimeError before CUDA is called) do not."""
     mp, s = cupy.cuda.MemoryPool(), side_stream()
     x = cupy.arange(6.0)
     s.wait_event(cupy.cuda.get_current_stream().record())
@@ -264,6 +248,10 @@ def _refused(op, match, exc=CUDAError, pool=True):
         with pytest.raises(exc, match=match) as err:
             op(s, x, y)
         assert any(site in str(err.value) for site in sites(op)), str(err.value)
+        if not invalidates:
+            assert s.is_capturing()
+            assert isinstance(s.end_capture(), cupy.cuda.Graph)
+            return
         with pytest.raises(RuntimeError, match="invalidated"):
             s.is_capturing()
         with pytest.raises(CUDAError, match="cudaErrorStreamCaptureInvalidated"):
@@ -271,14 +259,15 @@ def _refused(op, match, exc=CUDAError, pool=True):
     assert not s.is_capturing()
 
 
-SYNCS = {
+CUDA_SYNCS = {  # refused by CUDA, which invalidates the capture
     "Stream.synchronize": lambda s, x, y: s.synchronize(),
     "Device.synchronize": lambda s, x, y: cupy.cuda.Device().synchronize(),
     "runtime.deviceSynchronize": lambda s, x, y: runtime.deviceSynchronize(),
     "Event.synchronize": lambda s, x, y: s.record().synchronize(),
     "Event.done": lambda s, x, y: s.record().done,
     "Stream.done": lambda s, x, y: s.done,
-    "get_elapsed_time": lambda s, x, y: cupy.cuda.get_elapsed_time(s.record(), s.record()),
+}
+READS = {  # device-to-host reads on the capturing stream, refused by CuPy before CUDA sees them
     "ndarray.get": lambda s, x, y: y.get(),
     "cupy.asnumpy": lambda s, x, y: cupy.asnumpy(y),
     "ndarray.item": lambda s, x, y: y.sum().item(),
@@ -290,21 +279,53 @@ SYNCS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SYNCS))
-def test_a_host_sync_is_refused(name):
-    _refused(SYNCS[name], "cudaErrorStreamCaptureUnsupported|cudaErrorCapturedEvent")
+@pytest.mark.parametrize("name", list(CUDA_SYNCS))
+def test_a_host_sync_is_refused_and_invalidates_the_capture(name):
+    _refused(CUDA_SYNCS[name], "cudaErrorStreamCaptureUnsupported|cudaErrorCapturedEvent")
 
 
-def test_a_sync_refusal_names_the_kind():
-    _refused(lambda s, x, y: y.get(), "ndarray.get on <Stream")
+@pytest.mark.parametrize("name", list(READS))
+def test_a_device_to_host_read_is_refused(name):
+    _refused(READS[name], "the current stream is capturing, so D2H transfers are disallowed",
+             exc=RuntimeError, invalidates=False)
 
 
-def test_a_pageable_set_is_refused():
-    _refused(lambda s, x, y: x.set(np.ones(6), stream=s), "ndarray.set from pageable host memory.*pinned")
+def test_an_elapsed_time_of_a_captured_event_is_refused():
+    _refused(lambda s, x, y: cupy.cuda.get_elapsed_time(s.record(), s.record()), "cudaErrorCapturedEvent",
+             invalidates=False)
 
 
-def test_a_pageable_upload_is_refused():
-    _refused(lambda s, x, y: cupy.asarray(np.ones(3)), "cupy.asarray from pageable host memory.*pinned")
+def test_a_read_refusal_names_the_kind():
+    _refused(lambda s, x, y: y.get(), r"\(ndarray.get during the capture begun on", exc=RuntimeError,
+             invalidates=False)
+
+
+@pytest.mark.parametrize("source", ["pageable", "pinned"])
+def test_a_host_to_device_copy_into_the_capture_is_refused(source):
+    host = np.ones(6) if source == "pageable" else pinned((6,))
+    _refused(lambda s, x, y: x.set(host, stream=s), "H2D transfers are disallowed .ndarray.set",
+             exc=RuntimeError, invalidates=False)
+
+
+def test_an_upload_into_the_capture_is_refused():
+    _refused(lambda s, x, y: cupy.asarray(np.ones(3)), "H2D transfers are disallowed .cupy.asarray",
+             exc=RuntimeError, invalidates=False)
+
+
+def test_a_copy_on_a_stream_outside_the_capture_is_allowed():
+    """The graph's static input is filled outside the graph, on another stream, while it is captured."""
+    x = cupy.zeros(6)
+    pool, s, other = cupy.cuda.MemoryPool(), side_stream(), cupy.cuda.Stream(non_blocking=True)
+    other.wait_event(cupy.cuda.get_current_stream().record())
+    with cupy.cuda.using_allocator(pool.malloc), s:
+        s.begin_capture()
+        y = x * 2.0
+        x.set(np.full(6, 3.0), stream=other)
+        g = s.end_capture()
+    s.wait_event(other.record())
+    g.launch(s)
+    s.synchronize()
+    np.testing.assert_array_equal(y.get(), np.full(6, 6.0))
 
 
 def test_an_allocation_without_a_capture_pool_is_refused():

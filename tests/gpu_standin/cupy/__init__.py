@@ -251,13 +251,9 @@ class ndarray:
         if not isinstance(arr, _np.ndarray):
             raise TypeError("set() takes a numpy.ndarray")
         s = cuda.get_current_stream() if stream is None else stream
-        replay = None
-        if _standin.capturing(s):  # a graph's copy node reads the host memory when launched
-            if not _standin.is_pinned(arr):
-                _graph.on_pageable_copy(s, "ndarray.set")
-            dst = _graph.weak([self])[0]
-            replay = lambda: dst._a.__setitem__(Ellipsis, arr)  # noqa: E731
-        _standin.launch(s, writes=[self._alloc], what="ndarray.set", replay=replay)
+        if _standin._active:
+            _graph.on_host_to_device(s, "ndarray.set")
+        _standin.launch(s, writes=[self._alloc], what="ndarray.set")
         self._a[...] = arr
 
     # --- NumPy protocols: operate on the NumPy views, keep results on the device
@@ -343,7 +339,7 @@ def asarray(a, dtype=None, order=None):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     src = _np.asarray(a, dtype=dtype, order=order)
     if _standin._active:
-        _graph.on_pageable_copy(cuda.get_current_stream(), "cupy.asarray")
+        _graph.on_host_to_device(cuda.get_current_stream(), "cupy.asarray")
     out = ndarray(src.shape, src.dtype)
     out._a[...] = src
     # CUDA: a copy from pageable host memory to the device synchronises the stream before it starts (the

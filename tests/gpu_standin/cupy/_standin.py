@@ -220,16 +220,3 @@ def host_observes(clock):
     with _lock:
         merge(_host_clock, clock)
 
-
-def is_pinned(host):
-    """Whether a host array's memory is page-locked: its buffer chain reaches an object of a class named
-    like CuPy's pinned memory (``PinnedMemory``, ``PinnedMemoryPointer``) or marked ``_standin_pinned``."""
-    seen = 0
-    obj = host
-    while obj is not None and seen < 32:
-        if getattr(obj, "_standin_pinned", False) or type(obj).__name__ in ("PinnedMemory",
-                                                                            "PinnedMemoryPointer"):
-            return True
-        obj = getattr(obj, "base", None) if not isinstance(obj, memoryview) else obj.obj
-        seen += 1
-    return False

@@ -226,7 +226,7 @@ class Event:
 def get_elapsed_time(start_event, end_event):
     for e in (start_event, end_event):
         if _standin._active:
-            _graph.on_host_sync("get_elapsed_time", event=e)
+            _graph.on_host_sync("get_elapsed_time", event=e, invalidate=False)
         if e.disable_timing:
             raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event created with "
                                            "disable_timing")

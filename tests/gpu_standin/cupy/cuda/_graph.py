@@ -17,14 +17,21 @@ Stream order inside the capture is checked with the capture's own vector clocks 
 stream that reads what the origin stream wrote must be ordered by an event), so a graph's internal order is
 proven at capture time and its order against outside work at launch time.
 
-Refused while capturing (``runtime.CUDARuntimeError`` or ``_standin.RaceError`` with the caller's
-``file:line``; the capture is invalidated and ``end_capture`` raises cudaErrorStreamCaptureInvalidated):
-host synchronisations that involve the capture (its streams, its events, the device), pageable host-device
-copies into it, allocations on a capturing stream not served by the capture's pool (the ``MemoryPool``
-whose ``malloc`` is the current allocator, ``cupy.cuda.using_allocator(pool.malloc)``, when
-``begin_capture`` is called), waiting in the capture on an event recorded outside it, work on a stream
-outside the capture that touches a buffer the capture writes, and the legacy default stream while a
-blocking stream captures. Capture modes are accepted and not told apart.
+Refused while capturing, naming the caller's ``file:line``, as the CUDA 13.2 runtime and CuPy 14.2 refused
+on an H200 (tests/gpu_standin/capture_parity_check.py):
+- by CUDA, invalidating the capture (``end_capture`` then raises cudaErrorStreamCaptureInvalidated):
+  stream, event and device synchronisations and ``done`` queries that involve the capture (CuPy's
+  ``done`` returns there without raising; the stand-in raises), a wait in the capture on an event
+  recorded outside it, the legacy default stream while a blocking stream captures;
+- by CuPy (``RuntimeError``; the capture goes on): device-to-host reads on a capturing current stream
+  (``get``, ``item``, ``float`` ... and everything else counted as a host sync without a stream) and every
+  host-to-device copy into a capturing stream, from pinned memory too; an elapsed time of a captured event
+  (cudaErrorCapturedEvent, not invalidating);
+- by the stand-in, as hazards CUDA does not catch (invalidating): allocations on a capturing stream not
+  served by the capture's pool (the ``MemoryPool`` whose ``malloc`` is the current allocator,
+  ``cupy.cuda.using_allocator(pool.malloc)``, when ``begin_capture`` is called), work on a stream outside
+  the capture that touches a buffer the capture writes, and (``RaceError``) a freed pool block of a live
+  graph handed to a new allocation. Capture modes are accepted and not told apart.
 """
 import weakref
 
@@ -194,8 +201,9 @@ def _check_outside(stream, allocs, what):
         if cap.device != stream.device_id:
             continue
         if stream.ptr == 0 and any(not s.non_blocking for s in cap.streams.values()):
-            _fail(cap, f"cudaErrorStreamCaptureImplicit: {what} on the legacy default stream while a "
-                       f"blocking stream is in {cap.describe()} (capture on Stream(non_blocking=True))")
+            _fail(cap, f"cudaErrorStreamCaptureImplicit (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT): {what} on the "
+                       f"legacy default stream while a blocking stream is in {cap.describe()} (capture on "
+                       f"Stream(non_blocking=True))")
         for a in allocs:
             if a is not None and a in cap.last_write:
                 _fail(cap, f"{what} on {stream!r}, which did not join {cap.describe()}, touches buffer "
@@ -223,8 +231,11 @@ def after_call(stream, state):
             _written(cap, a, stream, seq, before=saved)
 
 
-def on_host_sync(kind, stream=None, event=None, device=None):
-    """A host synchronisation while a capture is active: refused when it involves a capture."""
+def on_host_sync(kind, stream=None, event=None, device=None, invalidate=True):
+    """A host synchronisation while a capture is active: refused when it involves a capture. With no
+    stream, event or device it is a device-to-host read on the current stream, which CuPy itself refuses
+    on a capturing stream (RuntimeError, the capture goes on); CUDA refuses the others and invalidates the
+    capture, except an elapsed time of a captured event (``invalidate=False``)."""
     if device is not None:
         caps = [c for c in _standin._active if c.device == device]
         for cap in caps[1:]:  # every capture on the device is invalidated; the first one is named
@@ -235,22 +246,30 @@ def on_host_sync(kind, stream=None, event=None, device=None):
     if event is not None:
         cap = event._capture
         if cap is not None and cap in _standin._active:
-            _fail(cap, f"cudaErrorCapturedEvent: {kind} of an event recorded in {cap.describe()}")
+            _fail(cap if invalidate else None,
+                  f"cudaErrorCapturedEvent: {kind} of an event recorded in {cap.describe()}")
         return
     if stream is None:
         from cupy import cuda
-        stream = cuda.get_current_stream()
+        cap = capture_of(cuda.get_current_stream())
+        if cap is not None:
+            _fail(None, f"the current stream is capturing, so D2H transfers are disallowed ({kind} during "
+                        f"{cap.describe()})", RuntimeError)
+        return
     cap = capture_of(stream)
     if cap is not None:
         _fail(cap, f"cudaErrorStreamCaptureUnsupported: {kind} on {stream!r} during {cap.describe()}")
 
 
-def on_pageable_copy(stream, what):
+def on_host_to_device(stream, what):
+    """CuPy refuses every host-to-device copy into a capturing stream, from pinned memory too (its
+    ``copy_from_host_async`` checks the stream; the capture goes on): a graph's input is copied into its
+    static buffer before the launch, outside the graph."""
     cap = capture_of(stream)
     if cap is not None:
-        _fail(cap, f"cudaErrorStreamCaptureUnsupported: {what} from pageable host memory on {stream!r} "
-                   f"during {cap.describe()}; copy from pinned memory (cupy.cuda.alloc_pinned_memory) with "
-                   f"ndarray.set(host, stream=...)")
+        _fail(None, f"the current stream is capturing, so H2D transfers are disallowed ({what} on {stream!r} "
+                    f"during {cap.describe()}; copy into the graph's input buffer before launching it)",
+              RuntimeError)
 
 
 def on_host_access(allocs, what):
