@@ -210,7 +210,9 @@ class Model:
                 key = first if p in INPUT_NAMES else p
                 have = grads.get(key)
                 if have is not None:
-                    total = self._grad_sum(key, have.local, dx.local)
+                    # the model input's gradient is returned to the caller, who may keep it: a new array
+                    total = have.local + dx.local if key == first else self._grad_sum(key, have.local,
+                                                                                      dx.local)
                     grads[key] = DistTensor.trusted(total, dx.global_shape, dx.dist, dx.rank,
                                                     have.local.shape)
                 else:

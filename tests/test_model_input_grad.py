@@ -114,3 +114,14 @@ def test_gradients_of_a_tensor_read_twice_are_summed_into_one_planned_buffer():
         assert sorted(k[0] for k in now) == ["c1"]  # c1: read by r1, s1 and t1; the others once
         assert buffers is None or now == buffers
         buffers = now
+    # the model input read twice: its summed gradient is the caller's, a new array every backward
+    spec = {"input": {"channels": 2, "spatial": [3, 3]},
+            "layers": [{"name": "r1", "type": "relu"}, {"name": "s1", "type": "sum", "parents": ["r1", "x"]}]}
+    model = Model(spec, 1, LayerContext(SingleCommunicator(), np, "float64", seed=3), {})
+    x = rng.standard_normal(model.input_shape)
+    got = []
+    for k in range(2):
+        y = model.forward(DistTensor(x, model.input_shape, model.input_dist, 0))
+        got.append(model.backward(DistTensor(np.full(y.local.shape, k + 1.0), y.global_shape, y.dist, 0)))
+    np.testing.assert_array_equal(got[0].local, 1.0 + (x > 0))
+    np.testing.assert_array_equal(got[1].local, 2.0 * (1.0 + (x > 0)))

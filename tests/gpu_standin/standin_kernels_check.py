@@ -353,3 +353,71 @@ def test_dropout_layer_draws_each_steps_mask_from_device_memory():
     assert models[cupy].layers[0]._step_dev.data.ptr == ptr and int(counter[0]) == 8
     counter += 2  # two replayed forwards advance the device counter alone: a checkpoint saves it
     assert models[cupy].layers[0].state() == {"step": 10}
+
+
+def _step_buffers(model, opt):
+    """The device buffers a captured training step reads and writes that live across steps: parameters,
+    gradients, optimizer state and step table, batch-norm running statistics, dropout counters and the
+    summed gradients of tensors read twice."""
+    out = {}
+    for p in model.params:
+        out[p.name] = (p.value.data.ptr, p.grad.data.ptr)
+    for name, st in opt.state.items():
+        for slot, a in st.items():
+            out[(name, slot)] = a.data.ptr
+    out["table"] = [t.data.ptr for t in opt.steps.tables.values()]
+    out["counter"] = opt.steps.tdev.data.ptr
+    for layer in model.layers:
+        for attr in ("running_mean", "running_var", "_step_dev"):
+            if getattr(layer, attr, None) is not None:
+                out[(layer.name, attr)] = getattr(layer, attr).data.ptr
+    for key, buf in model._grad_sums.items():
+        out[("sum",) + key[:1]] = buf.data.ptr
+    return out
+
+
+def test_a_training_step_keeps_its_buffers_and_equals_the_host():
+    """Steps 1, 2 and 3 of a net with batch-norm, dropout, a residual sum and an SGD schedule write the
+    same device buffers as step 0 (what a step captured once and replayed does) and give the host's
+    weights, running statistics and masks."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.base import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.optim import make_optimizer
+    from lbannpy.tensor import DistTensor
+
+    spec = {"input": {"channels": 2, "spatial": [6, 6]},
+            "layers": [{"name": "c1", "type": "conv", "filters": 3, "kernel": 3, "padding": 1},
+                       {"name": "b1", "type": "batchnorm"}, {"name": "r1", "type": "relu"},
+                       {"name": "d1", "type": "dropout", "p": 0.3},
+                       {"name": "s1", "type": "sum", "parents": ["d1", "c1"]},
+                       {"name": "f1", "type": "fc", "units": 4}]}
+    cfg = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "schedule": {"type": "cosine", "warmup_steps": 1}}
+    runs = {}
+    for xp in (cupy, np):
+        model = Model(spec, 3, LayerContext(SingleCommunicator(), xp, "float64", seed=4), {})
+        runs[xp] = (model, make_optimizer(cfg, model.params, total_steps=4))
+    for pd, ph in zip(runs[cupy][0].params, runs[np][0].params):  # the same initial weights
+        pd.value[...] = cupy.asarray(ph.value)
+    rng = np.random.default_rng(6)
+    seen = None
+    for _ in range(4):
+        x, dy = rng.standard_normal((3, 2, 6, 6)), rng.standard_normal((3, 4))
+        for xp, (model, opt) in runs.items():
+            model.set_train(True)
+            opt.zero_grad()
+            y = model.forward(DistTensor(xp.asarray(x), model.input_shape, model.input_dist, 0))
+            model.backward(DistTensor(xp.asarray(dy), y.global_shape, y.dist, 0), input_grad=False)
+            opt.step()
+        (md, od), (mh, oh) = runs[cupy], runs[np]
+        now = _step_buffers(md, od)
+        assert seen is None or now == seen
+        seen = now
+        for pd, ph in zip(md.params, mh.params):
+            np.testing.assert_allclose(cupy.asnumpy(pd.value), ph.value, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(cupy.asnumpy(od.state[pd.name]["momentum"]),
+                                       oh.state[ph.name]["momentum"], rtol=1e-12, atol=1e-12)
+        for ld, lh in zip(md.layers, mh.layers):
+            if hasattr(lh, "running_mean"):
+                np.testing.assert_allclose(cupy.asnumpy(ld.running_var), lh.running_var, rtol=1e-12)
+    assert any(k[0] == "sum" for k in seen if isinstance(k, tuple))  # c1's two readers
