@@ -264,6 +264,8 @@ class OverlapEngine:
 
     # -- the main thread ------------------------------------------------------------------------------------
     def start_step(self) -> None:
+        while not self._completed.empty():  # posted by a step that was abandoned (a failed capture)
+            self._completed.get_nowait()
         keep = RECORD_STEPS * max(len(self.buckets), 1)
         if len(self.records) >= 2 * keep:  # trimmed every RECORD_STEPS steps: a slice, not a shift a step
             cut = len(self.records) - keep

@@ -34,7 +34,8 @@ SPEC = LayerSpec("batchnorm", "batch normalization over samples and spatial dime
     Key("momentum", Float(0.0, 1.0), 0.1, "weight of the new batch in the running statistics"),
     Key("sync", Str(("group", "global")), "group",
         "statistics over the ranks holding one sample (group) or over all ranks (global)")),
-    _infer, weights_split=True, spatial_statistics=True, pointwise=True, order=30)
+    _infer, weights_split=True, spatial_statistics=True, pointwise=True, order=30,
+    capturable=True)
 
 
 @register(SPEC)

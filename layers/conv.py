@@ -81,7 +81,8 @@ SPEC = LayerSpec(
         Key("padding", Padding(), 0, "zero padding on each side"),
         Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
         Key("bias", Bool(), True, "learn an additive bias")),
-    _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=10)
+    _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=10,
+    capturable=True)
 
 
 @register(SPEC)

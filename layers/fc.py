@@ -48,7 +48,8 @@ def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
     Key("units", Int(1), REQUIRED, "output features"),
     Key("bias", Bool(), True, "learn an additive bias")), _infer, split_dims=("n", "c"),
     input_dist=_input_dist,
-    weights_split=True, reduces_channels=True, dense=True, flat_output=True, order=90))
+    weights_split=True, reduces_channels=True, dense=True, flat_output=True, order=90,
+    capturable=True))
 class FullyConnected(Layer):
 
     def setup(self, dist: Distribution) -> None:

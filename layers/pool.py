@@ -44,7 +44,7 @@ SPEC = LayerSpec(
         Key("padding", Padding(), 0, "padding on each side (ignored by max, zeros for avg)"),
         Key("global", Bool(), False, "pool each channel over its whole spatial extent (kernel, stride and "
                                      "padding unused)")),
-    _infer, order=20)
+    _infer, order=20, capturable=True)
 
 
 @register(SPEC)

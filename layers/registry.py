@@ -78,6 +78,13 @@ class LayerSpec:
     * ``no_kernel``: a view (no arithmetic, no memory traffic);
     * ``dense``: where the "one weird trick" baseline turns model-parallel;
     * ``flat_output``: the output is (n, features) whatever the input's rank.
+
+    And one fact the step graph reads (:mod:`lbannpy.training.graphstep`):
+
+    * ``capturable``: the layer's forward and backward on a GPU can be captured into a CUDA graph and
+      replayed: no host synchronisation, no host value that changes from step to step passed to a kernel,
+      and no persistent buffer rebound to a new array (a replay keeps writing the one captured). A type
+      that is not says why in ``capture_note`` (one clause, printed when a run falls back to eager steps).
     """
 
     name: str
@@ -95,6 +102,8 @@ class LayerSpec:
     no_kernel: bool = False
     dense: bool = False
     flat_output: bool = False
+    capturable: bool = False
+    capture_note: str = "it does not declare itself capturable"
     #: where the type is listed (schema text, error messages): ascending, then in registration order
     order: int = 1000
 

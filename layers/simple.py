@@ -15,7 +15,8 @@ from . import kernels as K
 from .base import Layer, LayerError, stable_seed
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, elementwise, register
 
-@register(LayerSpec("relu", "rectified linear unit", (), elementwise(1), pointwise=True, order=40))
+@register(LayerSpec("relu", "rectified linear unit", (), elementwise(1), pointwise=True, order=40,
+                    capturable=True))
 class ReLU(Layer):
     #: set by the model when nothing else reads (or keeps) the parent's output: it is overwritten
     inplace = False
@@ -34,7 +35,7 @@ class ReLU(Layer):
 
 @register(LayerSpec("leaky_relu", "leaky rectified linear unit", (
     Key("slope", Float(0.0), 0.01, "slope for negative inputs", aliases=("negative_slope",)),),
-    elementwise(2), pointwise=True, order=50))
+    elementwise(2), pointwise=True, order=50, capturable=True))
 class LeakyReLU(Layer):
     def fp_compute(self, xs):
         (x,) = xs
@@ -56,7 +57,7 @@ def _dropout_infer(lay: LayerArgs) -> Inferred:
 
 @register(LayerSpec("dropout", "inverted dropout (identity at evaluation)", (
     Key("p", Float(0.0, 1.0, hi_open=True), 0.5, "probability of dropping an element", aliases=("rate",)),),
-    _dropout_infer, pointwise=True, order=60))
+    _dropout_infer, pointwise=True, order=60, capturable=True))
 class Dropout(Layer):
     def setup(self, dist):
         super().setup(dist)
@@ -109,7 +110,7 @@ def _sum_infer(lay: LayerArgs) -> Inferred:
 
 
 @register(LayerSpec("sum", "elementwise sum of its parents (residual connections)", (), _sum_infer, 2, None,
-                    order=70))
+                    order=70, capturable=True))
 class Sum(Layer):
     """Elementwise sum of inputs of one shape (residual connections)."""
 
@@ -138,7 +139,8 @@ def _flatten_input(dist: Distribution, ndim_in: int) -> Distribution:
 
 @register(LayerSpec("flatten", "reshape (n, c, spatial...) to (n, c*prod(spatial))", (),
                     lambda lay: Inferred((lay.x[0], math.prod(lay.x[1:])), 0), split_dims=("n",),
-                    input_dist=_flatten_input, no_kernel=True, flat_output=True, order=100))
+                    input_dist=_flatten_input, no_kernel=True, flat_output=True, order=100,
+                    capturable=True))
 class Flatten(Layer):
     """``(n, c, *spatial)`` -> ``(n, c·prod(spatial))``; samples may be split, nothing else."""
 
@@ -174,7 +176,7 @@ def _concat_infer(lay: LayerArgs) -> Inferred:
 
 @register(LayerSpec("concat", "concatenation of its parents along one dimension", (
     Key("axis", Int(1), 1, "tensor dimension to concatenate along (1: channels)"),), _concat_infer, 2, None,
-    split_dims=("n", "d", "h", "w"), order=80))
+    split_dims=("n", "d", "h", "w"), order=80, capturable=True))
 class Concat(Layer):
     """Concatenation along channels (inception); channels are not split in this layer."""
 

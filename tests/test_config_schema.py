@@ -28,7 +28,7 @@ DEFAULTS = {
     "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual",
     "parallel.machine": "lassen",
     "comm.bucket_mb": 25.0, "comm.first_bucket_mb": 1.0, "comm.overlap": True, "comm.replicate_fc": 0,
-    "comm.chunks.k": 0, "runtime.kernels": "auto", "runtime.tf32": False,
+    "comm.chunks.k": 0, "runtime.kernels": "auto", "runtime.tf32": False, "runtime.cuda_graph": "auto",
     "checkpoint.keep": 3, "checkpoint.every_steps": 0, "checkpoint.at_start": False,
     "output.dir": "run", "output.log_every": 1, "output.trace": False,
     "runtime.backend": "auto", "runtime.device": "cpu", "runtime.threads": 0, "runtime.share_gpu": False,

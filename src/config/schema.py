@@ -24,7 +24,7 @@ from lbannpy.layers.registry import INPUT_NAMES, LayerSpec, RegistryView, layer_
 
 from .errors import ConfigError, did_you_mean, join_path
 from .types import (MAX_SPATIAL_DIMS, NAME_RE, REQUIRED, UNSET, Bool, Float, Int, Key, ListOf, MapOf, OneOf,
-                    Registered, Section, Str, Type, type_name)
+                    Registered, Section, Str, Switch, Type, type_name)
 
 INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
 DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES
@@ -233,6 +233,10 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             "gpu, ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit mantissa "
             "products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 convolutions are "
             "float32, as the own kernels and the CPU compute them"),
+        Key("cuda_graph", Switch(("auto", "on", "off")), "auto",
+            "gpu: the training step as one CUDA graph, captured per input shape after warm-up steps and "
+            "replayed (one launch a step); auto: where the run can be captured, else eager with one line "
+            "naming what prevented it; on: refuse a run that cannot be captured, with that line; off: eager"),
         Key("threads", Int(0), 0, "BLAS/OpenMP threads per rank; 0: OMP_NUM_THREADS if set, else "
                                   "SLURM_CPUS_PER_TASK, else the node's cores / its ranks"),
         Key("memory_gib", Float(0.0, lo_open=True), UNSET,

@@ -159,6 +159,16 @@ class Str(Type):
         return "|".join(self.choices) if self.choices else "str"
 
 
+class Switch(Str):
+    """A :class:`Str` of choices that include ``on`` and ``off``: YAML 1.1 reads a bare ``on``/``off``
+    (as ``--set key=on`` writes it) as a boolean, which is taken as the word it was."""
+
+    def check(self, value, path):
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        return super().check(value, path)
+
+
 class Registered(Str):
     """A string naming an entry of a registry (e.g. the losses that layers/ declares): a :class:`Str` whose
     ``choices`` are read when a value is checked, not when the schema is built (the schema module must load

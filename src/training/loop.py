@@ -55,6 +55,9 @@ class Trainer:
         self.step = 0
         self.resumed_from = None  # the checkpoint path --resume started from
         self.signals = None  # a SignalWatch (set by the entry point): stop requests end the loop
+        self.graphs = None  # a graphloop.GraphRun when the training step is captured
+        self.graph_untimed_steps = 0  # captured or replayed steps: no per-layer times
+        self.step_mode = None  # the graphstep.Decision of set-up
 
     # -- set-up ------------------------------------------------------------------------------------------
     def setup(self, resume: bool = False, force: bool = False) -> None:
@@ -96,6 +99,7 @@ class Trainer:
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress,
                              shard_state=bool(cfg["optimizer"].get("shard_state", False)))
+        self._choose_step_mode(cfg)
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         self.record = ckpt.computation(cfg)
         if resume:
@@ -111,6 +115,12 @@ class Trainer:
             outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
             outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
             self.report.start_metrics()
+
+    def _choose_step_mode(self, cfg: dict) -> None:
+        """``runtime.cuda_graph``: the step captured (:mod:`.graphloop`) or eager; one line says which."""
+        from .graphloop import choose
+
+        self.step_mode, self.graphs = choose(self, cfg)
 
     def _resume(self, force: bool) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -142,6 +152,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics row."""
+        if self.graphs is not None:
+            return self.graphs.train_step()
         wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
         t0 = clock.now()
         h0 = time.perf_counter()
@@ -198,7 +210,7 @@ class Trainer:
                 comm_iv = sync.bucket_intervals(mark, clock.seconds)
                 t_comm = sum(e - s for s, e in comm_iv)
                 hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
-            loss, metrics, grad_norm = self._read_stats(stats, grad_sq)
+            loss, metrics, grad_norm = self.read_stats(stats, grad_sq)
             if not host_stats:
                 health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
             health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
@@ -212,7 +224,7 @@ class Trainer:
         self.report.end_step()
         return row
 
-    def _read_stats(self, stats, grad_sq) -> tuple[float, dict, float]:
+    def read_stats(self, stats, grad_sq) -> tuple[float, dict, float]:
         """The loss statistics and the squared gradient norm to the host in one transfer (the one host
         synchronisation of a logged step): ``(loss, metrics, gradient norm)``."""
         host = to_numpy(self.rt.xp.concatenate([stats.reshape(-1), grad_sq]))
@@ -243,7 +255,7 @@ class Trainer:
         size = outdirs.checkpoint_bytes(self.model)
         loud = size >= CKPT_PROGRESS_BYTES and self.world.rank == 0 and not self.quiet
         if loud:
-            self._say(f"step {self.step}: writing a checkpoint of about {size / 2**20:.0f} MiB into "
+            self.say(f"step {self.step}: writing a checkpoint of about {size / 2**20:.0f} MiB into "
                       f"{s.ckpt_dir}/")
         t0 = time.perf_counter()
         try:
@@ -256,7 +268,7 @@ class Trainer:
         if loud:
             dt = time.perf_counter() - t0
             rate = size / 2**20 / max(dt, 1e-9)
-            self._say(f"step {self.step}: checkpoint written in {dt:.1f} s ({rate:.0f} MiB/s)")
+            self.say(f"step {self.step}: checkpoint written in {dt:.1f} s ({rate:.0f} MiB/s)")
 
     def _choose_kernels(self, cfg: dict) -> None:
         """The run's conv kernel set, and per layer shape the set a calibration of ``parallel.machine``
@@ -287,7 +299,7 @@ class Trainer:
               + f" (by shape where machine {self._kernel_machine} measured it; "
               f"{self.ctx.conv_kernels.name} elsewhere)", flush=True)
 
-    def _say(self, msg: str) -> None:
+    def say(self, msg: str) -> None:
         """One line on stderr that leaves a terminal's progress bar intact."""
         bar = self._bar
         if bar is not None and hasattr(bar, "write"):
@@ -396,6 +408,12 @@ class Trainer:
                "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
+        if self.step_mode is not None:
+            g = self.graphs.graphs if self.graphs is not None else None
+            run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,
+                                     replays=g.replays if g else 0)
         self.report.bucket_clock = self.sync.bucket_clock
+        # per-layer means over the steps that timed their layers (a replayed step runs no layer's Python)
+        self.report.warmup_steps += self.graph_untimed_steps
         return self.report.write(run, steps_run, final_eval, self.sync.bucket_summary(),
                                  {lay.name: str(lay.out_dist) for lay in self.model.layers})

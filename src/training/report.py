@@ -190,6 +190,7 @@ class Report:
                       "io_wait": "host"},
             "wall_s": run["wall_s"],
             "memory_estimate": run.get("memory_estimate"),  # bytes per rank, checked at set-up
+            "cuda_graph": run.get("cuda_graph"),  # the step mode (runtime.cuda_graph) and why
             "layers": merged,
             "distributions": distributions,
         }
