@@ -11,7 +11,7 @@ import numpy as np
 from lbannpy.backend import to_numpy
 
 FORMAT = "lbannpy-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: block checksums, checkpoint identity, index digest
 
 Box = tuple
 

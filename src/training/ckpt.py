@@ -16,6 +16,8 @@ import sys
 from .errors import UserError
 
 _CHANGES_SHOWN = 4  # changes named in the refusal line; the rest are counted
+# checkpoint directory -> the run id its checkpoints carry: one per run, kept across --resume
+_RUN_IDS: dict[str, str] = {}
 
 
 def computation(cfg: dict) -> dict:
@@ -92,11 +94,16 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
     ``keep`` checkpoints."""
     from lbannpy import checkpoint
 
+    if ckpt_dir not in _RUN_IDS:  # the first checkpoint of a fresh run: rank 0's id on every rank
+        import uuid
+
+        _RUN_IDS[ckpt_dir] = world.bcast_obj(uuid.uuid4().hex[:16] if world.rank == 0 else None)
+    run_id = _RUN_IDS[ckpt_dir]
     meta = {"reader": reader.state(), "rows": rows, "evals": evals, "computation": record,
-            "computation_digest": digest(record)}
+            "computation_digest": digest(record), "run_id": run_id}
     optimizer.unshard_state()  # collective where the state is sharded: checkpoints hold it whole
     try:
-        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers)
+        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers, run_id=run_id)
     finally:
         optimizer.reshard_state()
     if world.rank == 0:
@@ -120,9 +127,15 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
     from lbannpy import checkpoint
 
     # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
-    # checkpoint blocks forever
+    # checkpoint blocks forever; a dangling link is skipped with a note (the checkpoint it named is gone)
     for cand in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt-*"))):
-        mode = os.stat(cand).st_mode
+        try:
+            mode = os.stat(cand).st_mode
+        except OSError as exc:
+            if world.rank == 0:
+                _note(f"--resume: skipping {cand}: {exc.strerror or exc}"
+                      f"{' (a dangling link)' if os.path.islink(cand) else ''}")
+            continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
                             f"{ckpt_dir}/ (checkpoint.dir)")
@@ -145,6 +158,8 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
                         f"--resume to start from scratch")
     meta = data["meta"]
+    if meta.get("run_id"):  # later checkpoints of this run carry the run id of the one it resumed
+        _RUN_IDS[ckpt_dir] = str(meta["run_id"])
     what = forced.get(meta.get("computation_digest"))
     if what and world.rank == 0:
         _note(f"--resume --force: {path} was written by a run that computed something else ({what}); "
