@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import io
 import json
 import math
 import os
@@ -180,7 +181,8 @@ def _write_shard(rank: int, tmp: str, pieces, ident: dict) -> None:
         return
     path = os.path.join(tmp, f"shard-{rank:06d}.h5")
     rows = []
-    with h5py.File(path, "w") as f:
+    buf = io.BytesIO()  # one host copy of the shard (see _write_image)
+    with h5py.File(buf, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["rank"] = rank
         for k, v in ident.items():
@@ -194,8 +196,7 @@ def _write_shard(rank: int, tmp: str, pieces, ident: dict) -> None:
             ds.attrs["crc32"] = np.int64(crc32(host))
             rows.append((pc.key, box, int(ds.attrs["crc32"])))
         f.attrs["digest"] = shard_digest(ident, rows)
-        f.flush()
-    _fsync_file(path)
+    _write_image(path, buf.getbuffer())
 
 
 def _write_single(comm, tmp: str, pieces) -> list:
@@ -203,9 +204,10 @@ def _write_single(comm, tmp: str, pieces) -> list:
     order (collective in parallel HDF5); each writer then writes its hyperslab. Returns this rank's
     (key, box, crc32) rows of the blocks it wrote."""
     path = os.path.join(tmp, "data.h5")
+    buf = io.BytesIO() if comm.size == 1 else None  # one rank: written as an image (see _write_image)
     kw = {"driver": "mpio", "comm": comm._comm} if comm.size > 1 else {}
     rows = []
-    with h5py.File(path, "w", **kw) as f:
+    with h5py.File(buf if buf is not None else path, "w", **kw) as f:
         dsets = [f.create_dataset(pc.key, shape=pc.global_shape, dtype=np.dtype(v.dtype)) for pc, v in pieces]
         for ds, (pc, v) in zip(dsets, pieces):
             if pc.writer:
@@ -213,7 +215,9 @@ def _write_single(comm, tmp: str, pieces) -> list:
                 ds[_box_slices(pc.box)] = host
                 rows.append((pc.key, np.asarray(pc.box, dtype=np.int64).reshape(len(pc.box), 2), crc32(host)))
         f.flush()
-    if comm.rank == 0:
+    if buf is not None:
+        _write_image(path, buf.getbuffer())
+    elif comm.rank == 0:
         _fsync_file(path)
     return rows
 
@@ -277,7 +281,8 @@ def _write_index(tmp, step, optimizer, meta, small, index, layout, nranks, ident
              "optimizer_steps": int(optimizer.t) if optimizer is not None else 0,
              "meta": json.dumps(dict(meta, layers=small), sort_keys=True), "run_id": ident["run_id"],
              "ckpt_id": ident["ckpt_id"]}
-    with h5py.File(path, "w") as f:
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as f:
         for k in INDEX_ATTRS:
             f.attrs[k] = attrs[k]
         g = f.create_group("tensors")
@@ -292,8 +297,21 @@ def _write_index(tmp, step, optimizer, meta, small, index, layout, nranks, ident
         f.create_dataset("shard_ranks", data=np.asarray(ranks, dtype=np.int64))
         f.create_dataset("shard_digests", data=np.asarray([digests[r] for r in ranks], dtype="S32"))
         f.attrs["digest"] = index_digest(attrs, index, digests)
-        f.flush()
-    _fsync_file(path)
+    _write_image(path, buf.getbuffer())
+
+
+def _write_image(path: str, image) -> None:
+    """Write an HDF5 file image built in memory with plain file I/O and fsync it: a full disk is one
+    clean ENOSPC (HDF5 writing to the file itself fails inside its own close, and the file handle it leaves
+    fails again at every later clean-up and at exit, up to a crash)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(image).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- reading ---------------------------------------------------------------------------------------------
