@@ -37,12 +37,12 @@ global tensors) are still read, unverified.
 """
 from .plan import (FORMAT, VERSION, CheckpointError, Piece, SavePlan, StateReader, StateTensor, assemble,
                    blocks_meeting, is_writer, param_pieces, rank_pieces, restore_plan, save_plan)
-from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, resolve, restore_weights,
-                   resume)
+from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, newest_sound, resolve,
+                   restore_weights, resume)
 from .integrity import crc32
 from .write import parallel_hdf5, prune, save
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointRefused", "Checkpoint", "Piece", "SavePlan",
            "StateReader", "StateTensor", "assemble", "blocks_meeting", "candidates", "crc32", "is_writer",
-           "load", "load_newest", "param_pieces", "parallel_hdf5", "prune", "rank_pieces", "resolve",
-           "restore_plan", "restore_weights", "resume", "save", "save_plan"]
+           "load", "load_newest", "newest_sound", "param_pieces", "parallel_hdf5", "prune", "rank_pieces",
+           "resolve", "restore_plan", "restore_weights", "resume", "save", "save_plan"]

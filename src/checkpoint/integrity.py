@@ -63,3 +63,17 @@ def check_block(arr, want: int, where: str) -> None:
     if got != int(want):
         raise CheckpointError(f"{where} fails its checksum (crc32 {got:08x}, the index says "
                               f"{int(want):08x}): the file is damaged")
+
+
+def check_finite(arr, where: str) -> None:
+    """Raise :class:`CheckpointError` when a floating-point block holds a NaN or an infinity (a checkpoint
+    is written from finite values only; one that is not is damage). One pass, no temporary: a float64 sum
+    is finite unless a value is not (or the values are near the largest float, then checked one by one)."""
+    a = np.asarray(arr)
+    if a.dtype.kind != "f" or a.size == 0:
+        return
+    if np.isfinite(a.sum(dtype=np.float64)) or np.isfinite(a).all():
+        return
+    first = int(np.argmax(~np.isfinite(a.reshape(-1))))
+    raise CheckpointError(f"{where} holds non-finite values (the first at flat index {first}): the file is "
+                          f"damaged")

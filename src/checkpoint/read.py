@@ -14,7 +14,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
-from .integrity import INDEX_ATTRS, check_block, index_digest
+from .integrity import INDEX_ATTRS, check_block, check_finite, index_digest
 from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting
 from .write import _box_slices
 
@@ -214,7 +214,9 @@ class Checkpoint:
                 origin = [a for a, _ in src] if self.layout == "shards" else [0] * len(src)
                 if self.verify and key in self.crcs:  # the whole block: its checksum covers all of it
                     block = ds[_box_slices(src, origin)]
-                    check_block(block, self.crcs[key][i], f"{ds.file.filename}: block {key} {list(src)}")
+                    where = f"{ds.file.filename}: block {key} {list(src)}"
+                    check_block(block, self.crcs[key][i], where)
+                    check_finite(block, where)
                     piece = block[_box_slices(inter, [a for a, _ in src])]
                 else:
                     piece = ds[_box_slices(inter, origin)]
@@ -301,6 +303,24 @@ def load_newest(directory: str, note: Callable[[str], None] | None = None
     if errors:
         raise CheckpointError("no readable checkpoint in " + directory + ": " + "; ".join(errors))
     return None, None
+
+
+def newest_sound(directory: str) -> str | None:
+    """Not collective (rank 0, after a failure): the newest checkpoint in ``directory`` whose every block
+    verifies (checksums, finite values), read one tensor at a time; None when there is none."""
+    for path in candidates(directory):
+        ck = None
+        try:
+            ck = Checkpoint(path)
+            for key, (gshape, _, _) in ck.index.items():
+                ck.read(key, tuple((0, s) for s in gshape))
+            return path
+        except _DAMAGE:
+            continue
+        finally:
+            if ck is not None:
+                ck.close()
+    return None
 
 
 def resume(comm, directory: str, params, optimizer, layers, xp,

@@ -166,3 +166,50 @@ def test_export_refuses_a_damaged_checkpoint_and_falls_back_in_a_directory(tmp_p
 
     _, meta = read_safetensors(str(tmp_path / "w.safetensors"))
     assert meta["lbannpy_checkpoint"].endswith("ckpt-00000002"), meta
+
+
+def test_non_finite_values_are_damage_and_the_newest_sound_checkpoint_is_named(tmp_path, capsys):
+    """A checkpoint whose checksums verify but whose momentum holds an infinity (written so, or by a bug):
+    resume falls back from it with a note, and :func:`newest_sound` (what a non-finite stop names) skips
+    it."""
+    from lbannpy import checkpoint
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.base import Param
+    from lbannpy.optim import SGD
+
+    def make(v: float):
+        w = np.full((4, 3), v)
+        p = Param("w", w.shape, ((0, 4), (0, 3)), w, w.copy(), Distribution.whole(2, 1), ())
+        opt = SGD([p], 0.1, momentum=0.9)
+        opt.state["w"]["momentum"] = np.full((4, 3), v)
+        opt.t = int(v)
+        return [p], opt
+
+    comm = SingleCommunicator()
+    for step in (1, 2):
+        params, opt = make(float(step))
+        if step == 2:
+            opt.state["w"]["momentum"][1, 2] = np.inf
+        checkpoint.save(comm, str(tmp_path), step, params, opt, {})
+    assert checkpoint.newest_sound(str(tmp_path)).endswith("ckpt-00000001")
+    params, opt = make(0.0)
+    path, info = checkpoint.resume(comm, str(tmp_path), params, opt, [], np)
+    assert info["step"] == 1 and np.all(params[0].value == 1.0)
+    err = capsys.readouterr().err
+    assert "ckpt-00000002 cannot be used" in err and "optim/w/momentum" in err and "non-finite" in err, err
+
+
+def test_a_non_finite_stop_names_the_newest_checkpoint_that_verifies(tmp_path):
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 40}, checkpoint={"every_steps": 1, "at_start": True},
+                    optimizer={"lr": 1e300})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=90)
+    assert job.rank_codes() == [6, 6], (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1 and "non-finite values at step" in lines[0], job.err
+    from lbannpy import checkpoint
+
+    sound = checkpoint.newest_sound(str(tmp_path / "ck"))
+    assert sound is not None and f"is {sound} (--resume starts there)" in lines[0], lines[0]
