@@ -202,6 +202,11 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         with h5py.File(full, "r") as f:
             for key in ("inputs", "labels"):
                 name = names[key]
+                from lbannpy.data.integrity import external_link_problem
+
+                linked = external_link_problem(f, full, name, key)
+                if linked:  # named as what it is, not as a corrupt file
+                    raise ConfigError(f"{path}.{key}", linked, "restore the linked file")
                 try:
                     obj = f[name] if name in f else None
                 except (KeyError, OSError) as e:  # the link is there, the object's header is not usable

@@ -49,8 +49,13 @@ class DatasetInfo:
 def _open_dataset(fh, path: str, name: str, role: str):
     import h5py
 
+    from .integrity import external_link_problem
+
+    problem = external_link_problem(fh, path, name, role)
+    if problem:
+        raise DataError(problem)
     if name not in fh:
-        found = sorted(k for k in fh.keys() if isinstance(fh[k], h5py.Dataset))
+        found = sorted(k for k in fh.keys() if isinstance(fh.get(k), h5py.Dataset))
         raise DataError(f"{path}: {role} dataset '{name}' not found; datasets in the file: "
                         f"{', '.join(found) if found else '(none)'}; set data.*.{role} to one of them")
     obj = fh[name]
@@ -98,6 +103,11 @@ def _check_virtual_sources(path: str, dset, role: str) -> None:
                 with h5py.File(full, "r") as fh:
                     if src.dset_name not in fh:
                         problem = f"its source file {fname} has no dataset '{src.dset_name}'"
+                    else:
+                        from .integrity import short_virtual_source
+
+                        short = short_virtual_source(src, fh[src.dset_name])
+                        problem = short and f"it {short} (in {fname})"
             except OSError as exc:
                 problem = f"its source file {fname} cannot be read ({exc})"
         if problem:

@@ -45,3 +45,36 @@ def test_data_check_finds_the_samples_never_written(tmp_path):
                        env=util.ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "sample 32" in r.stdout and "'inputs'" in r.stdout and "ok" not in r.stdout.split(":")[0], r.stdout
+
+
+def _external_link_to_a_missing_file(tmp_path):
+    util.make_data(tmp_path / "real.h5")
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f["inputs"] = h5py.ExternalLink("gone.h5", "/inputs")
+        with h5py.File(tmp_path / "real.h5", "r") as r:
+            f["labels"] = r["labels"][()]
+    return "external link to gone.h5:/inputs", "does not exist"
+
+
+def _virtual_dataset_with_a_short_source(tmp_path):
+    util.make_data(tmp_path / "src.h5", n=16)
+    layout = h5py.VirtualLayout(shape=(32, 3, 8, 8), dtype="f4")
+    layout[:32] = h5py.VirtualSource(str(tmp_path / "src.h5"), "inputs", shape=(32, 3, 8, 8))
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f.create_virtual_dataset("inputs", layout, fillvalue=0)
+        f["labels"] = np.zeros(32, dtype=np.int64)
+    return "is virtual", "the source is short"
+
+
+@pytest.mark.parametrize("make", [_external_link_to_a_missing_file, _virtual_dataset_with_a_short_source],
+                         ids=["external-link", "virtual-short-source"])
+def test_a_missing_or_short_source_file_is_named_before_training(tmp_path, make):
+    what, why = make(tmp_path)
+    cfg = util.spec(tmp_path, trainer={"steps": 4})
+    job = util.run(tmp_path, cfg, ranks=2, timeout=60)
+    assert job.rank_codes() == [2, 2], (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1 and what in lines[0] and why in lines[0] and "'inputs'" in lines[0], job.err
+    assert not (tmp_path / "out" / "metrics.csv").exists() or \
+        len((tmp_path / "out" / "metrics.csv").read_text().splitlines()) <= 1
