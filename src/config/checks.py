@@ -155,7 +155,12 @@ def check_ranks(cfg: dict, ranks: int, graph=None) -> None:
                                                       f"(they are {'·'.join(names)})",
                                   f"split only {', '.join(names)}")
         try:
-            Distribution.make(ndim, ranks // replicas, **{d: v for d, v in degrees.items() if d in names})
+            dist = Distribution.make(ndim, ranks // replicas,
+                                     **{d: v for d, v in degrees.items() if d in names})
+            layer = path[len("parallel.layers."):] if path.startswith("parallel.layers.") else None
+            if graph is not None and layer is not None and layer not in INPUT_NAMES:
+                # the check the layer makes when train builds it: no rank may hold an empty block
+                dist.check_shape(tuple(graph[layer].out_shape), f"output of layer '{layer}'")
         except DistributionError as e:
             raise ConfigError(path, str(e), f"change {path} or the rank count") from None
 
