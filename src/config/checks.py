@@ -243,13 +243,14 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
     if n < 1:
         raise ConfigError(where, f"dataset {names['inputs']!r} in {full!r} holds no samples",
                           "use a non-empty dataset")
-    soft = model["loss"] == "cross_entropy" and len(yshape) == 2 and yshape[0] == n and yshape[1] > 1
+    # the reader takes class indices only (no probabilities): what it refuses is refused here
+    soft = False
     if model["loss"] == "pixel_cross_entropy":
         ok_shape = yshape in ((n,) + spatial, (n, 1) + spatial)
         want_y = f"(N, *spatial) = ({n}, {', '.join(map(str, spatial))})"
     else:
-        ok_shape = yshape in ((n,), (n, 1)) or soft
-        want_y = f"({n},) class indices or ({n}, classes) probabilities"
+        ok_shape = yshape in ((n,), (n, 1))
+        want_y = f"({n},) class indices"
     if not ok_shape:
         raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has shape {yshape}, "
                                                f"{model['loss']} needs {want_y}",
@@ -258,7 +259,13 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         want_t = "probabilities must be floating point" if soft else "class labels must be integers"
         raise ConfigError("data.train.labels",
                           f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; {want_t}",
-                          "store labels as int64 (or float32 probabilities)")
+                          "store labels as int64 class indices (the reader takes no probabilities)")
+    try:  # the reader's own checks, the ones train's set-up makes, with its words
+        from lbannpy.data.dataset import validate_dataset
+
+        validate_dataset(full, names["inputs"], names["labels"], channels, spatial)
+    except DataError as e:
+        raise ConfigError(where, str(e), "make the data match what the reader takes") from None
     if is_train and n < cfg["trainer"]["batch_size"]:
         raise ConfigError(where, f"{full!r} holds {n} samples, fewer than trainer.batch_size = "
                                  f"{cfg['trainer']['batch_size']}", "lower the batch size or add samples")
