@@ -108,6 +108,10 @@ def load_checkpoint(path: str) -> tuple[str, dict]:
     touches :mod:`lbannpy.checkpoint`."""
     from lbannpy import checkpoint
 
+    if os.path.isdir(path) and checkpoint.candidates(path):  # the newest that verifies, with a note per skip
+        found, data = checkpoint.load_newest(path, note=lambda msg: print(f"lbannpy.export: {msg}",
+                                                                       file=sys.stderr, flush=True))
+        return found, data
     found = checkpoint.resolve(path)
     if found is None:
         raise ExportError(f"{path}: no checkpoint there (no such file or directory, or an empty directory)")
@@ -149,7 +153,8 @@ def init_from(path: str, model, xp) -> None:
     if os.path.isdir(path) or (os.path.isfile(path) and h5py.is_hdf5(path)):
         from lbannpy.predict import load_weights
 
-        load_weights(path, model, xp)
+        # collective: every rank verifies its blocks and all of them agree on the checkpoint they take
+        load_weights(path, model, xp, getattr(getattr(model, "ctx", None), "comm", None))
         return
     if not os.path.isfile(path):
         raise ExportError(f"model.init {path}: no such file")

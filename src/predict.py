@@ -62,20 +62,56 @@ class _NoOptimizer:
         self.t = 0
 
 
-def load_weights(path: str, model, xp) -> tuple[str, int]:
-    """Parameters and layer state of ``model`` from a checkpoint file or the newest in a directory.
-    The only place this module touches :mod:`lbannpy.checkpoint`. Returns ``(file, step)``."""
+def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
+    """Who calls: every rank of ``world`` (collective when given). Parameters and layer state of ``model``
+    from a checkpoint, or from the newest usable one in a directory: each rank reads and verifies its own
+    blocks, the ranks agree, and a checkpoint that fails on any rank (damaged, a shard missing) is noted
+    and the previous one tried, as ``--resume`` does. The only place this module touches
+    :mod:`lbannpy.checkpoint`. Returns ``(file, step)``."""
     from lbannpy import checkpoint
 
-    found = checkpoint.resolve(path)
-    if found is None:
+    # a directory of checkpoints: newest first; a checkpoint (file or directory) itself: that one alone
+    paths = (checkpoint.candidates(path) if os.path.isdir(path) else []) or ([path] if os.path.exists(path)
+                                                                             else [])
+    if not paths:
         raise UserError(f"--checkpoint {path}: no checkpoint there (no such file or directory, or an empty "
                         f"checkpoint directory)")
-    try:
-        step = checkpoint.restore_weights(found, model.params, model.layers, xp)
-    except (OSError, KeyError, ValueError, checkpoint.CheckpointError) as exc:
-        raise UserError(f"--checkpoint {found}: {exc}") from exc
-    return found, int(step)
+    rank = world.rank if world is not None else 0
+    errors = []
+    for i, found in enumerate(paths):
+        err, step = None, -1
+        try:
+            step = checkpoint.restore_weights(found, model.params, model.layers, xp)
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:  # CheckpointError is a RuntimeError
+            err = f"{exc}"
+        bad = [(r, e) for r, e in enumerate(world.allgather_obj(err) if world is not None else [err]) if e]
+        if not bad:
+            return found, int(step)
+        r, e = bad[0]
+        msg = e if world is None or world.size == 1 else f"rank {r}: {e}"
+        errors.append(f"{found}: {msg}")
+        if rank == 0 and i + 1 < len(paths):
+            sys.stderr.write(f"lbannpy.predict: checkpoint {found} cannot be used ({msg}); trying the "
+                             f"previous one\n")
+            sys.stderr.flush()
+    raise UserError(f"--checkpoint {path}: no usable checkpoint: " + "; ".join(errors))
+
+
+def _refuse_overwriting_inputs(args) -> None:
+    """``-o`` (and the drawing beside it) must name none of the command's inputs: writing it would
+    destroy the input before it is read."""
+    outs = [("-o", args.output)]
+    if args.png:
+        outs.append(("--png", os.path.splitext(args.output)[0] + ".png"))
+    ins = [("--data", args.data), ("the config", args.config), ("--checkpoint", args.checkpoint)]
+    for oname, out in outs:
+        for iname, src in ins:
+            same = os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src)
+            if same or os.path.realpath(out) == os.path.realpath(src):
+                raise UserError(f"{oname} {out} is {iname} {src}: writing it would destroy an input; "
+                                f"choose another output file")
+            if os.path.isdir(src) and os.path.realpath(out).startswith(os.path.realpath(src) + os.sep):
+                raise UserError(f"{oname} {out} lies inside {iname} {src}; choose another output file")
 
 
 def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
@@ -147,21 +183,37 @@ def _open_data(cfg: dict, path: str, model):
 def predict(cfg: dict, rt, args) -> dict:
     """Who calls: every rank (the model's communicators, the per-batch gather and metrics are collective).
     Returns the metrics (empty without labels)."""
+    from lbannpy.config import validate
+    from lbannpy.training.watchdog import Watchdog
+
+    world = rt.world
+    _refuse_overwriting_inputs(args)
+    cfg = validate(cfg, ranks=world.size, memory=False)  # the estimate prices training
+    tr = cfg["trainer"]
+    # as in training: a rank that makes no progress (a peer gone, a file system stuck) aborts every rank
+    watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
+    try:
+        return _predict(cfg, rt, args, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _predict(cfg: dict, rt, args, watchdog) -> dict:
     import h5py
 
     from lbannpy.backend import to_numpy
-    from lbannpy.config import validate
     from lbannpy.layers.base import LayerContext, Timer
     from lbannpy.tensor import DistTensor
     from lbannpy.training.build import build_model
 
     world = rt.world
-    cfg = validate(cfg, ranks=world.size, memory=False)  # the estimate prices training
     tr = cfg["trainer"]
     ctx = LayerContext(world, rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
                        overlap=False, timer=Timer(events=[]))
+    watchdog.progress("building the model")
     model, loss = build_model(cfg, ctx, world, "lbannpy.predict")
-    ckpt_path, step = load_weights(args.checkpoint, model, rt.xp)
+    watchdog.progress("reading the checkpoint")
+    ckpt_path, step = load_weights(args.checkpoint, model, rt.xp, world)
     model.set_train(False)
     num, has_labels = _open_data(cfg, args.data, model)
     ids = select_ids(cfg, num, args.subset)
@@ -175,9 +227,12 @@ def predict(cfg: dict, rt, args) -> dict:
     out_shape = tuple(model.output.out_shape)
     totals, n_full = {}, 0
     fout = None
+    # written under a temporary name and renamed when complete: a failed run leaves no half file, and
+    # never truncates an existing one
+    part = f"{args.output}.tmp-{os.getpid()}"
     if world.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        fout = h5py.File(args.output, "w")
+        fout = h5py.File(part, "w")
         probs = fout.create_dataset("probabilities", shape=(len(ids),) + out_shape[1:], dtype=ctx.dtype,
                                     chunks=(1,) + out_shape[1:])
         fout.create_dataset("sample_ids", data=ids)
@@ -187,6 +242,7 @@ def predict(cfg: dict, rt, args) -> dict:
             dx = fin[names["inputs"]]
             dy = fin[names["labels"]] if has_labels else None
             for bids, first_new in batches(ids, bsz):
+                watchdog.progress(f"predicting the batch of samples from {int(bids[0])}")
                 x = _read(dx, bids[in_box[0][0]:in_box[0][1]], in_box[1:])
                 xt = DistTensor(rt.xp.asarray(x, dtype=ctx.dtype), model.input_shape, model.input_dist,
                                 world.rank)
@@ -205,9 +261,13 @@ def predict(cfg: dict, rt, args) -> dict:
         metrics = {k: v / n_full for k, v in totals.items()} if n_full else {}
         if fout is not None:
             _provenance(fout, cfg, args, ckpt_path, step, metrics, n_full)
+            fout.close()
+            os.replace(part, args.output)
+            fout = None
     finally:
         if fout is not None:
             fout.close()
+            os.unlink(part)
     if world.rank == 0:
         _report(cfg, args, ckpt_path, step, len(ids), world.size, metrics, n_full, bsz)
     return metrics
@@ -291,6 +351,19 @@ def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> No
     plt.close(fig)
 
 
+def _traceback_file(args, rank: int) -> str:
+    """Rank ``rank``'s traceback of an unexpected error, written beside the output; where it went."""
+    import traceback
+
+    path = f"{os.path.splitext(args.output)[0]}.rank{rank}.traceback.txt"
+    try:
+        with open(path, "w") as fh:
+            traceback.print_exc(file=fh)
+    except OSError as exc:
+        return f"its traceback could not be written to {path}: {exc.strerror or exc}"
+    return f"traceback in {path}"
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from lbannpy.comm import Runtime
@@ -313,6 +386,8 @@ def main(argv=None) -> int:
                 predict(cfg, rt, args)
             except user_errors() as exc:
                 err = f"{exc}"
+            except Exception as exc:  # agreed on and said in one line; the traceback goes to a file
+                err = f"{type(exc).__name__}: {exc} ({_traceback_file(args, world.rank)})"
         # every rank took the same path up to the first collective a user error can stop; agree on exit
         if agree_on_error(world, err, "lbannpy.predict"):
             return EXIT_USER_ERROR

@@ -119,8 +119,15 @@ def _main(args) -> int:
             return EXIT_STOPPED
         except NonFinite as exc:
             if world.rank == 0:
+                from lbannpy.checkpoint import newest_sound
+
+                # named only once it has been read back: its checksums verify and its values are finite
+                good = newest_sound(trainer.settings.ckpt_dir)
+                where = (f"the newest checkpoint that verifies with finite values is {good} (--resume "
+                         f"starts there)" if good else f"no checkpoint in {trainer.settings.ckpt_dir}/ "
+                                                       f"verifies with finite values")
                 sys.stderr.write(f"lbannpy.train: error: {exc}; metrics so far in "
-                                 f"{trainer.settings.out_dir}/, the newest checkpoint is the last good one\n")
+                                 f"{trainer.settings.out_dir}/; {where}\n")
                 sys.stderr.flush()
             return EXIT_NONFINITE
         except (WriteFailed, DataStop) as exc:  # agreed on by every rank: one line, no traceback

@@ -1,8 +1,10 @@
 """Bounded YAML: what every spec, ``--set`` value and machine file is read with.
 
 ``yaml.safe_load`` never runs code, but it expands aliases (a 280-byte alias bomb becomes gigabytes),
-recurses once per nesting level (a spec nested 50 000 deep is a RecursionError) and silently keeps the last
-of two equal keys. :func:`load` refuses all three before the tree is built, naming line and column.
+recurses once per nesting level (a spec nested 50 000 deep is a RecursionError), silently keeps the last
+of two equal keys, and is slow enough that a huge text keeps a job busy for minutes before its error.
+:func:`load` refuses all four before the tree is built, naming line and column (a text over
+:data:`MAX_BYTES` before parsing, with the limit in the message).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import yaml
 
 MAX_DEPTH = 64  # nesting of mappings and lists; the deepest real spec is 5
+MAX_BYTES = 4 << 20  # a spec is a few KiB (the largest zoo model's is under 100 KiB)
 
 
 class YamlLimitError(ValueError):
@@ -61,7 +64,11 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def load(text: str) -> Any:
     """The tree of ``text``; :class:`YamlLimitError` for an alias, too deep a nesting or a duplicate key,
-    ``yaml.YAMLError`` for text that is not YAML."""
+    ``yaml.YAMLError`` for text that is not YAML; a text over :data:`MAX_BYTES` is refused unparsed."""
+    size = len(text.encode("utf-8", errors="surrogatepass")) if len(text) * 4 > MAX_BYTES else len(text)
+    if size > MAX_BYTES:
+        raise YamlLimitError("1:1", f"{size / 2**20:.1f} MiB of YAML is over the limit of "
+                                    f"{MAX_BYTES / 2**20:g} MiB for a spec; a spec is a few KiB")
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()

@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("lbannpy.bench.overhead",
                  "fixed Python cost per layer and step (tiny inputs), by layer type, against 60 us"),
     "peer": ("lbannpy.bench.peer", "training steps against PyTorch: 1 process, DDP, spatial split"),
+    "checkpoint": ("lbannpy.bench.checkpoint",
+                   "checkpoint write and read time with and without verification (mesh1k 1024²)"),
     "costmodel": ("lbannpy.bench.costmodel",
                   "cost model against measured training steps: 3 models x 3 strategies at 1, 2, 4 ranks"),
 }

@@ -1,6 +1,6 @@
 """Checkpoints that scale: each unique block written once, read back by hyperslab on any rank count.
 
-Layout (version 2) of one checkpoint, the directory ``ckpt-<step>/``:
+Layout (version 3) of one checkpoint, the directory ``ckpt-<step>/``:
 
 * ``shard-<rank>.h5``, one per writing rank: the blocks that rank writes, each a dataset named by its
   tensor key (``params/<param>``, ``optim/<param>/<slot>``, ``state/<layer>/<name>``) with its ``box`` (the
@@ -26,15 +26,23 @@ never carries a final name; the newest complete one wins on resume, and one that
 rank) is reported and the previous one tried. Nothing is pickled or evaluated: files hold datasets and
 attributes, metadata is JSON, and sizes read from files are checked before anything is allocated.
 
-Version 1 checkpoints (one file ``ckpt-<step>.h5`` of global tensors) are still read.
+Integrity (:mod:`.integrity`): every block carries its CRC32, every shard the checkpoint's identity (step,
+run id, the id of this write) and its digest; the index holds each block's CRC and each shard's digest and
+its own digest over all of it. Every restore (resume, ``--init``, ``export``, ``predict``) checks what it
+reads on every rank; a mismatch is damage, treated like a missing shard (the previous checkpoint is tried,
+with a note naming the file and block).
+
+Version 2 checkpoints (the same layout without checksums) and version 1 (one file ``ckpt-<step>.h5`` of
+global tensors) are still read, unverified.
 """
 from .plan import (FORMAT, VERSION, CheckpointError, Piece, SavePlan, StateReader, StateTensor, assemble,
                    blocks_meeting, is_writer, param_pieces, rank_pieces, restore_plan, save_plan)
-from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, resolve, restore_weights,
-                   resume)
+from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, newest_sound, resolve,
+                   restore_weights, resume)
+from .integrity import crc32
 from .write import parallel_hdf5, prune, save
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointRefused", "Checkpoint", "Piece", "SavePlan",
-           "StateReader", "StateTensor", "assemble", "blocks_meeting", "candidates", "is_writer", "load",
-           "load_newest", "param_pieces", "parallel_hdf5", "prune", "rank_pieces", "resolve", "restore_plan",
-           "restore_weights", "resume", "save", "save_plan"]
+           "StateReader", "StateTensor", "assemble", "blocks_meeting", "candidates", "crc32", "is_writer",
+           "load", "load_newest", "newest_sound", "param_pieces", "parallel_hdf5", "prune", "rank_pieces",
+           "resolve", "restore_plan", "restore_weights", "resume", "save", "save_plan"]

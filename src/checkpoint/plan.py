@@ -12,7 +12,7 @@ from lbannpy.backend import to_numpy
 from lbannpy.layers.state import StateTensor, is_writer  # noqa: F401 (the layers' half of the format)
 
 FORMAT = "lbannpy-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: block checksums, checkpoint identity, index digest
 
 Box = tuple
 

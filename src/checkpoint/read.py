@@ -14,6 +14,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from .integrity import INDEX_ATTRS, check_block, check_finite, index_digest
 from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting, box_slices
 
 _V1_NAME = re.compile(r"ckpt-(\d{8})\.h5$")
@@ -51,14 +52,22 @@ def _check_shape(shape, what: str) -> tuple:
     return shape
 
 
-class Checkpoint:
-    """An opened checkpoint (either version): its step, metadata, tensor index and a hyperslab reader.
-    Opening reads the index only; :meth:`read` opens the shards a box meets (kept open until
-    :meth:`close`)."""
+_READS = (1, 2, VERSION)  # versions this lbannpy reads; only version 3 carries checksums
 
-    def __init__(self, path: str):
+
+class Checkpoint:
+    """An opened checkpoint (any version): its step, metadata, tensor index and a hyperslab reader.
+    Opening reads the index only (version 3: checks its digest, and that its step is the directory's);
+    :meth:`read` opens the shards a box meets (kept open until :meth:`close`; version 3: each shard's
+    identity checked against the index) and checks the CRC32 of every block it reads from (``verify``)."""
+
+    def __init__(self, path: str, verify: bool = True):
         self.path = path
+        self.verify = verify
         self._files: dict = {}
+        self.crcs: dict = {}
+        self.ident: dict = {}
+        self.shard_digests: dict = {}
         if os.path.isdir(path):
             self._open_v2(path)
         else:
@@ -70,9 +79,10 @@ class Checkpoint:
             if f.attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{ipath} is not an lbannpy checkpoint index")
             version = int(f.attrs.get("version", -1))
-            if version != VERSION:
-                raise CheckpointError(f"{path} has checkpoint version {version}; this lbannpy reads 1 and "
-                                      f"{VERSION}")
+            if version not in _READS:
+                raise CheckpointError(f"{path} has checkpoint version {version}; this lbannpy reads "
+                                      f"{', '.join(map(str, _READS))}")
+            self.version = version
             self.layout = str(f.attrs["layout"])
             if self.layout not in ("single", "shards"):
                 raise CheckpointError(f"{ipath}: unknown layout {self.layout!r}")
@@ -94,6 +104,31 @@ class Checkpoint:
                         boxes[:, :, 0] > boxes[:, :, 1]):
                     raise CheckpointError(f"{ipath} tensor {key}: a block lies outside shape {gshape}")
                 self.index[key] = (gshape, boxes, np.asarray(sds[()], dtype=np.int64))
+                if version >= 3:
+                    crcs = np.asarray(t["crc32"][()], dtype=np.int64)
+                    if crcs.shape != (n,):
+                        raise CheckpointError(f"{ipath} tensor {key}: {crcs.shape} checksums for {n} blocks")
+                    self.crcs[key] = crcs
+            m = _V2_NAME.search(path.rstrip("/"))
+            if m and int(m.group(1)) != self.step:
+                raise CheckpointError(f"{ipath}: step {self.step} disagrees with the directory name "
+                                      f"{os.path.basename(path.rstrip('/'))}")
+            if version >= 3:
+                self._check_index(f, ipath)
+
+    def _check_index(self, f, ipath: str) -> None:
+        """Version 3: the index's digest over its attributes, tables and shard digests."""
+        attrs = {k: f.attrs[k] for k in INDEX_ATTRS}
+        ranks = np.asarray(f["shard_ranks"][()], dtype=np.int64)
+        digests = [d.decode() if isinstance(d, bytes) else str(d) for d in f["shard_digests"][()]]
+        if len(ranks) != len(digests):
+            raise CheckpointError(f"{ipath}: {len(ranks)} shard ranks for {len(digests)} shard digests")
+        self.shard_digests = dict(zip(ranks.tolist(), digests))
+        index = {k: (g, b, s, self.crcs[k]) for k, (g, b, s) in self.index.items()}
+        if index_digest(attrs, index, self.shard_digests) != str(f.attrs.get("digest", "")):
+            raise CheckpointError(f"{ipath} fails its digest: its step, tables or metadata were edited, or "
+                                  f"it is damaged")
+        self.ident = {"step": self.step, "run_id": str(f.attrs["run_id"]), "ckpt_id": str(f.attrs["ckpt_id"])}
 
     def _open_v1(self, path):
         self.layout = "v1"
@@ -135,8 +170,27 @@ class Checkpoint:
                 name = os.path.join(self.path, "data.h5")
             else:
                 name = os.path.join(self.path, f"shard-{shard:06d}.h5")
-            self._files[shard] = h5py.File(name, "r")
+            f = h5py.File(name, "r")
+            try:
+                if self.ident and shard >= 0:
+                    self._check_shard(f, shard, name)
+            except BaseException:
+                f.close()
+                raise
+            self._files[shard] = f
         return self._files[shard]
+
+    def _check_shard(self, f, shard: int, name: str) -> None:
+        """Version 3: a shard belongs to this checkpoint (same step, run and write) and its digest is the
+        one the index holds for it."""
+        got = {k: (int(f.attrs[k]) if k == "step" else str(f.attrs[k])) if k in f.attrs else None
+               for k in self.ident}
+        if got != self.ident:
+            raise CheckpointError(f"{name} belongs to another checkpoint (step {got['step']}, write "
+                                  f"{got['ckpt_id']}; the index is step {self.step}, write "
+                                  f"{self.ident['ckpt_id']}): a shard copied in or left over")
+        if str(f.attrs.get("digest", "")) != self.shard_digests.get(shard):
+            raise CheckpointError(f"{name}: its digest is not the one the index holds for shard {shard}")
 
     def read(self, key: str, box: Box, dtype=np.float64) -> np.ndarray:
         """The values of tensor ``key`` in ``box``, assembled from the blocks that meet it."""
@@ -156,7 +210,15 @@ class Checkpoint:
                 if tuple(ds.shape) != want:
                     raise CheckpointError(f"{self.path}: {key} in shard {shards[i]} has shape {ds.shape}, "
                                           f"the index says {want}")
-                piece = ds[box_slices(inter, [a for a, _ in src])]
+                origin = [a for a, _ in src] if self.layout == "shards" else [0] * len(src)
+                if self.verify and key in self.crcs:  # the whole block: its checksum covers all of it
+                    block = ds[box_slices(src, origin)]
+                    where = f"{ds.file.filename}: block {key} {list(src)}"
+                    check_block(block, self.crcs[key][i], where)
+                    check_finite(block, where)
+                    piece = block[box_slices(inter, [a for a, _ in src])]
+                else:
+                    piece = ds[box_slices(inter, origin)]
             out[box_slices(inter, [a for a, _ in box])] = piece
             filled += piece.size
         if filled != out.size:
@@ -219,9 +281,11 @@ def restore_weights(path: str, params, layers, xp) -> int:
         ck.close()
 
 
-def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
-    """Not collective (tools and tests): the newest readable checkpoint in ``directory`` with every
-    tensor assembled in its global shape, skipping broken ones with a note."""
+def load_newest(directory: str, note: Callable[[str], None] | None = None
+                ) -> tuple[str, dict] | tuple[None, None]:
+    """Not collective (tools and tests): the newest readable checkpoint in ``directory`` (every block
+    verified) with every tensor assembled in its global shape, skipping damaged ones (``note`` says
+    which and why)."""
     errors = []
     for path in candidates(directory):
         ck = None
@@ -232,12 +296,32 @@ def load_newest(directory: str) -> tuple[str, dict] | tuple[None, None]:
             return path, data
         except _DAMAGE as exc:
             errors.append(f"{path}: {exc}")
+            if note is not None:
+                note(f"checkpoint {path} cannot be used ({exc}); trying the previous one")
         finally:
             if ck is not None:
                 ck.close()
     if errors:
         raise CheckpointError("no readable checkpoint in " + directory + ": " + "; ".join(errors))
     return None, None
+
+
+def newest_sound(directory: str) -> str | None:
+    """Not collective (rank 0, after a failure): the newest checkpoint in ``directory`` whose every block
+    verifies (checksums, finite values), read one tensor at a time; None when there is none."""
+    for path in candidates(directory):
+        ck = None
+        try:
+            ck = Checkpoint(path)
+            for key, (gshape, _, _) in ck.index.items():
+                ck.read(key, tuple((0, s) for s in gshape))
+            return path
+        except _DAMAGE:
+            continue
+        finally:
+            if ck is not None:
+                ck.close()
+    return None
 
 
 def resume(comm, directory: str, params, optimizer, layers, xp,
@@ -270,12 +354,13 @@ def resume(comm, directory: str, params, optimizer, layers, xp,
             if ck is not None:
                 ck.close()
             raise CheckpointRefused(f"{path}: {refusal}" if refusal else f"{path}: refused on another rank")
-        if comm.allreduce_obj(err is not None, op="or"):
+        bad = [e for e in comm.allgather_obj(err) if e]  # every rank verified its own blocks
+        if bad:
             if ck is not None:
                 ck.close()
-            msg = err or f"{path}: unreadable on another rank"
+            msg = bad[0]
             errors.append(msg)
-            if comm.rank == 0 or err:
+            if comm.rank == 0:  # one note, naming the first rank's damaged file and block
                 print(f"lbannpy: checkpoint {path} cannot be used ({msg}); trying the previous one",
                       file=sys.stderr, flush=True)
             continue

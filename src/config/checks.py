@@ -156,7 +156,12 @@ def check_ranks(cfg: dict, ranks: int, graph=None) -> None:
                                                       f"(they are {'·'.join(names)})",
                                   f"split only {', '.join(names)}")
         try:
-            Distribution.make(ndim, ranks // replicas, **{d: v for d, v in degrees.items() if d in names})
+            dist = Distribution.make(ndim, ranks // replicas,
+                                     **{d: v for d, v in degrees.items() if d in names})
+            layer = path[len("parallel.layers."):] if path.startswith("parallel.layers.") else None
+            if graph is not None and layer is not None and layer not in INPUT_NAMES:
+                # the check the layer makes when train builds it: no rank may hold an empty block
+                dist.check_shape(tuple(graph[layer].out_shape), f"output of layer '{layer}'")
         except DistributionError as e:
             raise ConfigError(path, str(e), f"change {path} or the rank count") from None
 
@@ -214,6 +219,11 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         with h5py.File(full, "r") as f:
             for key in ("inputs", "labels"):
                 name = names[key]
+                from lbannpy.data.dataset import external_link_problem  # late: lbannpy.data imports config
+
+                linked = external_link_problem(f, full, name, key)
+                if linked:  # named as what it is, not as a corrupt file
+                    raise ConfigError(f"{path}.{key}", linked, "restore the linked file")
                 try:
                     obj = f[name] if name in f else None
                 except (KeyError, OSError) as e:  # the link is there, the object's header is not usable
@@ -245,13 +255,14 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
     if n < 1:
         raise ConfigError(where, f"dataset {names['inputs']!r} in {full!r} holds no samples",
                           "use a non-empty dataset")
-    soft = model["loss"] == "cross_entropy" and len(yshape) == 2 and yshape[0] == n and yshape[1] > 1
+    # the reader takes class indices only (no probabilities): what it refuses is refused here
+    soft = False
     if model["loss"] == "pixel_cross_entropy":
         ok_shape = yshape in ((n,) + spatial, (n, 1) + spatial)
         want_y = f"(N, *spatial) = ({n}, {', '.join(map(str, spatial))})"
     else:
-        ok_shape = yshape in ((n,), (n, 1)) or soft
-        want_y = f"({n},) class indices or ({n}, classes) probabilities"
+        ok_shape = yshape in ((n,), (n, 1))
+        want_y = f"({n},) class indices"
     if not ok_shape:
         raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has shape {yshape}, "
                                                f"{model['loss']} needs {want_y}",
@@ -260,7 +271,13 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         want_t = "probabilities must be floating point" if soft else "class labels must be integers"
         raise ConfigError("data.train.labels",
                           f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; {want_t}",
-                          "store labels as int64 (or float32 probabilities)")
+                          "store labels as int64 class indices (the reader takes no probabilities)")
+    try:  # the reader's own checks, the ones train's set-up makes, with its words
+        from lbannpy.data.dataset import validate_dataset
+
+        validate_dataset(full, names["inputs"], names["labels"], channels, spatial)
+    except DataError as e:
+        raise ConfigError(where, str(e), "make the data match what the reader takes") from None
     if is_train and n < cfg["trainer"]["batch_size"]:
         raise ConfigError(where, f"{full!r} holds {n} samples, fewer than trainer.batch_size = "
                                  f"{cfg['trainer']['batch_size']}", "lower the batch size or add samples")

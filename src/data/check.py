@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .dataset import DataError, validate_dataset
-from .integrity import label_problem
+from .integrity import check_complete, label_problem
 from lbannpy.config import check_graph, load_config, validate
 
 CHUNK_BYTES = 64 << 20
@@ -189,6 +189,7 @@ def check_file(path: str, want: Expect, chunk_bytes: int = CHUNK_BYTES, quiet: b
     out = out or sys.stdout
     try:
         info = validate_dataset(path, want.inputs, want.labels)
+        check_complete(path, (want.inputs, want.labels))
     except DataError as exc:
         out.write(f"file: {exc}\n")
         return 1

@@ -49,8 +49,11 @@ class DatasetInfo:
 def _open_dataset(fh, path: str, name: str, role: str):
     import h5py
 
+    problem = external_link_problem(fh, path, name, role)
+    if problem:
+        raise DataError(problem)
     if name not in fh:
-        found = sorted(k for k in fh.keys() if isinstance(fh[k], h5py.Dataset))
+        found = sorted(k for k in fh.keys() if isinstance(fh.get(k), h5py.Dataset))
         raise DataError(f"{path}: {role} dataset '{name}' not found; datasets in the file: "
                         f"{', '.join(found) if found else '(none)'}; set data.*.{role} to one of them")
     obj = fh[name]
@@ -98,6 +101,9 @@ def _check_virtual_sources(path: str, dset, role: str) -> None:
                 with h5py.File(full, "r") as fh:
                     if src.dset_name not in fh:
                         problem = f"its source file {fname} has no dataset '{src.dset_name}'"
+                    else:
+                        short = short_virtual_source(src, fh[src.dset_name])
+                        problem = short and f"it {short} (in {fname})"
             except OSError as exc:
                 problem = f"its source file {fname} cannot be read ({exc})"
         if problem:
@@ -243,3 +249,51 @@ def store_bytes(num_samples: int, input_sample: Sequence[int], input_itemsize: i
     if len(label_sample):
         per += math.prod(label_sample) * label_itemsize
     return int(num_samples) * per
+
+
+def external_link_problem(fh, path: str, name: str, role: str) -> str | None:
+    """Where ``name`` in the open file ``fh`` is an external link whose file or dataset is missing, one line
+    naming both (HDF5 itself reports only that the object cannot be opened)."""
+    import h5py
+
+    try:
+        link = fh.get(name, getlink=True)
+    except (KeyError, OSError, RuntimeError):
+        return None
+    if not isinstance(link, h5py.ExternalLink):
+        return None
+    target = link.filename
+    full = target if os.path.isabs(target) else os.path.join(os.path.dirname(os.path.abspath(path)), target)
+    if not os.path.isfile(full):
+        return (f"{path}: {role} dataset '{name}' is an external link to {target}:{link.path}, and the file "
+                f"{full} does not exist; put it back or point data.*.{role} at a dataset that exists")
+    try:
+        with h5py.File(full, "r") as ext:
+            if link.path not in ext:
+                return (f"{path}: {role} dataset '{name}' is an external link to {target}:{link.path}, and "
+                        f"{full} has no dataset '{link.path}'")
+    except OSError as exc:
+        return f"{path}: {role} dataset '{name}' is an external link to {full}, which cannot be read ({exc})"
+    return None
+
+
+def short_virtual_source(src, source_dset) -> str | None:
+    """Where a virtual dataset maps a block of ``source_dset`` that reaches past its end (a source file
+    shorter than the mapping), the block and the source's shape (HDF5 fails the read late, or fills)."""
+    import h5py
+
+    shape = tuple(int(s) for s in source_dset.shape)
+    if src.src_space.get_select_type() == h5py.h5s.SEL_ALL:  # the whole source, as many values as mapped
+        need = int(src.vspace.get_select_npoints())
+        if int(np.prod(shape)) >= need:
+            return None
+        return (f"maps {need} values of {src.dset_name} but that source holds {int(np.prod(shape))} (shape "
+                f"{shape}): the source is short")
+    try:
+        lo, hi = src.src_space.get_select_bounds()
+    except (ValueError, RuntimeError):
+        return None
+    if len(hi) != len(shape) or all(int(h) < s for h, s in zip(hi, shape)):
+        return None
+    return (f"maps {src.dset_name}[{', '.join(f'{a}:{int(b) + 1}' for a, b in zip(lo, hi))}] of a source of "
+            f"shape {shape}: the source is short")

@@ -104,3 +104,59 @@ def check_labels(labels: np.ndarray, sample_ids: np.ndarray, num_classes: int | 
     index, value, _ = found
     pixel = tuple(int(o) + i for o, i in zip(offset, index[1:])) if labels.ndim > 1 else None
     raise DataError(label_message(where, int(sample_ids[index[0]]), value, int(num_classes), pixel))
+
+
+# -- completeness: storage that was never written -----------------------------------------------------------
+def first_unwritten(dset) -> tuple[int, int, int] | None:
+    """``(first sample, chunks written, chunks declared)`` of an HDF5 dataset whose storage was never
+    (wholly) written, or None. HDF5 reads unwritten storage as the fill value (zeros) without an error, so a
+    file whose writer died reads as a full data set. Metadata only: the chunk count (O(1)); the chunk table
+    is walked only when chunks are missing. Contiguous storage is allocated whole at the first write, so
+    only a never-written contiguous dataset is found here."""
+    import math
+
+    import h5py
+
+    if dset.size == 0 or dset.is_virtual or dset.external:
+        return None
+    if dset.chunks is None:
+        if dset.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS and dset.id.get_storage_size() == 0:
+            return 0, 0, 1
+        return None
+    chunks = tuple(int(c) for c in dset.chunks)
+    grid = [math.ceil(int(s) / c) for s, c in zip(dset.shape, chunks)]
+    total = math.prod(grid)
+    have = int(dset.id.get_num_chunks())
+    if have >= total:
+        return None
+    per_row = total // grid[0]  # chunks in one row of chunks along the sample axis
+    rows = np.zeros(grid[0], dtype=np.int64)
+
+    def count(info):
+        rows[int(info.chunk_offset[0]) // chunks[0]] += 1
+
+    if hasattr(dset.id, "chunk_iter"):
+        dset.id.chunk_iter(count)
+    else:
+        for i in range(have):
+            count(dset.id.get_chunk_info(i))
+    first = int(np.argmax(rows < per_row))
+    return first * chunks[0], have, total
+
+
+def check_complete(path: str, names) -> None:
+    """Raise :class:`DataError` naming the dataset and its first sample never written, for each of the
+    datasets ``names`` in ``path`` (inputs, labels): training on them would train on fill-value zeros."""
+    import h5py
+
+    with h5py.File(path, "r") as fh:
+        for name in names:
+            if name not in fh:
+                continue
+            found = first_unwritten(fh[name])
+            if found is not None:
+                first, have, total = found
+                raise DataError(f"{path}: dataset '{name}' declares {fh[name].shape[0]} samples but its "
+                                f"storage was never written from sample {first} on ({have} of {total} chunks "
+                                f"written: a writer that stopped early?); write the file again, or use only "
+                                f"its first {first} samples")

@@ -66,7 +66,7 @@ import numpy as np
 from ..dist import Distribution, DistributionError, shape_str
 from ..strategy.cost import max_local_shape
 from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
-from .integrity import FileIdentity, check_identity, check_labels
+from .integrity import FileIdentity, check_complete, check_identity, check_labels
 from .prefetch import STOP, Failure, Prefetcher
 
 PIECE_BYTES = 4 << 20   # bytes per H5Dread call (the GIL is held for one call)
@@ -157,6 +157,7 @@ class HDF5Reader:
         error = None
         try:
             self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial)
+            check_complete(self.path, (inputs, labels))  # storage never written reads as zeros
             self._setup(dist, label_dist, indices, label_factors)
             if comm is not None and (comm.size != self.dist.ranks or comm.rank != self.rank):
                 raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but "

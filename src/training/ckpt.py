@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import uuid
 
 from .errors import UserError
 from lbannpy.checkpoint import CheckpointError
 from lbannpy import checkpoint
 
 _CHANGES_SHOWN = 4  # changes named in the refusal line; the rest are counted
+# checkpoint directory -> the run id its checkpoints carry: one per run, kept across --resume
+_RUN_IDS: dict[str, str] = {}
 
 
 def computation(cfg: dict) -> dict:
@@ -90,11 +93,14 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
     """Who calls: every rank (collective): each unique block of the parameters, optimizer state and layer
     state is written once, by the rank that holds replica 0 of it; then rank 0 deletes all but the newest
     ``keep`` checkpoints."""
+    if ckpt_dir not in _RUN_IDS:  # the first checkpoint of a fresh run: rank 0's id on every rank
+        _RUN_IDS[ckpt_dir] = world.bcast_obj(uuid.uuid4().hex[:16] if world.rank == 0 else None)
+    run_id = _RUN_IDS[ckpt_dir]
     meta = {"reader": reader.state(), "rows": rows, "evals": evals, "computation": record,
-            "computation_digest": digest(record)}
+            "computation_digest": digest(record), "run_id": run_id}
     optimizer.unshard_state()  # collective where the state is sharded: checkpoints hold it whole
     try:
-        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers)
+        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers, run_id=run_id)
     finally:
         optimizer.reshard_state()
     if world.rank == 0:
@@ -116,9 +122,15 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
     import stat
 
     # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
-    # checkpoint blocks forever
+    # checkpoint blocks forever; a dangling link is skipped with a note (the checkpoint it named is gone)
     for cand in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt-*"))):
-        mode = os.stat(cand).st_mode
+        try:
+            mode = os.stat(cand).st_mode
+        except OSError as exc:
+            if world.rank == 0:
+                _note(f"--resume: skipping {cand}: {exc.strerror or exc}"
+                      f"{' (a dangling link)' if os.path.islink(cand) else ''}")
+            continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             raise UserError(f"--resume: {cand} is not a regular file ({_kind(mode)}); move it out of "
                             f"{ckpt_dir}/ (checkpoint.dir)")
@@ -141,6 +153,8 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
         raise UserError(f"--resume: no checkpoint in {ckpt_dir}/ (checkpoint.dir); run without "
                         f"--resume to start from scratch")
     meta = data["meta"]
+    if meta.get("run_id"):  # later checkpoints of this run carry the run id of the one it resumed
+        _RUN_IDS[ckpt_dir] = str(meta["run_id"])
     what = forced.get(meta.get("computation_digest"))
     if what and world.rank == 0:
         _note(f"--resume --force: {path} was written by a run that computed something else ({what}); "

@@ -75,3 +75,33 @@ def test_a_full_disk_stops_the_run_at_the_checkpoint_it_cannot_write(tmp_path, s
     assert job.rank_codes() == [0, 0], job.err[-3000:]
     path, data = util.newest_checkpoint(small_disk / "ckpt")
     assert data["step"] == 52
+
+
+def _leave_free(directory, free_bytes: int) -> None:
+    """Fill ``directory`` until only about ``free_bytes`` stay free."""
+    import shutil
+
+    with open(directory / "filler", "wb") as fh:
+        fh.write(b"\0" * max(shutil.disk_usage(directory).free - free_bytes, 0))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@pytest.mark.parametrize("free_kib", [20, 28, 40])  # the disk fills in a shard, or in the index
+def test_room_for_the_estimate_but_not_the_checkpoint_ends_with_exit_7(tmp_path, small_disk, free_kib):
+    """Free space passes the start-up estimate of one checkpoint but not its real size: HDF5 fails inside
+    its own close (h5py's RuntimeError "slist already enabled?", then a crash at exit); still one line,
+    exit 7 on every rank, no ``.tmp`` left."""
+    util.make_data(tmp_path / "data.h5")
+    cfg = util.spec(tmp_path, trainer={"steps": 4}, checkpoint={"every_steps": 2},
+                    parallel={"default": {"c": 2}})
+    del cfg["checkpoint"]["dir"]
+    _leave_free(small_disk, free_kib * 1024)
+    job = util.run(tmp_path, cfg, ranks=2, timeout=90)
+    assert job.rank_codes() == [7, 7] and job.proc.returncode == 7, (job.rank_codes(), job.err[-3000:])
+    job.assert_no_traceback()
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1, job.err
+    assert "the checkpoint of step 2 could not be written" in lines[0] and "No space left on device" in \
+        lines[0] and "newest complete checkpoint is none" in lines[0], lines[0]
+    assert not list((small_disk / "ckpt").glob("ckpt-*")), list((small_disk / "ckpt").iterdir())
