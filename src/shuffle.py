@@ -162,8 +162,14 @@ class ShufflePlan:
             sendbuf = pack(local, self._sends)
         direct = _contiguous_piece(result, self._recvs)
         recvbuf = direct if direct is not None else xp.empty(packed_size(self._recvs), dtype=local.dtype)
+        # the rank's own piece goes while the collective is in flight, except when the collective receives
+        # into the block itself: on a GPU the collective's stream then writes the block, so the own copy
+        # goes first (ordered before the collective by the communicator's event)
+        own_first = self._own is not None and direct is not None
+        if own_first:
+            result[self._own[1]] = local[self._own[0]]
         handle = comm.ialltoallv(sendbuf, self._sendcounts, self._recvcounts, out=recvbuf)
-        if self._own is not None:  # while the collective is in flight
+        if self._own is not None and not own_first:
             result[self._own[1]] = local[self._own[0]]
         received = []
 

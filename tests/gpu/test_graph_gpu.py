@@ -132,7 +132,7 @@ GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, name)
     (2, {"default": {"n": 2}}, DROP_NET, {}, "sample-dropout"),
     (2, {"default": {"h": 2}}, BN_NET, ADAM_WARMUP, "spatial-adam-warmup"),
     (4, {"default": {"n": 2, "h": 2}}, BN_NET, {}, "hybrid-4"),
-    (4, {"default": {"n": 2}, "layers": {"c1": {"n": 2, "c": 2}, "f1": {"n": 2, "c": 2}}}, PLAIN_NET, {},
+    (4, {"default": {"n": 2}, "layers": {"c1": {"n": 2, "c": 2}, "f1": {"n": 2, "c": 2}}}, BN_NET, {},
      "filter-and-fc-split-4"),
 ]
 
