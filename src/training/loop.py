@@ -42,6 +42,8 @@ from .report import PlainProgress
 # a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
 # write of hundreds of MiB takes seconds to minutes on a parallel file system
 CKPT_PROGRESS_BYTES = 64 << 20
+# a stop-vote value above every signal number: rank 0 could not append to metrics.csv
+METRICS_WRITE_FAILED = 1 << 16
 
 
 class Trainer:
@@ -253,6 +255,12 @@ class Trainer:
         health.check_params(self.world, self.step, self.model, self.rt.xp)
         s = self.settings
         size = outdirs.checkpoint_bytes(self.model)
+        # every rank looks at its own file system (node-local or shared), and all agree before writing
+        short = [w for w in self.world.allgather_obj(outdirs.free_space_problem(s.ckpt_dir, size)) if w]
+        if short:
+            newest = candidates(s.ckpt_dir)[:1]
+            raise WriteFailed(f"the checkpoint of step {self.step} was not written: {short[0]}; the newest "
+                              f"complete checkpoint is {newest[0] if newest else 'none'}")
         loud = size >= CKPT_PROGRESS_BYTES and self.world.rank == 0 and not self.quiet
         if loud:
             self.say(f"step {self.step}: writing a checkpoint of about {size / 2**20:.0f} MiB into "
@@ -364,7 +372,18 @@ class Trainer:
                 except (NonFinite, DataStop, WriteFailed) as exc:  # every rank alike: metrics, then stop
                     bad = exc
                     break
-                stop = vote.post(sig.requested if sig is not None else 0)
+                mine = sig.requested if sig is not None else 0
+                if rep.append_failed:  # rank 0 could not append to metrics.csv: every rank stops
+                    mine = max(mine, METRICS_WRITE_FAILED)
+                stop = vote.post(mine)
+                if stop >= METRICS_WRITE_FAILED:
+                    failed = rep.append_failed or "on rank 0"
+                    newest = candidates(s.ckpt_dir)[:1]
+                    bad = WriteFailed(f"{s.out_dir}/metrics.csv could not be written ({failed}); the run "
+                                      f"stopped at step {self.step}; the newest complete checkpoint is "
+                                      f"{newest[0] if newest else 'none'}")
+                    stop = 0
+                    break
                 if stop:
                     break
             vote.drain()  # a request during the last step: the run is complete anyway

@@ -41,6 +41,22 @@ def check_dir(path: str, key: str, need_bytes: int = 0) -> None:
                             f"{need_bytes / 2**20:.1f} MiB; free space or choose another {key}")
 
 
+def free_space_problem(path: str, need_bytes: int) -> str:
+    """'' when ``path``'s file system has ``need_bytes`` free, else one clause saying how much it has (asked
+    again before each checkpoint: the space a run had at start may have gone to other writers since)."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        return f"{path}: the free space cannot be read ({exc.strerror or exc})"
+    if free >= need_bytes:
+        return ""
+    return f"{path} has {_size(free)} free, the checkpoint needs about {_size(need_bytes)}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
 def lock_dir(path: str, key: str, run: str) -> None:
     """Hold ``path/.lbannpy.lock`` for this process; :class:`UserError` naming the holder when another run
     holds it."""

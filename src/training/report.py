@@ -87,7 +87,7 @@ class Report:
                     w.writeheader()
                 w.writerow(row)
                 f.flush()
-        except OSError as exc:  # training goes on; the end of the run says so (and tries again)
+        except OSError as exc:  # the stop vote after this step stops every rank (Trainer.run)
             self.append_failed = f"from step {row.get('step')}: {exc.strerror or exc}"
 
     def add_eval(self, step: int, metrics: dict) -> None:
