@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .hoststaged import StagedOp, process
 from .base import CommError, Communicator, Handle, check_counts, check_op
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -218,7 +219,6 @@ class MPICommunicator(Communicator):
     def _drain(self) -> None:
         # a direct call must not overtake this communicator's staged operations issued before it
         if self.unposted:
-            from .hoststaged import process
             process(sys.modules["cupy"]).drain(self)
 
     def _staged(self, buf) -> bool:
@@ -229,7 +229,6 @@ class MPICommunicator(Communicator):
         return not cuda_aware_mpi() if self.host_staged is None else self.host_staged
 
     def _stage(self, what: str, buf, after=None):
-        from .hoststaged import StagedOp
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             raise CommError(f"{self.where()}: host-staged {what} posts MPI from a staging thread, which "
                             f"needs MPI_THREAD_MULTIPLE; this MPI gives {query_thread()}")

@@ -274,7 +274,6 @@ def _gpus_shared(local_size: int, rank: int, size: int, share_gpu: bool, backend
     """Whether this node's ranks share GPUs (more ranks than visible devices). That is a misconfiguration
     in production, refused unless ``share_gpu`` (tests, small GPUs); NCCL cannot run two ranks on one
     device at all, so it is refused even then, pointing at the host-staged MPI backend."""
-    from lbannpy.backend import get_xp
     count = get_xp("cupy").cuda.runtime.getDeviceCount()
     if count < 1 or local_size <= count:
         return False
@@ -303,7 +302,6 @@ def _select_gpu(local_rank: int, rank: int, size: int) -> int:
 
 
 def _device_count() -> int:
-    from lbannpy.backend import get_xp
     return get_xp("cupy").cuda.runtime.getDeviceCount()
 
 

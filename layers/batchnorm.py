@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from lbannpy.config.types import Float, Key, Str
+from lbannpy.config_types import Float, Key, Str
 from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config.types import REQUIRED, Bool, Key, Padding, PerDim, Int
+from lbannpy.config_types import REQUIRED, Bool, Key, Padding, PerDim, Int
 from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config.types import REQUIRED, Bool, Int, Key
+from lbannpy.config_types import REQUIRED, Bool, Int, Key
 from lbannpy.dist import Distribution
 
 from . import kernels as K

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config.types import Bool, Int, Key, Padding, PerDim, Str
+from lbannpy.config_types import Bool, Int, Key, Padding, PerDim, Str
 from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 

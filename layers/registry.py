@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from lbannpy.dist import Distribution, DistributionError, shape_str
 from lbannpy.stencil import Stencil
+from lbannpy.config_types import REQUIRED, UNSET
 
 #: names a layer's ``parents`` use for the model input; no layer may take one of them as its name
 INPUT_NAMES = ("x", "input")
@@ -66,7 +67,7 @@ def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer type. ``params`` are :class:`lbannpy.config.types.Key` objects (name, type, default, doc,
+    """One layer type. ``params`` are :class:`lbannpy.config_types.Key` objects (name, type, default, doc,
     aliases); ``max_parents`` None means any number. The cost facts:
 
     * ``input_dist(dist, ndim_in)``: the distribution the layer needs its input in, given its output's;
@@ -110,9 +111,6 @@ class LayerSpec:
     def resolve(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """``params`` with aliases renamed and every unset key that has a default filled in (the schema's
         defaults, also for specs that did not pass through the schema, e.g. built in a test)."""
-        # imported at call time: lbannpy.config's __init__ loads the schema, which imports this module
-        from lbannpy.config.types import REQUIRED, UNSET
-
         out = dict(params)
         for k in self.params:
             for a in k.aliases:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config.types import Float, Int, Key
+from lbannpy.config_types import Float, Int, Key
 from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K

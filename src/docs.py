@@ -98,6 +98,7 @@ def commands_page() -> str:
         for module in COMMANDS:
             lines += [f"## python -m {module}", ""]
             if module == "lbannpy.bench":
+                # late: loaded when the command runs, so its --help and argument errors come without it
                 from lbannpy.bench.__main__ import SUBCOMMANDS
 
                 lines += ["Each benchmark is a subcommand with its own options:", ""]
@@ -123,8 +124,9 @@ def _cell(text: str) -> str:
 
 
 def config_page() -> str:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.config.schema import COMMON_LAYER_KEYS, LAYER_TYPES, SCHEMA
-    from lbannpy.config.types import Section
+    from lbannpy.config_types import Section
 
     lines = ["# Configuration reference", "", GENERATED, "",
              "A spec (YAML) and a `config.h5` hold this tree. Set any key on a command line with "

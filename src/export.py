@@ -106,6 +106,7 @@ def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def load_checkpoint(path: str) -> tuple[str, dict]:
     """``(file, data)`` of a checkpoint file, or of the newest in a directory. The only place this module
     touches :mod:`lbannpy.checkpoint`."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import checkpoint
 
     if os.path.isdir(path) and checkpoint.candidates(path):  # the newest that verifies, with a note per skip
@@ -151,6 +152,7 @@ def init_from(path: str, model, xp) -> None:
     import h5py
 
     if os.path.isdir(path) or (os.path.isfile(path) and h5py.is_hdf5(path)):
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.predict import load_weights
 
         # collective: every rank verifies its blocks and all of them agree on the checkpoint they take
@@ -173,6 +175,7 @@ def init_from(path: str, model, xp) -> None:
     for layer in model.layers:
         a = attr_name(layer.name)
         if f"{a}.running_mean" in tensors and hasattr(layer, "running_mean"):
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.checkpoint import StateReader
 
             # torch keeps one set of statistics: one sample group, which every group of this run takes
@@ -194,6 +197,7 @@ def _pads(layer) -> tuple[int, ...]:
 def torch_module_source(model_spec: dict, title: str = "") -> str:
     """Source of a ``torch.nn.Module`` ``Net`` computing what the lbannpy model computes (evaluation and
     training mode alike; batch norm statistics are per batch in training as in lbannpy's ``sync: global``)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
     from lbannpy.layers.batchnorm import BatchNorm
@@ -289,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-module", metavar="FILE.py",
                     help="also write the source of an equivalent torch.nn.Module (class Net) here")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.checkpoint import CheckpointError
     from lbannpy.config import ConfigError, load_config
 

@@ -68,6 +68,7 @@ def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
     blocks, the ranks agree, and a checkpoint that fails on any rank (damaged, a shard missing) is noted
     and the previous one tried, as ``--resume`` does. The only place this module touches
     :mod:`lbannpy.checkpoint`. Returns ``(file, step)``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import checkpoint
 
     # a directory of checkpoints: newest first; a checkpoint (file or directory) itself: that one alone
@@ -116,6 +117,7 @@ def _refuse_overwriting_inputs(args) -> None:
 
 def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
     """Sorted sample ids of ``--data`` to predict (the trainer's split for ``train``/``validation``)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.data.dataset import split_indices
 
     if subset == "all":
@@ -156,6 +158,7 @@ def _open_data(cfg: dict, path: str, model):
     """``(num_samples, has_labels)``; the inputs checked against the model's input."""
     import h5py
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.data.dataset import DataError, validate_dataset
 
     train = cfg["data"]["train"]
@@ -183,6 +186,7 @@ def _open_data(cfg: dict, path: str, model):
 def predict(cfg: dict, rt, args) -> dict:
     """Who calls: every rank (the model's communicators, the per-batch gather and metrics are collective).
     Returns the metrics (empty without labels)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.config import validate
     from lbannpy.training.watchdog import Watchdog
 
@@ -201,6 +205,7 @@ def predict(cfg: dict, rt, args) -> dict:
 def _predict(cfg: dict, rt, args, watchdog) -> dict:
     import h5py
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.backend import to_numpy
     from lbannpy.layers.base import LayerContext, Timer
     from lbannpy.tensor import DistTensor
@@ -366,6 +371,7 @@ def _traceback_file(args, rank: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
 
@@ -379,6 +385,7 @@ def main(argv=None) -> int:
         world = rt.world
         err = f"{args.config}: {early}" if early is not None else None
         if err is None:
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.threads import set_threads
 
             set_threads(world, rt_cfg.get("threads"), "lbannpy.predict")

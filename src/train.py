@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     or output file could not be written (a full disk); 3 the watchdog; 1 any other failure (one line naming
     ``run-dir/failure-rankR.log``, which holds the traceback)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm.runtime import set_failure_log_dir
 
     set_failure_log_dir("")  # a failure before the config names the run directory: a temporary file
@@ -57,12 +58,14 @@ def main(argv=None) -> int:
         raise
     except BaseException as exc:  # one rank alone (with more, Runtime aborted the job and never returns)
         if not getattr(exc, "lbannpy_reported", False):
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.comm.runtime import report_and_abort
             report_and_abort(type(exc), exc, exc.__traceback__)
         return 1
 
 
 def _main(args) -> int:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.comm.runtime import set_failure_log_dir
     from lbannpy.training.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, DataStop, NonFinite, Stopped,
@@ -93,6 +96,7 @@ def _main(args) -> int:
             # a config error names its file already
             msg = f"{early}" if f"{early}".startswith(args.config) else f"{args.config}: {early}"
             return _user_error(world, msg)
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.threads import set_threads
 
         set_threads(world, rt_cfg.get("threads"), "lbannpy.train")
@@ -119,6 +123,7 @@ def _main(args) -> int:
             return EXIT_STOPPED
         except NonFinite as exc:
             if world.rank == 0:
+                # late: loaded when the command runs, so its --help and argument errors come without it
                 from lbannpy.checkpoint import newest_sound
 
                 # named only once it has been read back: its checksums verify and its values are finite

@@ -18,7 +18,7 @@ from lbannpy.config import (FORMAT, SCHEMA, VERSION, ConfigError, load_config, n
                             save_config, to_yaml, validate, write_h5)
 from lbannpy.config import io as config_io
 from lbannpy.config.schema import COMMON_LAYER_KEYS, LAYER_TYPES, LayerList
-from lbannpy.config.types import (INT_LIMIT, NAME_RE, Bool, Float, Int, ListOf, MapOf, Padding, PerDim,
+from lbannpy.config_types import (INT_LIMIT, NAME_RE, Bool, Float, Int, ListOf, MapOf, Padding, PerDim,
                                   Section, Str)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from lbannpy.config import (COMMON_LAYER_KEYS, SCHEMA, ConfigError, layer_params, layer_type, layer_types,
                             normalize, parse_spec, schema_text)
-from lbannpy.config.types import Key, Section
+from lbannpy.config_types import Key, Section
 
 MINIMAL = {"model": {"input": {"channels": 3, "spatial": [8, 8]},
                      "layers": [{"name": "f1", "type": "fc", "units": 2}]}}

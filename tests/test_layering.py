@@ -269,9 +269,6 @@ def test_no_module_cycle(repo):
     assert found == [], found
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: every layer imports lbannpy.config.types, which runs "
-                   "lbannpy.config's __init__ (the schema, which loads the layer registry): the config's "
-                   "value types and errors must leave the config package; strict: the marker goes then")
 def test_no_cycle_through_package_inits(repo, order):
     implied = with_package_inits(repo)
     bad = against_order(implied, order)
@@ -284,9 +281,6 @@ def test_no_module_uses_another_modules_private_names(repo):
     assert bad == [], "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet: the command-line programs' function-local imports "
-                   "(bench, train, export, predict, jobs, the __main__ modules) carry no reason; strict: the "
-                   "marker goes when they do")
 def test_function_local_imports_carry_a_reason(repo):
     bad = unexplained_local_imports(repo)
     assert bad == [], f"{len(bad)}:\n" + "\n".join(bad)

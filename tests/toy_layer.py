@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from lbannpy.config.types import Float, Key
+from lbannpy.config_types import Float, Key
 from lbannpy.layers.base import Layer
 from lbannpy.layers.registry import Inferred, LayerArgs, LayerSpec, register
 

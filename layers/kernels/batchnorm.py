@@ -295,5 +295,5 @@ _GPU_BWD = (
 
 def _gpu_kernels(x):
     """The GPU kernels (:class:`._bn_gpu.Kernels`) of ``x``'s array module, or None."""
-    return module_kernels(array_module(x), "batchnorm", lambda xp: _bn_gpu.Kernels(
+    return module_kernels(array_module(x), "bn", lambda xp: _bn_gpu.Kernels(
         xp, *(xp.ElementwiseKernel(*k) for k in (_GPU_FWD, _GPU_BWD))))

@@ -131,6 +131,7 @@ def redistribution_times(comm, xp, sizes, target_s, batches) -> list[tuple[int, 
     and buffers included) against the bytes each rank receives: the gather a channel-split layer makes of
     its input, ``(8, P, 1, m)`` split over the channels to every rank holding it whole. ``sizes`` are
     the bytes of one rank's piece."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.dist import Distribution
     from lbannpy.shuffle import shuffle_plan
 
@@ -197,6 +198,7 @@ def layer_call_overhead(comm, xp, reps: int = 200) -> float:
     """Seconds of fixed cost per local kernel: one forward plus one backward of a ReLU layer on a one-element
     tensor (the layer template's bookkeeping and the array calls, no arithmetic to speak of) over two calls,
     median over ``reps`` and over ranks."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.dist import Distribution
     from lbannpy.layers.base import LayerContext

@@ -26,6 +26,7 @@ def parse_args(argv):
 
 
 def _model(name: str, size: int, world, xp):
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import zoo
     from lbannpy.config import normalize, validate
     from lbannpy.layers.base import LayerContext, Timer
@@ -51,6 +52,7 @@ class _Momentum:
 def run(args) -> int:
     import numpy as np
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import checkpoint
     from lbannpy.checkpoint import write as ckwrite
     from lbannpy.comm import Runtime

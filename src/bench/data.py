@@ -117,6 +117,7 @@ def make_compute(spec: str, channels: int, filters: int):
 
 def run_loop(path: str, batch: int, steps: int, prefetch: bool, compute, piece_bytes: int, seed: int = 0):
     """Per-step (wait, compute, step) seconds of ``steps`` steps of ``next -> compute`` on one rank."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..data.reader import HDF5Reader
 
     waits, comps, totals = [], [], []
@@ -136,6 +137,7 @@ def run_loop(path: str, batch: int, steps: int, prefetch: bool, compute, piece_b
 
 def gil_stall(path: str, piece_bytes: int, reads: int = 6) -> tuple[float, float]:
     """(longest stall of a pure-Python thread while a reader thread reads, mean read time per sample)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..data.reader import HDF5Reader
 
     with HDF5Reader(path, batch_size=1, seed=0, shuffle=False, prefetch=False,
@@ -165,6 +167,7 @@ def gil_stall(path: str, piece_bytes: int, reads: int = 6) -> tuple[float, float
 
 def hyperslab_read(path: str, dist: Distribution, rank: int, batch: int, steps: int) -> list[float]:
     """Seconds per ``read_batch`` of ``rank``'s block for ``steps`` steps (no prefetch)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..data.reader import HDF5Reader
 
     out = []
@@ -178,6 +181,7 @@ def hyperslab_read(path: str, dist: Distribution, rank: int, batch: int, steps: 
 
 def _worker_mpi(args) -> int:
     """Under mpiexec: every rank reads its hyperslab at the same time; rank 0 prints JSON."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..comm import Runtime
 
     with Runtime(backend="auto", device="cpu") as rt:
@@ -287,6 +291,7 @@ def main(argv=None) -> int:
         if args.file:
             path = args.file
         else:
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from ..data.mesh import MeshParams, write_mesh
 
             tmp = tempfile.mkdtemp(prefix="lbannpy-bench-data-")
@@ -303,6 +308,7 @@ def main(argv=None) -> int:
 
 
 def _bench(args, path: str) -> int:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..data.dataset import validate_dataset
 
     info = validate_dataset(path)

@@ -114,6 +114,7 @@ def time_kernel(comm, xp, dist, shape: tuple[int, ...], k: int, args, model: Mod
     """One row of the halo table: a k×k 'same' stencil's exchange alone, its local part, the interior work
     alone and overlapped with the exchange (in one piece and in ``args.pokes`` pieces). Collective over
     ``comm``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.stencil import Stencil
     from lbannpy.halo import HaloPlan
 
@@ -210,6 +211,7 @@ def allreduce_table(comm, xp, args, model: Model, say) -> None:
 def staged_table(rt, dist, shape, kernels, args, say) -> None:
     """Host-staged MPI beside the run's backend (NCCL where it can run) on the same ranks: the halo exchange
     of each kernel and the allreduces. Collective over ``rt.world``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.stencil import Stencil
     from lbannpy.halo import HaloPlan
 
@@ -248,6 +250,7 @@ def main(argv=None) -> int:
     code = relaunch_if_needed("halo", argv, args.ranks)
     if code is not None:
         return code
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.dist import Distribution
 
     shape = tuple(int(s) for s in args.shape.split(","))

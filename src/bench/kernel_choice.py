@@ -23,6 +23,7 @@ def _runs(item: str, quick: bool) -> list[tuple[str, int, int]] | None:
     """``[(zoo name, size, batch)]`` of a zoo item, or None when ``item`` is a file."""
     if os.path.splitext(item)[1].lower() in (".yaml", ".yml", ".h5", ".hdf5"):
         return None
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.zoo import get_spec
 
     name, *rest = item.split(":")
@@ -38,6 +39,7 @@ def _runs(item: str, quick: bool) -> list[tuple[str, int, int]] | None:
 
 
 def _file_shapes(path: str) -> list[tuple[str, LayerShape]]:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.strategy.__main__ import read_config
     from lbannpy.strategy.graph import build_graph
 
@@ -78,6 +80,7 @@ def out_shape(shape: LayerShape) -> tuple[int, ...]:
 
 def time_sets(shape: LayerShape, dtype, repeats: int, adaptive: bool = True) -> dict[str, tuple]:
     """``{set name: (forward s, data grad s, filter grad s)}`` of the own and ATen sets, interleaved."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels.select import conv_kernels, own
 
     own_ops, _ = conv_set_ops(shape, dtype, own())
@@ -91,6 +94,7 @@ def measure_kernels(comm, items: list[str], quick: bool, repeats: int = 5) -> tu
     """Collective: the machine-file rows and the printed table (both meaningful on rank 0)."""
     import numpy as np
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels import aten
 
     if not aten.available("cpu"):

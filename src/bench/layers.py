@@ -112,6 +112,7 @@ def _conv_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
     import torch
     import torch.nn.functional as F
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers import kernels as K
 
     x = xp.asarray(host)
@@ -156,6 +157,7 @@ def _maxpool_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
     import torch
     import torch.nn.functional as F
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers import kernels as K
 
     x = xp.asarray(host)
@@ -184,6 +186,7 @@ def _batchnorm_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
     import torch
     import torch.nn.functional as F
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers import kernels as K
 
     x = xp.asarray(host)
@@ -293,6 +296,7 @@ class LayerShape:
 def model_shapes(runs=MODEL_RUNS, max_size: int = 0) -> list[tuple[str, LayerShape]]:
     """``(model label, shape)`` of every distinct conv / batch-norm shape of ``runs``, from the zoo specs
     through the model graph; the first model that has a shape names it. ``max_size``: skip inputs larger."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.strategy.graph import build_graph
     from lbannpy.zoo import get_spec
 
@@ -328,6 +332,7 @@ def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
     (into a reused buffer unless the set allocates its results) cropped; and their arrays."""
     import numpy as np
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers import kernels as K
 
     rng = np.random.default_rng(0)
@@ -359,6 +364,7 @@ def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
 def _model_conv_ops(shape: LayerShape, dtype):
     """``{op: (ours, torch)}``: zero-argument callables of the forward, the data and the filter gradient, ours
     from the kernel set of ``--kernels``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels.select import conv_kernels
 
     import torch
@@ -522,6 +528,7 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [c for c in cases if c.size <= 256][:6]
         repeats = min(repeats, 3)
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels import conv as kconv
 
     if args.device == "gpu":  # CuPy arrays always take the GEMM path

@@ -53,10 +53,12 @@ def _peak_worker(result: str, argv: list[str]) -> int:
     """Runs ``lbannpy.train argv`` (or, ``argv[0] == "--torch"``, the PyTorch worker of ``bench peer``) in
     this process and writes its peak to ``result.<rank>.json``."""
     if argv[0] == "--torch":
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from .peer import torch_worker
 
         code = torch_worker(json.loads(argv[1]))
     else:
+        # late: loaded when the command runs, so its --help and argument errors come without it
         import lbannpy.train
 
         code = lbannpy.train.main(argv)
@@ -87,6 +89,7 @@ def split_layers(spec: dict, case: Case, ranks: int, split: str, machine: str | 
     (every layer split along ``split``)."""
     if split != "auto":
         return None
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.strategy import planner
 
     pl = planner.plan(spec, ranks, machine or planner.DEFAULT_MACHINE, batch_size=case.batch)

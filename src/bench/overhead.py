@@ -71,6 +71,7 @@ def _pass_stepper(model_spec: dict, batch: int, fuse: bool, device: str):
     """A closure running one forward and backward of the model (float32, one rank, on ``device``) that
     returns the host seconds of each pass ``(forward, backward)``, and the model's layer count. On a GPU
     the stream is synchronised after the backward, outside both timed passes."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
     from lbannpy.layers.kernels.select import conv_kernels, gpu_math
@@ -140,6 +141,7 @@ def per_layer_us(kind: str, k: int, steps: int, rounds: int, fuse: bool = True) 
 
 def model_step(zoo: str, size: int, batch: int, steps: int, rounds: int, fuse: bool = True):
     """``(seconds per forward + backward, number of layers)`` of a zoo model."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.zoo import get_spec
 
     spec = get_spec(zoo, batch_size=batch, input_size=size)
@@ -176,6 +178,7 @@ def report_gpu(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, siz
     """The GPU table: host time per layer and pass (see the module's docstring)."""
     import cupy
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels.select import conv_kernels
 
     dev = cupy.cuda.Device().id
@@ -192,6 +195,7 @@ def report_gpu(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, siz
         ok = max(fwd, bwd) / per <= GPU_TARGET_US
         note = f" (a pair: {fwd / 2:.1f} / {bwd / 2:.1f} us per layer)" if per == 2 else ""
         lines.append(f"{kind:<16} {fwd:>9.1f} {bwd:>9.1f}  {'ok' if ok else 'over'}{note}")
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.zoo import get_spec
 
     spec = get_spec(zoo, batch_size=1, input_size=size)
@@ -206,6 +210,7 @@ def report_gpu(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, siz
 
 
 def report(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, size: int) -> list[str]:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels.select import conv_kernels
 
     lines = [f"per-layer fixed cost, forward + backward, 1 rank, float32, input 1x4x4x4, chains of 1 and {k} "
@@ -255,6 +260,7 @@ def main(argv=None) -> int:
     chain = 3 if args.quick else args.chain
     table = report
     if args.device == "gpu":
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from .layers import gpu_missing
 
         why = gpu_missing()

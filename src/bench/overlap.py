@@ -61,6 +61,7 @@ def _spec(units: int, size: int = 64):
 
 
 def worker(units: int, batch: int, steps: int) -> dict:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.comm.overlap import OverlapEngine, hidden_fraction
     from lbannpy.layers.base import LayerContext
@@ -141,6 +142,7 @@ def gpu_allreduce(sizes: list[int], steps: int, share_gpu: bool) -> dict:
     """Median seconds of one step's blocking bucket reductions of float32 gradients of ``sizes`` elements
     (the engine's bucket plan: 25 MiB, the first 1 MiB) on device arrays, over the run's GPU backend and
     over a host-staged MPI communicator on the same ranks."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.comm.overlap import plan_buckets
 

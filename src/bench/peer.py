@@ -83,6 +83,7 @@ QUICK = (Case("lenet5", "lenet5", 32, 8), Case("mesh_tiny", "mesh_tiny", 32, 2))
 
 def network(case: Case) -> tuple[dict, int, tuple[int, ...]]:
     """The case's model spec, lbannpy's parameter count and its output shape (N, classes, ...)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.layers.base import LayerContext
     from lbannpy.model import Model
@@ -190,6 +191,7 @@ def torch_worker(args: dict) -> int:
     import torch
     import torch.nn.functional as F
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.export import torch_module_source
     from lbannpy.zoo import get_spec
 
@@ -437,6 +439,7 @@ def main(argv=None) -> int:
         print("lbannpy.bench peer: needs PyTorch (pip install torch)", file=sys.stderr)
         return 2
     if args.device == "gpu":
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from .layers import gpu_missing
 
         why = gpu_missing()

@@ -120,6 +120,7 @@ def parse_split(text: str) -> dict | None:
 
 
 def model_spec(name: str, input_size: int | None = None) -> dict:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.zoo import get_spec
 
     return get_spec(name, input_size=input_size) if input_size else get_spec(name)
@@ -157,6 +158,7 @@ class RankSetup:
     is a real communicator: model build, group splits, bucket duplicates), with the time of each phase."""
 
     def __init__(self, spec: dict, batch: int, degrees: dict, comm, data_dir: str, reader: bool = True):
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.comm.overlap import OverlapEngine
         from lbannpy.layers.base import LayerContext
         from lbannpy.layers.loss import Loss
@@ -182,6 +184,7 @@ class RankSetup:
         t4 = time.perf_counter()
         self.reader = None
         if reader:
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.data.reader import HDF5Reader
 
             path = dataset_file(data_dir, in_shape, label_shape is not None, model.output.out_shape[1])
@@ -189,6 +192,7 @@ class RankSetup:
                                      label_dist=self.loss.label_dist, comm=comm, prefetch=False,
                                      expected_channels=in_shape[1], expected_spatial=in_shape[2:])
         t5 = time.perf_counter()
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.checkpoint import rank_pieces, save_plan
 
         # the checkpoint plan: this rank's pieces (parameters, one momentum slot each, layer state) and
@@ -212,6 +216,7 @@ class RankSetup:
 
 def _halo_plans(layer) -> list:
     """The halo plans a layer built at set-up (attributes holding :class:`HaloPlan` objects)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.halo import HaloPlan
 
     out = []
@@ -233,6 +238,7 @@ def _zeros(shape, dtype=np.float32):
 def index_step(setup: RankSetup) -> dict:
     """The index and plan work of one training step of ``setup``'s rank (module docstring), returning the
     bytes this rank sends per step by kind, from the plans."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.tensor import DistTensor, block_shape
 
     model, rank, itemsize = setup.model, setup.ctx.rank, 4
@@ -340,6 +346,7 @@ def plan_bytes(setup: RankSetup) -> int:
 def simulate(model: str, ranks: int, degrees: dict, batch: int, rank: int, data_dir: str,
              input_size: int | None = None, repeats: int = 2) -> dict:
     """Rank ``rank``'s set-up and one step's index work of a ``ranks``-rank job, in this process."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm.recording import RecordingCommunicator
     from lbannpy.halo import halo_plan
     from lbannpy.shuffle import local_only, same_layout, shuffle_plan
@@ -432,6 +439,7 @@ REAL_MODEL = "mesh_tiny"
 def real(args) -> int:
     """Under ``mpiexec -n P``: set-up, index step and real training steps of a small model on the real
     communicator, beside the simulator's prediction (computed on rank 0 for rank 0)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm.runtime import Runtime
 
     with Runtime("mpi", "cpu") as rt:
@@ -458,6 +466,7 @@ def real(args) -> int:
         world.barrier()
         if world.rank == 0:
             sim = simulate(args.real_model, P, degrees, batch, 0, data_dir, args.real_input)
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.comm.recording import RecordingCommunicator
 
             alone = RankSetup(spec, batch, degrees, RecordingCommunicator(P, 0), data_dir)
@@ -484,6 +493,7 @@ def real_steps(setup: RankSetup, steps: int) -> float:
     communicator; returns the median per-step time outside the layers' kernels and communication (the
     template's own overhead: step wall time minus the timer's per-layer totals, the loss and the bucket
     reductions, all of which wait for other ranks), after one warm-up step."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.tensor import DistTensor
 
     model, loss, ctx, rank = setup.model, setup.loss, setup.ctx, setup.ctx.rank

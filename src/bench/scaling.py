@@ -31,6 +31,7 @@ import numpy as np
 def measure(size: int, channels: int, filters: int, batch: int, repeats: int, independent: bool) -> dict:
     """Forward+backward of the conv layer: distributed over the world (``h`` = ranks), or, with
     ``independent``, each rank alone on its own half of the height (no communication)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.layers.base import LayerContext
     from lbannpy.model import Model

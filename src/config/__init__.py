@@ -9,7 +9,7 @@ A config is a plain tree of dicts and lists in the normal form of :data:`SCHEMA`
 ``cfg["trainer"]["batch_size"]`` is always there. Every user error is a :class:`ConfigError` naming the key.
 """
 from .checks import check_data, check_graph, check_memory, check_ranks, check_references, validate
-from .errors import ConfigError
+from ..config_errors import ConfigError
 from .io import FORMAT, VERSION, load_config, parse_yaml, read_h5, read_raw, save_config, to_yaml, write_h5
 from .overrides import apply_overrides
 from .schema import (COMMON_LAYER_KEYS, INPUT_NAME, INPUT_NAMES, LAYER_TYPES, SCHEMA, layer_params,

@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-data", action="store_true", help="skip the dataset checks")
     overrides(p)
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from ..zoo import names as zoo_names
 
     p = sub.add_parser("zoo", help="write the spec of a zoo model")
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str, sets: list[str]) -> dict:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from . import apply_overrides, load_config
 
     cfg = load_config(path)
@@ -67,6 +69,7 @@ def _load(path: str, sets: list[str]) -> dict:
 
 
 def run(args) -> int:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from . import (ConfigError, check_graph, check_memory, check_ranks, save_config, schema_text, to_yaml,
                    validate)
     from ..strategy.memory import memory_limit
@@ -81,6 +84,7 @@ def run(args) -> int:
         data = cfg.get("data") or {}
         paths = [d["path"] for d in (data.get("train"), data.get("validation")) if d and d.get("path")]
         if paths and all(os.path.exists(p) for p in paths):  # data written later is checked by validate/train
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from . import check_data
 
             check_data(cfg)
@@ -97,6 +101,7 @@ def run(args) -> int:
         print(f"{args.config}: ok{ranks} (model {model['name']!r}, {len(model['layers'])} layers)")
         print(f"memory: {est.text()}; limit: {memory_limit(cfg)[1]}")
     elif args.command == "zoo":
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from .. import zoo
 
         size = args.input_size
@@ -105,7 +110,8 @@ def run(args) -> int:
         try:
             spec = zoo.get_spec(args.name, batch_size=args.batch_size, input_size=size)
         except zoo.ZooError as e:
-            from .errors import did_you_mean
+            # late: loaded when the command runs, so its --help and argument errors come without it
+            from ..config_errors import did_you_mean
 
             hint = did_you_mean(args.name, zoo.names(), "models") if args.name not in zoo.names() else \
                 "see python -m lbannpy.config zoo --help"
@@ -120,7 +126,8 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .errors import ConfigError
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from ..config_errors import ConfigError
 
     args = _parser().parse_args(argv)
     try:

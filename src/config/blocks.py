@@ -7,13 +7,14 @@ distribution, with no communicator and no array.
 """
 from __future__ import annotations
 
-from .errors import ConfigError
+from ..dist import DIM_NAMES
+from ..config_errors import ConfigError
 
 
 def check_blocks(cfg: dict, ranks: int, graph) -> None:
     """Raise ConfigError naming the first layer whose input or output block would be empty on some rank
     when ``cfg`` runs on ``ranks`` ranks. ``parallel.strategy: auto`` chooses valid splits itself."""
-    from ..dist import DIM_NAMES
+    # late: the layer registry and the model import lbannpy.config (through the layers' value types)
     from ..layers.registry import layer_spec
     from ..model import ModelError, effective_default, layer_dist
 

@@ -10,9 +10,10 @@ import re
 
 from ..dist import DIM_NAMES, Distribution, DistributionError
 from ..stencil import Stencil
-from .errors import ConfigError, did_you_mean, join_path
+from ..config_errors import ConfigError, did_you_mean, join_path
 from .schema import INPUT_NAMES, LAYER_TYPES, normalize
-from ..data.dataset import DataError, check_storage
+from ..data.dataset import DataError, check_storage, external_link_problem, validate_dataset
+from ..zoo import data_command
 
 _PER_DIM_KEYS = ("kernel", "stride", "dilation")
 
@@ -191,8 +192,6 @@ def check_data(cfg: dict, base_dir: str | None = None) -> None:
 
 def _data_hint(cfg: dict, file: str) -> str:
     """", e.g. with `python -m lbannpy.data ...`" for a generator that makes data of this model's shape."""
-    from ..zoo import data_command
-
     model = cfg["model"]
     last = model["layers"][-1] if model.get("layers") else {}
     classes = int(last.get("units", last.get("filters", 0)) or 0)
@@ -219,8 +218,6 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
         with h5py.File(full, "r") as f:
             for key in ("inputs", "labels"):
                 name = names[key]
-                from lbannpy.data.dataset import external_link_problem  # late: lbannpy.data imports config
-
                 linked = external_link_problem(f, full, name, key)
                 if linked:  # named as what it is, not as a corrupt file
                     raise ConfigError(f"{path}.{key}", linked, "restore the linked file")
@@ -273,8 +270,6 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
                           f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; {want_t}",
                           "store labels as int64 class indices (the reader takes no probabilities)")
     try:  # the reader's own checks, the ones train's set-up makes, with its words
-        from lbannpy.data.dataset import validate_dataset
-
         validate_dataset(full, names["inputs"], names["labels"], channels, spatial)
     except DataError as e:
         raise ConfigError(where, str(e), "make the data match what the reader takes") from None
@@ -326,6 +321,7 @@ def validate(cfg, ranks: int | None = None, data: bool = True, graph: bool = Tru
     if ranks is not None:
         check_ranks(cfg, ranks, model_graph)
         if model_graph is not None:
+            # late: blocks loads the layer registry and the model, which import lbannpy.config
             from .blocks import check_blocks
 
             check_blocks(cfg, ranks, model_graph)

@@ -22,7 +22,7 @@ import yaml
 
 from lbannpy import yamlsafe
 
-from .errors import ConfigError
+from ..config_errors import ConfigError
 from .schema import normalize
 from .checks import check_references
 

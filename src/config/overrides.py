@@ -7,9 +7,9 @@ import yaml
 
 from lbannpy import yamlsafe
 
-from .errors import ConfigError, did_you_mean, join_path
+from ..config_errors import ConfigError, did_you_mean, join_path
 from .schema import lookup, normalize
-from .types import Section, copy_tree
+from ..config_types import Section, copy_tree
 from .checks import check_references
 
 _SEGMENT = re.compile(r"^([^.\[\]]+)((?:\[\d+\])*)$")

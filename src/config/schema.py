@@ -22,9 +22,9 @@ from typing import Any
 from lbannpy.data.dataset import PRELOAD_AUTO_BYTES, PRELOAD_CHOICES
 from lbannpy.layers.registry import INPUT_NAMES, LayerSpec, RegistryView, layer_specs, loss_specs
 
-from .errors import ConfigError, did_you_mean, join_path
-from .types import (MAX_SPATIAL_DIMS, NAME_RE, REQUIRED, UNSET, Bool, Float, Int, Key, ListOf, MapOf, OneOf,
-                    Registered, Section, Str, Switch, Type, type_name)
+from ..config_errors import ConfigError, did_you_mean, join_path
+from ..config_types import (MAX_SPATIAL_DIMS, NAME_RE, REQUIRED, UNSET, Bool, Float, Int, Key, ListOf, MapOf,
+                            OneOf, Registered, Section, Str, Switch, Type, type_name)
 
 INPUT_NAME = INPUT_NAMES[0]  # the name written where a parent defaults to the model input
 DIMS = ("n", "c", "d", "h", "w")  # split dimensions of parallel degrees, as in lbannpy.dist.DIM_NAMES

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_parser(sub) -> None:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from .check import CHUNK_BYTES
 
     c = sub.add_parser("check", help="scan a data file: non-finite inputs, labels out of range, shapes",
@@ -66,6 +67,7 @@ def _check_parser(sub) -> None:
 
 
 def _check(args) -> int:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from .check import Expect, check_file, spec_expectations
 
     if args.classes is not None and args.classes < 1:
@@ -77,6 +79,7 @@ def _check(args) -> int:
               file=sys.stderr)
         return 2
     if args.spec:
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.config import ConfigError
 
         try:
@@ -100,6 +103,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         if args.kind == "mesh":
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from .mesh import MeshParams, write_mesh
 
             params = MeshParams(size=args.size, samples=args.samples, seed=args.seed, channels=args.channels,
@@ -115,6 +119,7 @@ def main(argv=None) -> int:
                   f"(per sample {info['positive_fraction_min']:.4f}..{info['positive_fraction_max']:.4f}); "
                   f"{time.perf_counter() - t0:.1f} s")
         else:
+            # late: loaded when the command runs, so its --help and argument errors come without it
             from .blobs import write_blobs
 
             info = write_blobs(args.output, size=args.size, samples=args.samples, classes=args.classes,

@@ -64,6 +64,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..dist import Distribution, DistributionError, shape_str
+from ..hostmem import host_memory_bytes
 from ..strategy.cost import max_local_shape
 from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
 from .integrity import FileIdentity, check_complete, check_identity, check_labels
@@ -399,7 +400,8 @@ class HDF5Reader:
         """This rank's labels of the file samples ``ids`` (in that order) reduced to prediction cells: read
         at the file's resolution a few samples at a time (at most ``piece_bytes`` of them, at least one),
         checked against ``num_classes`` there (messages name the file's pixel), then reduced."""
-        # at call time: the layers load lbannpy.config, whose schema reaches this package
+        # late: the kernels' package loads every kernel family, which the config and the strategy (importers
+        # of this package) must not
         from lbannpy.layers.kernels.loss import downsample_labels_any
 
         raw_sample = self._label_read_shape[1:]
@@ -609,7 +611,4 @@ def _as_scalar(v):
 
 def _physical_memory() -> int:
     """This machine's memory, or its cgroup limit when lower (0: unknown)."""
-    # at call time: the layers load lbannpy.config, whose schema reaches this package
-    from lbannpy.strategy.memory import host_memory_bytes
-
     return host_memory_bytes()

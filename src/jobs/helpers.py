@@ -41,6 +41,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def _load_spec(path: Path) -> dict:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.yamlsafe import YamlLimitError, load
 
     try:
@@ -135,6 +136,7 @@ def synth_images(like: Path, out: Path, samples: int, seed: int = 0) -> tuple[tu
 
 def config_value(config: Path, key: str, python: str = sys.executable):
     """The value at dotted ``key`` of ``config`` (config.h5), read from ``python -m lbannpy.config show``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.yamlsafe import load as load_bounded
 
     if not Path(config).is_file():

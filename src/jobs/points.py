@@ -29,6 +29,7 @@ def rank_counts(total: int) -> list[int]:
 
 
 def _base_config(model: str, size: int, config: str | None) -> tuple[dict | None, str]:
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import zoo
     from lbannpy.config import load_config
 
@@ -42,6 +43,7 @@ def _base_config(model: str, size: int, config: str | None) -> tuple[dict | None
 def sweep_points(model: str, size: int, config: str | None, total: int) -> tuple[list[Point], str]:
     """Every rank count of the sweep with the problem that stops it ("" when none), and what was checked
     (the config's name, or why nothing could be)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.config import ConfigError, apply_overrides, validate
 
     base, what = _base_config(model, size, config)

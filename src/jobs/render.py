@@ -135,8 +135,10 @@ def _dq(text: str) -> str:
 
 def _sweep_ranks(spec: JobSpec, tpl) -> tuple[str, str]:
     """The sweep's rank counts (shell words) and the comment lines on what was checked and dropped."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from .points import sweep_points
 
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.config import ConfigError
 
     total = spec.nodes * spec.tasks_per_node

@@ -56,6 +56,7 @@ def _is_h5(path: str) -> bool:
 
 def _config_module():
     try:
+        # late: loaded when the command runs, so its --help and argument errors come without it
         import lbannpy.config as cfgmod
     except ImportError as exc:
         raise PlanError(f"reading or writing a config.h5 needs the lbannpy.config module, which is not "

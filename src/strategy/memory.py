@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from ..data.dataset import preloads, store_bytes
 from .cost import max_local_shape
+from ..hostmem import host_memory_bytes
 from ..machine import load_machine
 from .graph import build_graph
 from .planner import strategy_memory
@@ -35,27 +36,6 @@ RUNTIME_BYTES = 96 * 2 ** 20
 # PyTorch's libraries and oneDNN's first workspaces, when the ATen kernels run (bench memory reproduces it)
 ATEN_BYTES = 224 * 2 ** 20
 INDEX_ARRAYS = 3  # indices, the epoch's permutation and the permuted order (int64 each)
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def host_memory_bytes() -> int:
-    """This machine's memory: physical pages × page size, or the cgroup's limit when that is lower; 0 when
-    neither can be read."""
-    try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        phys = 0
-    for path in CGROUP_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) and (phys == 0 or int(text) < phys):
-            phys = int(text)
-    return phys
-
-
 def gib(nbytes: float) -> str:
     """Bytes as GiB, three significant digits (``2.5e+13 GiB`` for absurd sizes)."""
     return f"{nbytes / GIB:.3g} GiB"

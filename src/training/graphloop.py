@@ -8,6 +8,7 @@ import sys
 import time
 
 from . import health
+from lbannpy.tensor import DistTensor
 from .errors import UserError
 from .graphstep import CaptureFailed, CaptureRefused, Decision, StepGraphs, agreed, decide
 
@@ -55,8 +56,6 @@ class GraphRun:
     def body(self, x_local, labels):
         """What a captured step does, on the device only: forward, loss statistics, backward, gradient
         reduction, optimizer update, the squared gradient norm. Returns ``(stats, grad_sq)``."""
-        from lbannpy.tensor import DistTensor
-
         t = self.trainer
         sync, model = t.sync, t.model
         x = DistTensor(x_local, model.input_shape, model.input_dist, t.world.rank)

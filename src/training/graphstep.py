@@ -153,11 +153,11 @@ def decide(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: bo
 class _Shape:
     """One input shape's graph: warm-up count, static inputs, the captured graph, its pool and outputs."""
 
-    __slots__ = ("warm", "x", "y", "graph", "pool", "out")
+    __slots__ = ("warm", "x", "y", "graph", "mempool", "out")
 
     def __init__(self):
         self.warm = 0
-        self.x = self.y = self.graph = self.pool = self.out = None
+        self.x = self.y = self.graph = self.mempool = self.out = None
 
 
 class StepGraphs:
@@ -244,5 +244,5 @@ class StepGraphs:
                 sh.x = sh.y = None
                 raise
             graph = stream.end_capture()
-        sh.pool, sh.graph, sh.out = pool, graph, out
+        sh.mempool, sh.graph, sh.out = pool, graph, out
         self.captures += 1

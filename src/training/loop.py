@@ -19,6 +19,7 @@ from . import ckpt
 from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
+from .graphloop import choose
 from . import health, outdirs
 from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_on_data, user_errors
 from .report import Report
@@ -120,8 +121,6 @@ class Trainer:
 
     def _choose_step_mode(self, cfg: dict) -> None:
         """``runtime.cuda_graph``: the step captured (:mod:`.graphloop`) or eager; one line says which."""
-        from .graphloop import choose
-
         self.step_mode, self.graphs = choose(self, cfg)
 
     def _resume(self, force: bool) -> None:

@@ -55,6 +55,7 @@ def classifier(size: int = 64, batch: int = 16, width: int = 16) -> BenchModel:
 
 def segmenter(size: int = 64, batch: int = 8) -> BenchModel:
     """The zoo's mesh_tiny (strided conv + batch-norm stages, per-pixel output) on mesh-tangling data."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import zoo
 
     model = zoo.get_spec("mesh_tiny", batch_size=batch, input_size=size)["model"]

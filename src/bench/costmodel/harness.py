@@ -56,6 +56,7 @@ class StandIn:
 
     def __init__(self, node: Node, dist: Distribution, rank: int, optimizer: Mapping[str, Any] | None = None,
                  ctx=None, overlap: bool = False, dtype: str = "float32", seed: int = 0):
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.comm import LoopbackCommunicator
         from lbannpy.layers.base import LayerContext, Timer
         from lbannpy.layers.registry import layer_classes

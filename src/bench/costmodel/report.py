@@ -251,6 +251,7 @@ def main(argv=None) -> int:
         print(f"machine {machine.name}: gamma {machine.gamma_s_per_flop:.3e} s/FLOP, intra alpha "
               f"{machine.intra.alpha_s:.2e} s, beta {machine.intra.beta_s_per_byte:.2e} s/B, "
               f"cores per node {machine.cores_per_node or 'one per rank'}", flush=True)
+        # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.layers.kernels import conv as kconv
         print(f"conv kernels: {kconv.cpu_path()} (LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table "
               f"and the runs alike", flush=True)

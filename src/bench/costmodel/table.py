@@ -82,6 +82,7 @@ def time_input_read(path: str, graph: ModelGraph, dists: Mapping[str, Distributi
     the layer reading the model input needs (what the trainer's reader reads, labels included, with no
     prefetch: h5py holds the GIL while it reads, so on the CPU the read does not hide behind NumPy work):
     the median of ``reps`` reads after one."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.data.reader import HDF5Reader
 
     first = next(n for n in graph if any(p in INPUT_NAMES for p in n.parents))

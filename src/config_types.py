@@ -13,7 +13,7 @@ from typing import Any
 
 from numpy import bool_ as np_bool
 
-from .errors import ConfigError, did_you_mean, join_path
+from .config_errors import ConfigError, did_you_mean, join_path
 
 # Names of layers become HDF5 group names and ``--set`` path segments: no '/', '.', '[' or spaces.
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
