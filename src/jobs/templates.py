@@ -57,6 +57,8 @@ PREAMBLE = r"""set -euo pipefail
 # srun's MPI plugin for this site; an environment value from the submitter wins.
 export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-@MPI@}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+# a rank that dies (in MPI_Init, say) ends its srun step, instead of leaving the other ranks waiting for it
+export SLURM_KILL_BAD_EXIT="${SLURM_KILL_BAD_EXIT:-1}"
 @SITE_ENV@
 template=@TEMPLATE@
 # Every output of the job (inputs it builds, runs, checkpoints) goes under one run directory, keyed by the
