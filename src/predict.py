@@ -71,7 +71,10 @@ def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import checkpoint
 
-    # a directory of checkpoints: newest first; a checkpoint (file or directory) itself: that one alone
+    # a directory of checkpoints: newest first; a checkpoint (file or directory, or a checkpoint
+    # directory's index.h5) itself: that one alone
+    if os.path.basename(path) == "index.h5" and os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
     paths = (checkpoint.candidates(path) if os.path.isdir(path) else []) or ([path] if os.path.exists(path)
                                                                              else [])
     if not paths:

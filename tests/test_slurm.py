@@ -55,6 +55,9 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         env["SLURM_CONF"] = self.conf
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        # one node: UCX's shared-memory transports, as the local site's jobs set (its network addresses
+        # have failed to unpack in MPI_Init under srun's PMI2)
+        env.setdefault("UCX_TLS", "self,sm")
         env.update(extra)
         return env
 

@@ -190,7 +190,8 @@ class RankSetup:
             path = dataset_file(data_dir, in_shape, label_shape is not None, model.output.out_shape[1])
             self.reader = HDF5Reader(path, dist=model.input_dist, rank=comm.rank, batch_size=batch,
                                      label_dist=self.loss.label_dist, comm=comm, prefetch=False,
-                                     expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+                                     expected_channels=in_shape[1], expected_spatial=in_shape[2:],
+                                     metadata_only=True)
         t5 = time.perf_counter()
         # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.checkpoint import rank_pieces, save_plan

@@ -2,9 +2,9 @@
 
 A mini-batch of ``B`` samples is a tensor of global shape ``(B, C, *spatial)`` laid out by a
 :class:`~lbannpy.dist.Distribution`. Rank ``r`` owns the box ``dist.box((B, C, *spatial), r)``: a range of
-positions in the batch, a range of channels and a spatial block. The reader maps the batch positions to
-sample ids of the file through a shuffled order and reads ``inputs[id, c0:c1, h0:h1, w0:w1]`` for each of
-them (no rank-0 read and scatter, no whole-sample reads). Per-pixel labels ``(M, *spatial)`` are read with
+positions in the batch, a range of channels and a spatial block. The reader maps batch positions to the
+file's sample ids through a shuffled order and reads ``inputs[id, c0:c1, h0:h1, w0:w1]`` for each (no
+rank-0 read and scatter). Per-pixel labels ``(M, *spatial)`` are read with
 the spatial box of ``label_dist`` (the distribution of the layer the loss sees; default ``dist``);
 class labels ``(M,)`` take only the batch range of ``label_dist``.
 
@@ -12,47 +12,38 @@ Order and position
 ------------------
 * The order of epoch ``e`` is a permutation of ``indices`` drawn from ``SeedSequence(seed, spawn_key=(e,))``:
   it depends only on the seed and the epoch, so it is the same on every rank without communication.
-* An epoch has ``len(indices) // batch_size`` steps; the incomplete last batch is dropped so that every
-  step has the same global shape (and every rank the same box).
-* :meth:`HDF5Reader.state` is the position of the next batch :meth:`HDF5Reader.next` will return (batches
-  prefetched but not yet returned do not count), so a run resumed with :meth:`HDF5Reader.load_state` or
-  :meth:`HDF5Reader.from_state` reads exactly the batches the interrupted run would have read.
+* An epoch has ``len(indices) // batch_size`` steps; the incomplete last batch is dropped (one shape a step).
+* :meth:`HDF5Reader.state` is the position of the next batch :meth:`HDF5Reader.next` returns (prefetched
+  batches do not count), so a resumed run reads exactly the batches the interrupted run would have read.
 
 Reading
 -------
-h5py selections with a list of indices must be increasing; a shuffled batch is not. The reader sorts the
-rank's sample ids and issues one ``read_direct`` per maximal run of ids that are consecutive both in the
-file and in the batch, each into its final slot of the output buffer (no gather copy afterwards).
+The rank's sample ids are sorted (h5py's index lists must increase) and read with one ``read_direct`` per
+run of ids consecutive in the file and in the batch, each into its final slot (no gather copy afterwards).
 
 Preload
 -------
 With ``preload`` (``data.preload``: ``always``; ``auto`` where this rank's part of the set is at most
 :data:`~lbannpy.data.dataset.PRELOAD_AUTO_BYTES`) the reader reads its box of every sample of ``indices``
-once, at set-up, in as few large reads as the file allows, and serves every batch from memory (a gather, in
-the caller's thread): no HDF5 read and no prefetch thread while training, so nothing holds the GIL beside
-the compute. The file is still checked once per epoch (it must stay the file the run names: a resume reads
-it again). LBANN calls this the preloaded data store.
+once, at set-up, in as few large reads as the file allows, and serves every batch from memory: no HDF5 read
+while training. The file is still checked once per epoch (a resume reads it again). LBANN calls this the
+preloaded data store.
 
 Prefetch
 --------
 With ``prefetch=True`` a background thread reads the following batches into a bounded queue (``depth``,
-default 2) while the caller computes. h5py holds the GIL for the whole of one ``H5Dread``, so a
-pure-Python thread stalls for most of a read; the reader therefore reads in pieces of ``piece_bytes``
-(4 MiB: short stalls), and the read overlaps work that runs without the GIL: GPU kernels, MPI waits,
-sleeps, BLAS. NumPy code that takes the GIL between operations is slowed while a read runs beside it
-(``python -m lbannpy.bench data`` measures both), so the
-prefetch pays where the compute step runs on a GPU or in long GIL-free kernels. The time the caller
-blocks on the queue is recorded per step (:attr:`HDF5Reader.wait_times`, :meth:`HDF5Reader.io_stats`).
-The thread stops on :meth:`HDF5Reader.close` (stop flag, queue drained, joined); an exception in the thread
-is re-raised in the caller at the next :meth:`HDF5Reader.next`.
+default 2) while the caller computes. h5py holds the GIL for the whole of one ``H5Dread``, so the reader
+reads in pieces of ``piece_bytes`` (4 MiB: short stalls), and the read overlaps work that runs without the
+GIL (GPU kernels, MPI waits, BLAS; ``python -m lbannpy.bench data`` measures it). The time the caller blocks
+on the queue is recorded per step (:attr:`HDF5Reader.wait_times`, :meth:`HDF5Reader.io_stats`). The thread
+stops on :meth:`HDF5Reader.close` (stop flag, queue drained, joined); an exception in the thread is re-raised
+in the caller at the next :meth:`HDF5Reader.next`.
 
 Stage
 -----
-:meth:`HDF5Reader.set_stage` installs a function applied to every batch after its read: the dtype
-conversion to the compute dtype, and on a GPU the copy into a pinned staging buffer
-(:mod:`lbannpy.data.upload`). With prefetch it runs in the prefetch thread, so the step's thread only takes
-finished batches; a preloaded reader then also runs that thread (its gather from memory moves there too).
-Its errors reach the caller as a read's do.
+:meth:`HDF5Reader.set_stage` installs a function applied to every batch after its read (the conversion to the
+compute dtype; on a GPU the copy into a pinned staging buffer, :mod:`lbannpy.data.upload`). It runs in the
+prefetch thread, which a preloaded reader then runs too; its errors reach the caller as a read's do.
 """
 from __future__ import annotations
 
@@ -129,7 +120,7 @@ class HDF5Reader:
                  label_dist: Distribution | None = None, depth: int = 2, comm=None,
                  expected_channels: int | None = None, expected_spatial: Sequence[int] | None = None,
                  piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = "",
-                 preload: str = "never", label_factors: Sequence[int] = ()):
+                 preload: str = "never", label_factors: Sequence[int] = (), metadata_only: bool = False):
         self.path = str(path)
         self.name = name or self.path
         self.num_classes = None if num_classes is None else int(num_classes)
@@ -158,7 +149,8 @@ class HDF5Reader:
         error = None
         try:
             self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial)
-            check_complete(self.path, (inputs, labels))  # storage never written reads as zeros
+            if not metadata_only:  # a reader that reads no batch (the scale benchmark) needs no samples
+                check_complete(self.path, (inputs, labels))  # storage never written reads as zeros
             self._setup(dist, label_dist, indices, label_factors)
             if comm is not None and (comm.size != self.dist.ranks or comm.rank != self.rank):
                 raise DataError(f"the reader was built for rank {self.rank} of {self.dist.ranks} ranks but "
@@ -219,7 +211,7 @@ class HDF5Reader:
         block += math.prod(self._label_read_shape) * info.label_dtype.itemsize
         need = block * ((self.depth + 2) if self.prefetch else 1)
         need += self.store_bytes if self.preloaded else 0
-        avail = _physical_memory()
+        avail = host_memory_bytes()
         if avail and need > avail and self.preloaded:
             raise DataError(
                 f"rank {self.rank}: preloading its part of {self.path} takes "
@@ -604,11 +596,5 @@ class HDF5Reader:
 
 def _as_scalar(v):
     """Values from an HDF5 checkpoint come back as NumPy scalars; compare them as Python values."""
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
+    return v.item() if isinstance(v, np.generic) else v
 
-
-def _physical_memory() -> int:
-    """This machine's memory, or its cgroup limit when lower (0: unknown)."""
-    return host_memory_bytes()
