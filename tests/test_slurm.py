@@ -41,7 +41,11 @@ CMD_TIMEOUT_S = 30           # any single sbatch/scontrol/sinfo call
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(START_TIMEOUT_S + 600)]
+# MPI_Init under srun's PMI2 with the PyPI MPICH (UCX) fails now and then on one rank ("failed to unpack
+# address, invalid bandwidth", "Message truncated" in the VCI exchange; an upstream MPICH/UCX problem), so
+# a failing SLURM test runs again, twice at most; a failure of lbannpy's own fails every run and still fails
+FLAKY_MPI_INIT = pytest.mark.flaky(reruns=2)
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(START_TIMEOUT_S + 600), FLAKY_MPI_INIT]
 
 
 # ------------------------------------------------------------------------------------------------ cluster

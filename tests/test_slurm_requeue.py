@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from test_slurm import JOBS, TERMINAL, jobcomp_line
+from test_slurm import FLAKY_MPI_INIT, JOBS, TERMINAL, jobcomp_line
 from test_slurm import cluster  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500), FLAKY_MPI_INIT]
 
 STEPS = 600
 
