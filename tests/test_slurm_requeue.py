@@ -9,6 +9,7 @@ waiting it out.
 from __future__ import annotations
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,14 @@ import pytest
 from test_slurm import FLAKY_MPI_INIT, JOBS, TERMINAL, jobcomp_line
 from test_slurm import cluster  # noqa: F401  (the fixture)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500), FLAKY_MPI_INIT]
+# The job runs three srun steps (a reference run, the signalled run, the requeued run), and srun's PMI2 with
+# the PyPI MPICH fails now and then on this kind of machine at MPI_Init or at the end of a step ("failed to
+# send temp kvs to compute nodes"; an upstream MPICH/UCX and SLURM pmi2 problem, not lbannpy's), often
+# enough that a CI run would fail on it more than on lbannpy: opt in with LBANNPY_SLURM_REQUEUE=1
+OPT_IN = pytest.mark.skipif(os.environ.get("LBANNPY_SLURM_REQUEUE") != "1",
+                            reason="srun's PMI2 fails now and then here (see the comment); "
+                                   "LBANNPY_SLURM_REQUEUE=1 runs it")
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500), FLAKY_MPI_INIT, OPT_IN]
 
 STEPS = 600
 
