@@ -129,8 +129,10 @@ def test_an_optimizer_that_declares_its_capture_reason_is_believed():
     assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == "its moments are rebound"
 
 
-def test_replicated_fc_trace_and_a_cupy_without_capture_are_refused():
-    assert why(cfg(comm={"replicate_fc": 1})).startswith("comm.replicate_fc: ")
+def test_sharded_state_trace_and_a_cupy_without_capture_are_refused():
+    assert why(cfg(optimizer={"type": "sgd", "lr": 0.1, "momentum": 0.9, "shard_state": True})) == \
+        "optimizer.shard_state: the sharded update and its state gathers are not captured"
+    assert why(cfg(comm={"replicate_fc": 1})) == ""  # applied at the end of the captured step
     assert why(trace=True) == "--trace: per-layer timings need eager steps"
     assert why(xp=NO_CAPTURE_XP) == "the array module cupy has no stream capture (Stream.begin_capture)"
 

@@ -8,7 +8,10 @@ Two kinds of parameters:
   layers are not in the buckets; their error signals are gathered non-blocking during backprop
   (:meth:`FullyConnected.replicated_grads`) and each layer's update is applied just before its next forward
   (Algorithm 2, line 7) with the optimizer step its gradients belong to, or earlier by :meth:`flush`
-  (evaluation, checkpoints, the end of the run).
+  (evaluation, checkpoints, the end of the run). A captured step (:mod:`.graphloop`) applies them at the
+  end of the step instead (:meth:`apply_replicated_in_step`): a replay cannot know whether a flush ran
+  between two steps, and the update, made with the same optimizer step's values on the same gathered
+  gradients before anything reads those weights, gives the same weights bit for bit.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class GradSync:
         for layer in self.replicated:  # collective: the same layers in the same order on every rank
             layer.replicate_gradients()
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
+        self.in_step = False  # replicated updates at the end of their own step (a captured step)
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
@@ -55,6 +59,13 @@ class GradSync:
         self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas
         if shard_state and optimizer.has_state():
             self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
+
+    def apply_replicated_in_step(self) -> None:
+        """From now on the replicated layers' updates are applied at the end of the step whose gradients
+        they are (after the gathers are waited for on the device), not before the layer's next forward;
+        pending updates are applied first. Who calls: every rank, between steps."""
+        self.flush()
+        self.in_step = True
 
     # -- one step, in call order -------------------------------------------------------------------------
     def before_forward(self, layer) -> None:
@@ -100,8 +111,12 @@ class GradSync:
             t0 = self.clock.now()
             self.shards.gather_values()
             self.timer.add(("optimizer", "state_gather"), t0, self.clock.now())
-        for layer in self.replicated:  # their errors are still being gathered: updated before next forward
-            self._pending_t[layer.name] = self.optimizer.t
+        for layer in self.replicated:  # eager: still being gathered, so updated before the next forward
+            if self.in_step:  # untimed: a timing event recorded in a capture is never recorded at a replay
+                self._pending_t.pop(layer.name, None)
+                self.optimizer.step_params(layer.replicated_grads())
+            else:
+                self._pending_t[layer.name] = self.optimizer.t
         self.optimizer.finish_step()
         return self.engine.records[mark:]
 

@@ -52,6 +52,8 @@ class GraphRun:
         for bucket in t.sync.engine.buckets:
             bucket.timed = False
         t.sync.engine.clock = "host"
+        # replicated fully-connected layers updated inside the step that gathered their gradients
+        t.sync.apply_replicated_in_step()
 
     def body(self, x_local, labels):
         """What a captured step does, on the device only: forward, loss statistics, backward, gradient

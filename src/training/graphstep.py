@@ -107,9 +107,6 @@ def refusal(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: b
         return why
     if cfg["optimizer"].get("shard_state"):
         return "optimizer.shard_state: the sharded update and its state gathers are not captured"
-    if int(cfg["comm"].get("replicate_fc", 0) or 0):
-        return ("comm.replicate_fc: replicated layers are updated before their next forward with the host's "
-                "step counter")
     if trace:
         return "--trace: per-layer timings need eager steps"
     stream = getattr(getattr(xp, "cuda", None), "Stream", None)

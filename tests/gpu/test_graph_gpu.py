@@ -60,15 +60,15 @@ def lines_with(text: str, part: str) -> list[str]:
 
 
 def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
-    """Replicated fully-connected layers (their late updates are applied with the host's step counter):
-    ``auto`` prints one line naming them and trains exactly as ``off`` does (float64, bit for bit)."""
-    rep = {"comm": {"replicate_fc": 1}}
+    """The optimizer's state sharded over replicas (its state gathers are not captured): ``auto`` prints one
+    line naming it and trains exactly as ``off`` does (float64, bit for bit)."""
+    rep = {"optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "shard_state": True}}
     p = train(gpu_run, config(work, "auto", DROP_NET, **rep), "--set", "runtime.backend=nccl")
-    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: comm.replicate_fc: ")
+    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: optimizer.shard_state: ")
     assert len(said) == 1, p.stderr
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert summary["cuda_graph"]["mode"] == "eager" and summary["cuda_graph"]["replays"] == 0, summary
-    assert summary["cuda_graph"]["reason"].startswith("comm.replicate_fc: "), summary
+    assert summary["cuda_graph"]["reason"].startswith("optimizer.shard_state: "), summary
     p = train(gpu_run, config(work, "off", DROP_NET, **rep), "--set", "runtime.backend=nccl",
               "--set", "runtime.cuda_graph=off")
     assert lines_with(p.stderr, "step: eager (runtime.cuda_graph off)") and "not capturable" not in p.stderr
@@ -127,27 +127,32 @@ STEP_LR = {"type": "sgd", "lr": 0.05, "schedule": {"type": "step", "step_size": 
 # (a cosine schedule spans trainer.steps, so a run stopped early would follow another one)
 ADAM_WARMUP = {"type": "adam", "lr": 0.01, "schedule": {"type": "step", "step_size": 2, "gamma": 0.7,
                                                         "warmup_steps": 2}}
-GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, name)
-    (1, {}, BN_NET, STEP_LR, "one-gpu-step-lr"),
-    (2, {"default": {"n": 2}}, DROP_NET, {}, "sample-dropout"),
-    (2, {"default": {"h": 2}}, BN_NET, ADAM_WARMUP, "spatial-adam-warmup"),
-    (4, {"default": {"n": 2, "h": 2}}, BN_NET, {}, "hybrid-4"),
-    (4, {"default": {"n": 2}, "layers": {"c1": {"n": 2, "c": 2}, "f1": {"n": 2, "c": 2}}}, BN_NET, {},
+# two fully-connected layers, the first of them replicated (comm.replicate_fc: 1)
+FC2_NET = BN_NET[:-1] + [{"name": "f0", "type": "fc", "units": 6}, {"name": "r2", "type": "relu"},
+                         BN_NET[-1]]
+GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, comm, name)
+    (1, {}, BN_NET, STEP_LR, {}, "one-gpu-step-lr"),
+    (2, {"default": {"n": 2}}, DROP_NET, {}, {}, "sample-dropout"),
+    (2, {"default": {"h": 2}}, BN_NET, ADAM_WARMUP, {}, "spatial-adam-warmup"),
+    (4, {"default": {"n": 2, "h": 2}}, BN_NET, {}, {}, "hybrid-4"),
+    (4, {"default": {"n": 2}, "layers": {"c1": {"n": 2, "c": 2}, "f1": {"n": 2, "c": 2}}}, BN_NET, {}, {},
      "filter-and-fc-split-4"),
+    (2, {"default": {"n": 2}}, FC2_NET, ADAM_WARMUP, {"replicate_fc": 1}, "replicated-fc-adam"),
 ]
 
 
-@pytest.mark.parametrize("ranks,parallel,layers,optimizer,name", GRAPHED_RUNS,
+@pytest.mark.parametrize("ranks,parallel,layers,optimizer,comm,name", GRAPHED_RUNS,
                          ids=[r[-1] for r in GRAPHED_RUNS])
 def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ranks, parallel, layers,
-                                                               optimizer, name):
+                                                               optimizer, comm, name):
     """float64, ``runtime.kernels: own``: with the step captured (``on``) the run ends with the eager run's
     every checkpoint tensor (weights, optimizer state, batch-norm running statistics, dropout's step), its
     logged losses, gradient norms, learning rates and validation metrics, bit for bit; with evaluation
     every 3 steps and a checkpoint, stopped after 5 steps and resumed to 8 (the resumed run warms up and
-    captures again); a learning-rate schedule, dropout. A graph that replayed a stale batch would train on
+    captures again); a learning-rate schedule, dropout, a replicated fully-connected layer (its update
+    applied at the end of the captured step instead of before its next forward). A graph that replayed a stale batch would train on
     one batch only and fail this."""
-    common = dict(steps=STEPS, parallel=parallel, optimizer=optimizer,
+    common = dict(steps=STEPS, parallel=parallel, optimizer=optimizer, comm=comm,
                   data={"validation": {"fraction": 0.25}}, trainer={"eval_every": 3},
                   output={"log_every": 2})
     run = ("mpiexec", "-n", ranks, PY, "-m", "lbannpy.train")
