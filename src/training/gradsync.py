@@ -9,7 +9,7 @@ Two kinds of parameters:
   (:meth:`FullyConnected.replicated_grads`) and each layer's update is applied just before its next forward
   (Algorithm 2, line 7) with the optimizer step its gradients belong to, or earlier by :meth:`flush`
   (evaluation, checkpoints, the end of the run). A captured step (:mod:`.graphloop`) applies them at the
-  end of the step instead (:meth:`apply_replicated_in_step`): a replay cannot know whether a flush ran
+  end of the step instead (:meth:`use_captured_steps`): a replay cannot know whether a flush ran
   between two steps, and the update, made with the same optimizer step's values on the same gathered
   gradients before anything reads those weights, gives the same weights bit for bit.
 """
@@ -41,7 +41,7 @@ class GradSync:
         for layer in self.replicated:  # collective: the same layers in the same order on every rank
             layer.replicate_gradients()
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
-        self.in_step = False  # replicated updates at the end of their own step (a captured step)
+        self.captured = False  # steps may be captured (see use_captured_steps)
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
@@ -60,12 +60,13 @@ class GradSync:
         if shard_state and optimizer.has_state():
             self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
 
-    def apply_replicated_in_step(self) -> None:
-        """From now on the replicated layers' updates are applied at the end of the step whose gradients
-        they are (after the gathers are waited for on the device), not before the layer's next forward;
-        pending updates are applied first. Who calls: every rank, between steps."""
+    def use_captured_steps(self) -> None:
+        """Steps from now on may be captured: the replicated layers' updates are applied at the end of the
+        step whose gradients they are (after the gathers are waited for on the device), not before the
+        layer's next forward (pending updates are applied first), and the step records no timing events.
+        Who calls: every rank, between steps."""
         self.flush()
-        self.in_step = True
+        self.captured = True
 
     # -- one step, in call order -------------------------------------------------------------------------
     def before_forward(self, layer) -> None:
@@ -108,11 +109,14 @@ class GradSync:
             self.engine.finish(on_bucket=self.optimizer.step_params)
         else:  # each rank updates its range of a sharded bucket; then one allgather a bucket
             self.engine.finish(on_bucket=self.shards.on_bucket)
-            t0 = self.clock.now()
-            self.shards.gather_values()
-            self.timer.add(("optimizer", "state_gather"), t0, self.clock.now())
+            if self.captured:  # a captured run: no timing event (one recorded in a capture never is again)
+                self.shards.gather_values()
+            else:
+                t0 = self.clock.now()
+                self.shards.gather_values()
+                self.timer.add(("optimizer", "state_gather"), t0, self.clock.now())
         for layer in self.replicated:  # eager: still being gathered, so updated before the next forward
-            if self.in_step:  # untimed: a timing event recorded in a capture is never recorded at a replay
+            if self.captured:  # untimed: a timing event recorded in a capture is never recorded at a replay
                 self._pending_t.pop(layer.name, None)
                 self.optimizer.step_params(layer.replicated_grads())
             else:

@@ -53,7 +53,7 @@ class GraphRun:
             bucket.timed = False
         t.sync.engine.clock = "host"
         # replicated fully-connected layers updated inside the step that gathered their gradients
-        t.sync.apply_replicated_in_step()
+        t.sync.use_captured_steps()
 
     def body(self, x_local, labels):
         """What a captured step does, on the device only: forward, loss statistics, backward, gradient

@@ -105,8 +105,6 @@ def refusal(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: b
     why = _optimizer_reason(optimizer, cfg["optimizer"])
     if why:
         return why
-    if cfg["optimizer"].get("shard_state"):
-        return "optimizer.shard_state: the sharded update and its state gathers are not captured"
     if trace:
         return "--trace: per-layer timings need eager steps"
     stream = getattr(getattr(xp, "cuda", None), "Stream", None)

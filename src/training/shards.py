@@ -66,6 +66,9 @@ class StateShards:
         self.optimizer, self.xp = optimizer, xp
         self.shards = plan_shards(buckets)
         self._by_first = {id(s.params[0]): s for s in self.shards}
+        # (parameter, slot) -> this rank's piece of the state: made once, refilled in place by every later
+        # reshard, so a captured step (which updates these buffers) never reads a rebound one
+        self._pieces: dict = {}
         optimizer.shards = self
         self.reshard()  # the state the optimizer created at set-up, cut to this rank's ranges
 
@@ -126,6 +129,11 @@ class StateShards:
                         continue
                     if id(p) in mine:
                         a, b = mine[id(p)]
-                        st[slot] = flat(st[slot])[a:b].copy()
+                        piece = self._pieces.get((p.name, slot))
+                        if piece is None or piece.size != b - a or piece.dtype != st[slot].dtype:
+                            piece = self._pieces[(p.name, slot)] = flat(st[slot])[a:b].copy()
+                        else:
+                            piece[...] = flat(st[slot])[a:b]
+                        st[slot] = piece
                     else:
                         del st[slot]

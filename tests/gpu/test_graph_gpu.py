@@ -60,17 +60,17 @@ def lines_with(text: str, part: str) -> list[str]:
 
 
 def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
-    """The optimizer's state sharded over replicas (its state gathers are not captured): ``auto`` prints one
-    line naming it and trains exactly as ``off`` does (float64, bit for bit)."""
-    rep = {"optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9, "shard_state": True}}
-    p = train(gpu_run, config(work, "auto", DROP_NET, **rep), "--set", "runtime.backend=nccl")
-    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: optimizer.shard_state: ")
+    """The MPI backend (its calls wait on the host for the stream): ``auto`` prints one line naming it and
+    trains exactly as ``off`` does (float64, bit for bit)."""
+    mpi = ("--set", "runtime.backend=mpi")
+    aware = {"LBANNPY_CUDA_AWARE_MPI": "1"}
+    p = train(gpu_run, config(work, "auto", DROP_NET), *mpi, env=aware)
+    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: runtime.backend mpi: ")
     assert len(said) == 1, p.stderr
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert summary["cuda_graph"]["mode"] == "eager" and summary["cuda_graph"]["replays"] == 0, summary
-    assert summary["cuda_graph"]["reason"].startswith("optimizer.shard_state: "), summary
-    p = train(gpu_run, config(work, "off", DROP_NET, **rep), "--set", "runtime.backend=nccl",
-              "--set", "runtime.cuda_graph=off")
+    assert summary["cuda_graph"]["reason"].startswith("runtime.backend mpi: "), summary
+    p = train(gpu_run, config(work, "off", DROP_NET), *mpi, "--set", "runtime.cuda_graph=off", env=aware)
     assert lines_with(p.stderr, "step: eager (runtime.cuda_graph off)") and "not capturable" not in p.stderr
     assert_same_weights(final_params(work / "off" / "ckpt"), final_params(work / "auto" / "ckpt"), 0.0,
                         "auto's eager fallback against off")
@@ -78,14 +78,14 @@ def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
                                                                                              "out")]
 
 
-@pytest.mark.parametrize("extra,backend,named", [
-    ({"optimizer": {"shard_state": True}}, "nccl", "optimizer.shard_state: the sharded update"),
-    ({}, "mpi", "runtime.backend mpi: MPI calls wait on the host for the stream"),
-], ids=["sharded-state", "mpi-backend"])
-def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, extra, backend, named):
+@pytest.mark.parametrize("flags,backend,named", [
+    (("--trace",), "nccl", "--trace: per-layer timings need eager steps"),
+    ((), "mpi", "runtime.backend mpi: MPI calls wait on the host for the stream"),
+], ids=["trace", "mpi-backend"])
+def test_on_refuses_an_uncapturable_run_with_one_line(work, gpu_run, flags, backend, named):
     """``on``: exit status 2 on every rank before any step, one line naming what prevents the capture."""
     tag = f"on-{backend}"
-    p = train(gpu_run, config(work, tag, PLAIN_NET, **extra), "--set", f"runtime.backend={backend}",
+    p = train(gpu_run, config(work, tag, PLAIN_NET), *flags, "--set", f"runtime.backend={backend}",
               "--set", "runtime.cuda_graph=on", env={"LBANNPY_CUDA_AWARE_MPI": "1"}, check=False)
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     said = lines_with(p.stderr, "runtime.cuda_graph on: the training step cannot be captured: ")
@@ -138,6 +138,7 @@ GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, comm, name)
     (4, {"default": {"n": 2}, "layers": {"c1": {"n": 2, "c": 2}, "f1": {"n": 2, "c": 2}}}, BN_NET, {}, {},
      "filter-and-fc-split-4"),
     (2, {"default": {"n": 2}}, FC2_NET, ADAM_WARMUP, {"replicate_fc": 1}, "replicated-fc-adam"),
+    (2, {"default": {"n": 2}}, BN_NET, dict(ADAM_WARMUP, shard_state=True), {}, "sharded-adam-state"),
 ]
 
 
@@ -148,13 +149,13 @@ def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ra
     """float64, ``runtime.kernels: own``: with the step captured (``on``) the run ends with the eager run's
     every checkpoint tensor (weights, optimizer state, batch-norm running statistics, dropout's step), its
     logged losses, gradient norms, learning rates and validation metrics, bit for bit; with evaluation
-    every 3 steps and a checkpoint, stopped after 5 steps and resumed to 8 (the resumed run warms up and
+    every 3 steps and a checkpoint every 3 steps, stopped after 5 steps and resumed to 8 (the resumed run warms up and
     captures again); a learning-rate schedule, dropout, a replicated fully-connected layer (its update
     applied at the end of the captured step instead of before its next forward). A graph that replayed a stale batch would train on
     one batch only and fail this."""
     common = dict(steps=STEPS, parallel=parallel, optimizer=optimizer, comm=comm,
                   data={"validation": {"fraction": 0.25}}, trainer={"eval_every": 3},
-                  output={"log_every": 2})
+                  output={"log_every": 2}, checkpoint={"every_steps": 3})
     run = ("mpiexec", "-n", ranks, PY, "-m", "lbannpy.train")
     opts = ("--quiet", *GPU, "--set", "runtime.kernels=own")
     if ranks > 1:
