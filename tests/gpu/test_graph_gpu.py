@@ -65,7 +65,8 @@ def test_auto_runs_an_uncapturable_step_eagerly_saying_why_once(work, gpu_run):
     mpi = ("--set", "runtime.backend=mpi")
     aware = {"LBANNPY_CUDA_AWARE_MPI": "1"}
     p = train(gpu_run, config(work, "auto", DROP_NET), *mpi, env=aware)
-    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: runtime.backend mpi: ")
+    said = lines_with(p.stderr, "step: eager (runtime.cuda_graph auto): not capturable: "
+                                "runtime.backend mpi: ")
     assert len(said) == 1, p.stderr
     summary = json.loads((work / "auto" / "out" / "summary.json").read_text())
     assert summary["cuda_graph"]["mode"] == "eager" and summary["cuda_graph"]["replays"] == 0, summary
@@ -148,11 +149,11 @@ def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ra
                                                                optimizer, comm, name):
     """float64, ``runtime.kernels: own``: with the step captured (``on``) the run ends with the eager run's
     every checkpoint tensor (weights, optimizer state, batch-norm running statistics, dropout's step), its
-    logged losses, gradient norms, learning rates and validation metrics, bit for bit; with evaluation
-    every 3 steps and a checkpoint every 3 steps, stopped after 5 steps and resumed to 8 (the resumed run warms up and
-    captures again); a learning-rate schedule, dropout, a replicated fully-connected layer (its update
-    applied at the end of the captured step instead of before its next forward). A graph that replayed a stale batch would train on
-    one batch only and fail this."""
+    logged losses, gradient norms, learning rates and validation metrics, bit for bit; with evaluation and a
+    checkpoint every 3 steps, stopped after 5 steps and resumed to 8 (the resumed run warms up and captures
+    again); a learning-rate schedule, dropout, a replicated fully-connected layer (updated at the end of the
+    captured step instead of before its next forward), sharded optimizer state (refilled in place by each
+    checkpoint). A graph that replayed a stale batch would train on one batch only and fail this."""
     common = dict(steps=STEPS, parallel=parallel, optimizer=optimizer, comm=comm,
                   data={"validation": {"fraction": 0.25}}, trainer={"eval_every": 3},
                   output={"log_every": 2}, checkpoint={"every_steps": 3})
