@@ -210,7 +210,8 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
 
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.backend import to_numpy
-    from lbannpy.layers.base import LayerContext, Timer
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.timer import Timer
     from lbannpy.tensor import DistTensor
     from lbannpy.training.build import build_model
 

@@ -166,7 +166,7 @@ def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
         "import sys, numpy as np\n"
         "from lbannpy import checkpoint\n"
         "from lbannpy.comm import SingleCommunicator\n"
-        "from lbannpy.layers.base import Param\n"
+        "from lbannpy.layers.param import Param\n"
         "from lbannpy.optim import SGD\n"
         "from lbannpy.dist import Distribution\n"
         "d = Distribution.whole(2, 1)\n"

@@ -25,7 +25,8 @@ from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 from lbannpy.config import validate
-from lbannpy.layers.base import LayerContext, Timer
+from lbannpy.layers.context import LayerContext
+from lbannpy.layers.timer import Timer
 from lbannpy.data.upload import stage_batches
 from lbannpy.export import init_from
 from lbannpy.tensor import DistTensor

@@ -188,7 +188,7 @@ def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layers, kernel
         pytest.skip("the held-back halo is written for 2 ranks (decided by comm.size on every rank)")
     import numpy as np
 
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 
