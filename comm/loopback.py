@@ -17,7 +17,7 @@ from .single import SingleCommunicator, array_module
 
 class LoopbackCommunicator(Communicator):
     """Rank ``rank`` of ``size`` ranks, alone. ``split`` would need the other ranks' colours, which a lone
-    process does not know; :meth:`group` (what :class:`lbannpy.layers.base.LayerContext` asks for) names
+    process does not know; :meth:`group` (what :class:`lbannpy.layers.context.LayerContext` asks for) names
     the members itself."""
 
     backend = "loopback"

@@ -3,216 +3,35 @@
 ``forward`` and ``backward`` are fixed here (LBANN's ``forward_prop``): bring every input into the layer's
 input distribution (a redistribution planned once, reversed in backprop), call the subclass's
 ``fp_compute`` / ``bp_compute`` on local arrays, and wrap the result. Subclasses see local ``xp`` arrays
-and a :class:`LayerContext`; they never import MPI. A layer that is inherently collective (batch-norm
-statistics, a model-parallel fully-connected layer) uses one explicit collective on a group communicator
-that the context hands out.
+and a :class:`~lbannpy.layers.context.LayerContext`; they never import MPI. A layer that is inherently
+collective (batch-norm statistics, a model-parallel fully-connected layer) uses one explicit collective on
+a group communicator that the context hands out.
 
-Stencil layers (a window over space: conv, pool) use the template's halo part: ``plan_halo`` in ``setup``,
-``halo_forward`` (the exchange in flight while the interior of the output block is computed, then the
-boundary) and ``halo_backward`` (the accumulation in flight while e.g. the weight gradient is computed).
-A layer type's declaration (keys and defaults, arity, splits, shape inference) is its ``spec``, registered
-beside the class (:mod:`lbannpy.layers.registry`).
+Stencil layers (a window over space: conv, pool) derive from :class:`~lbannpy.layers.halo_layer.HaloLayer`,
+the template's halo part. A layer type's declaration (keys and defaults, arity, splits, shape inference)
+is its ``spec``, registered beside the class (:mod:`lbannpy.layers.registry`).
 
-Weight gradients are *local partial sums*; each :class:`Param` names the group over which they must be
-summed, and the trainer's gradient synchronisation does that (never the layer).
+Weight gradients are *local partial sums*; each :class:`~lbannpy.layers.param.Param` names the group over
+which they must be summed, and the trainer's gradient synchronisation does that (never the layer).
 """
 from __future__ import annotations
 
-import math
-import time
 import zlib
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from lbannpy.dist import Box, Distribution, DistributionError, box_shape, box_size, shape_str
-from lbannpy.stencil import Stencil
+from lbannpy.dist import Box, Distribution, DistributionError, shape_str
 from lbannpy.shuffle import same_layout, shuffle_plan
 from lbannpy.tensor import DistTensor, block_shape
 
-from .kernels._buffers import Scratch
+from .context import LayerContext
+from .param import Param
 
 
 class LayerError(ValueError):
     """A layer that cannot be built as asked: names the layer, distribution, shapes and the fix."""
 
-
-@dataclass
-class Timer:
-    """Accumulates time per (layer, phase) and, when tracing, the intervals themselves.
-
-    The time points come from :meth:`now`: the host's ``perf_counter`` seconds, or with a device ``clock``
-    (CUDA events recorded on the compute stream: on a GPU the host only *launches* kernels, so host time
-    measures launches) marks that become seconds in :meth:`settle`, which reads them all with one host
-    synchronisation; ``totals`` and ``events`` hold what has been settled."""
-
-    totals: dict = field(default_factory=dict)
-    events: list | None = None
-    clock: Any = None            # None: the host clock; else an object with now(), settle() and seconds(mark)
-    _pending: list = field(default_factory=list)
-
-    def now(self):
-        return time.perf_counter() if self.clock is None else self.clock.now()
-
-    def add(self, key: tuple, t0, t1, track: str = "compute") -> None:
-        if self.clock is not None:
-            self._pending.append((key, t0, t1, track, True))
-            return
-        self.totals[key] = self.totals.get(key, 0.0) + (t1 - t0)
-        self.span(key, t0, t1, track)
-
-    def span(self, key: tuple, t0, t1, track: str = "compute") -> None:
-        """An interval for the trace only (e.g. a span enclosing per-layer events), not counted in totals."""
-        if self.clock is not None:
-            self._pending.append((key, t0, t1, track, False))
-        elif self.events is not None:
-            self.events.append((track, key, t0, t1))
-
-    def settle(self) -> None:
-        """Turn the device marks recorded so far into seconds (one host synchronisation when any are
-        pending; nothing with the host clock)."""
-        if self.clock is None or not self._pending:
-            return
-        self.clock.settle()
-        sec = self.clock.seconds
-        for key, a, b, track, counted in self._pending:
-            t0, t1 = sec(a), sec(b)
-            if counted:
-                self.totals[key] = self.totals.get(key, 0.0) + (t1 - t0)
-            if self.events is not None:
-                self.events.append((track, key, t0, t1))
-        self._pending.clear()
-
-
-class LayerContext:
-    """What a layer may use: the world communicator, the array module, dtype, seed and group comms.
-
-    Group communicators are created by ``world.split`` (collective over the world). They are cached by a
-    key that is identical on every rank (distribution and dimension names, never the rank's own group), so
-    every rank issues the same splits in the same order.
-    """
-
-    def __init__(self, comm, xp=np, dtype="float32", seed: int = 0, overlap: bool = True,
-                 timer: Timer | None = None, fuse: bool = True):
-        self.comm = comm
-        # a model built in this context runs a ReLU that only reads a batch-norm inside it, and a ReLU that
-        # alone reads its parent's output in place (False: every layer on its own, e.g. to compare)
-        self.fuse = fuse
-        self.xp = xp
-        self.dtype = np.dtype(dtype)
-        self.seed = int(seed)
-        self.overlap = overlap
-        self.timer = timer or Timer()
-        self._groups: dict = {}  # (kind, distribution, dims) -> communicator
-        self._partitions: dict = {}  # partition key -> communicator
-        self._tags = 100
-        self._workspace = Scratch(xp)
-        # the conv kernel set of the run (runtime.kernels; None: lbannpy's own) and, per (layer type, local
-        # input shape, local output shape), the set a calibration found faster there (select.kernel_table)
-        self.conv_kernels = None
-        self.conv_kernel_table: dict = {}
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
-
-    def group_keys(self) -> tuple[list, list]:
-        """The keys of the group communicators made so far: ``(block and grid groups, partitions)``."""
-        return list(self._groups), list(self._partitions)
-
-    def block_comm(self, dist: Distribution, dims: Sequence[str] | None = None):
-        """Collective over the world (on first use of a partition): the communicator of
-        ``dist.block_group``. Distributions that cut the ranks into the same groups share it."""
-        key = ("block", dist, None if dims is None else tuple(dims))
-        comm = self._groups.get(key)  # looked up before anything is computed: one dict hit per call
-        if comm is None:
-            comm = self._groups[key] = self._group_comm(dist.block_group_spec(self.rank, dims))
-        return comm
-
-    def grid_comm(self, dist: Distribution, dims: Sequence[str]):
-        """Collective over the world (on first use of a partition): the communicator of ``dist.group``."""
-        key = ("grid", dist, tuple(dims))
-        comm = self._groups.get(key)
-        if comm is None:
-            comm = self._groups[key] = self._group_comm(dist.group_spec(self.rank, dims))
-        return comm
-
-    def _group_comm(self, spec):
-        # ``spec.key`` names the whole partition of the ranks, the same on every rank, so every rank splits
-        # (or reuses) at the same moments; the colour comes from this rank's grid coordinates in O(ndim)
-        comm = self._partitions.get(spec.key)
-        if comm is None:
-            comm = self._partitions[spec.key] = self.comm.group(spec)
-        return comm
-
-    def workspace(self, slot: str, shape: Sequence[int], dtype):
-        """A reused, uninitialised C-contiguous array for a temporary that lives only inside one layer's
-        forward or backward (e.g. a convolution's window gradient until its halo accumulation ends); one
-        buffer per slot, shared by every layer, grown to the largest request. A fresh array of that size
-        on every call costs a page fault per page, which on a large image costs as much as the arithmetic."""
-        return self._workspace.get(slot, shape, dtype)
-
-    def new_tag(self, count: int = 1) -> int:
-        """Message tags for a layer's halo plans (identical on all ranks: layers are set up in order)."""
-        t = self._tags
-        self._tags += count
-        return t
-
-
-@dataclass
-class Param:
-    """A trainable tensor. ``value``/``grad`` hold the local piece ``box`` of a ``global_shape`` tensor.
-
-    ``grad`` after backward is a local partial sum; it must be summed over ``reduce_dims`` of ``dist``
-    (the layer's distribution the partial sums follow), i.e. over ``dist.block_group(rank, reduce_dims)``.
-
-    A ``lazy`` parameter's layer adds its gradient through :meth:`accumulate` / :meth:`grad_into` only; the
-    optimizer then marks ``grad`` ``stale`` between steps instead of writing zeros over it, and the first
-    contribution of a step overwrites it (a weight-sized pass saved per step, two for a fully-connected layer
-    whose product is written straight into ``grad``). Whoever reads ``grad`` after backward (the overlap
-    engine, the optimizer) calls :meth:`settle` first, which zeroes a gradient that got no contribution.
-    """
-
-    name: str
-    global_shape: tuple
-    box: Box
-    value: Any
-    grad: Any
-    dist: Distribution
-    reduce_dims: tuple
-    lazy: bool = False
-    stale: bool = False
-
-    @property
-    def size(self) -> int:
-        return int(math.prod(box_shape(self.box)))
-
-    def accumulate(self, g) -> None:
-        """Add one contribution ``g`` to ``grad`` (written over it when ``grad`` is stale)."""
-        if self.stale:
-            self.grad[...] = g
-            self.stale = False
-        else:
-            self.grad += g
-
-    def grad_into(self):
-        """``grad`` when this step's first contribution may be written straight into it (it then counts
-        as made), else None (add into it)."""
-        if self.stale:
-            self.stale = False
-            return self.grad
-        return None
-
-    def settle(self) -> None:
-        """Before ``grad`` is read: a stale gradient (no contribution this step) becomes zeros."""
-        if self.stale:
-            self.grad[...] = 0
-            self.stale = False
 
 
 def stable_seed(*parts) -> int:
@@ -391,91 +210,6 @@ class Layer:
         if any(h is not None for h in moving):
             timer.add((self.name, "shuffle_bp"), t0, timer.now(), "comm")
         return out
-
-    # -- stencil layers (a window over space: conv, pool) ----------------------------------------------
-    def plan_halo(self, in_dist: Distribution, in_shape: tuple, stencil: Stencil) -> None:
-        """Called from ``setup`` of a stencil layer: the halo plan of its input window (``self.halo``)."""
-        from lbannpy.halo import HaloPlan  # the halo module is only needed by stencil layers
-
-        self.halo = HaloPlan(in_dist, in_shape, stencil, self.ctx.rank, tag=self.ctx.new_tag(2))
-
-    def halo_forward(self, x, compute, window_out=None, prepare=None):
-        """Collective over the spatial group: the forward of a stencil layer on its local input ``x``.
-
-        Starts the halo exchange of ``self.halo`` (into ``window_out`` when given) and calls
-        ``prepare(window)`` (e.g. to fill padding) while it is in flight; then ``compute(window_piece,
-        y_piece, index)`` (``y_piece`` is ``y[index]``, to be written) on the interior of the output block
-        (computable from owned input and padding alone), still while it is in flight; waits; and computes
-        the boundary pieces from the received window. Without an interior (a block thinner than the stencil)
-        it waits and calls ``compute(window, None, None)``, which returns the whole output.
-        ``LayerContext.overlap = False`` computes the same pieces after the wait, so turning overlap off
-        changes when the interior runs, not its arithmetic (BLAS may round a GEMM differently by size).
-        A plan with nothing to exchange (``local``: its interior is the whole output block) fills the window
-        and calls ``compute(window, None)`` at once. Returns ``(window, y)``; ``self.halo_received`` holds
-        the ghost values received (for ``self.halo.refill``; None for a local plan) until the next call.
-        """
-        ctx, plan = self.ctx, self.halo
-        if plan.local:  # nothing to exchange (one rank, or no split the stencil crosses): no messages
-            window = plan.local_window(x, window_out)
-            self.halo_received = None
-            if prepare is not None:
-                prepare(window)
-            return window, compute(window, None)
-        t0 = ctx.timer.now()
-        exchange = plan.start(ctx.comm, x, out=window_out)
-        self.halo_received = exchange.received
-        window = exchange.window
-        if prepare is not None:
-            prepare(window)
-        split = box_size(plan.interior_box) > 0
-        # an interior that is the whole block (no ghosts read) is computed as a fresh array, so kernels that
-        # allocate their result (ATen) do not need a second output-sized array to copy from
-        whole = split and not plan.boundary_slices
-        if split and not whole:
-            y = ctx.xp.empty(self._out_block, dtype=x.dtype)
-
-        def out(sl):  # the plan's output slices cover the input's channels in dim 1; the output's may differ
-            return (sl[0], slice(None)) + tuple(sl[2:])
-
-        def interior():
-            nonlocal y
-            if whole:
-                y = compute(window[plan.interior_window_slices], None)
-                return
-            sl = out(plan.interior_slices)
-            compute(window[plan.interior_window_slices], y[sl], sl)
-        if split and ctx.overlap:
-            interior()
-        t1 = ctx.timer.now()
-        exchange.wait()
-        t2 = ctx.timer.now()
-        if split:
-            if not ctx.overlap:
-                interior()
-            for osl, wsl in zip(plan.boundary_slices, plan.boundary_window_slices):
-                compute(window[wsl], y[out(osl)], out(osl))
-        else:
-            y = compute(window, None)
-        ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
-        if ctx.timer.events is not None:
-            ctx.timer.add((self.name, "interior"), t0, t1)
-        return window, y
-
-    def halo_backward(self, dwindow, during=None):
-        """Collective over the spatial group: the input gradient of a stencil layer from the gradient of its
-        window. The halo accumulation (ghost contributions sent back to their owners and added) is in flight
-        while ``during()`` runs (e.g. the weight gradient); overlap off runs it after the wait."""
-        if self.halo.local:  # nothing to send back: the owned part of the window gradient
-            if during is not None:
-                during()
-            return self.halo.local_gradient(dwindow)
-        acc = self.halo.accumulate_start(self.ctx.comm, dwindow)
-        if during is not None and self.ctx.overlap:
-            during()
-        dx = acc.wait()
-        if during is not None and not self.ctx.overlap:
-            during()
-        return dx
 
     def state(self) -> dict:
         """Not collective: non-parameter state (running statistics, counters) for checkpoints, name ->

@@ -26,7 +26,7 @@ same either way). The layer reading the model input goes windowless too: it keep
 fresh array every step, as on one rank), not its own window (on mesh1k 1024² over two ranks a 36 MiB
 window alive all run). Filter-split layers keep the window.
 
-Overlap (the stencil template of :class:`~lbannpy.layers.base.Layer`, shared with pooling)
+Overlap (the stencil template of :class:`~lbannpy.layers.halo_layer.HaloLayer`, shared with pooling)
 -------
 Forward: the halo exchange is started, the interior of the output block (computable from owned input
 alone) is computed while it is in flight, then the boundary from the received window.
@@ -43,7 +43,8 @@ from lbannpy.config_types import REQUIRED, Bool, Key, Padding, PerDim, Int
 from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 
-from .base import Layer, LayerError
+from .base import LayerError
+from .halo_layer import HaloLayer
 from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
 from .kernels.select import own
 
@@ -86,7 +87,7 @@ SPEC = LayerSpec(
 
 
 @register(SPEC)
-class Conv(Layer):
+class Conv(HaloLayer):
     def setup(self, dist: Distribution) -> None:
         hp = self.hparams
         (in_shape,) = self.in_shapes

@@ -21,7 +21,8 @@ from lbannpy.shuffle import ShufflePlan
 from lbannpy.tensor import DistTensor
 
 from . import kernels as K
-from .base import LayerContext, LayerError
+from .base import LayerError
+from .context import LayerContext
 from .kernels.loss import check_label_range
 from .registry import LossSpec, ShapeError, register_loss
 

@@ -14,7 +14,8 @@ from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 
 from . import kernels as K
-from .base import Layer, LayerError
+from .base import LayerError
+from .halo_layer import HaloLayer
 from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, needs_image, register,
                        window_stencil)
 
@@ -48,7 +49,7 @@ SPEC = LayerSpec(
 
 
 @register(SPEC)
-class Pool(Layer):
+class Pool(HaloLayer):
 
     def setup(self, dist: Distribution) -> None:
         (in_shape,) = self.in_shapes

@@ -186,6 +186,7 @@ DESIGN = (
     ("lbannpy.shuffle", "src/shuffle.py"),
     ("lbannpy.layers.registry", "layers/registry.py"),
     ("lbannpy.layers.base", "layers/base.py"),
+    ("lbannpy.layers.halo_layer", "layers/halo_layer.py"),
     ("lbannpy.model", "src/model.py"),
     ("lbannpy.training", "src/training/__init__.py"),
     ("lbannpy.checkpoint", "src/checkpoint/__init__.py"),

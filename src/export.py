@@ -198,7 +198,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
     """Source of a ``torch.nn.Module`` ``Net`` computing what the lbannpy model computes (evaluation and
     training mode alike; batch norm statistics are per batch in training as in lbannpy's ``sync: global``)."""
     from lbannpy.comm import SingleCommunicator  # late: the layers load only when a module is written
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.batchnorm import BatchNorm
     from lbannpy.layers.conv import Conv
     from lbannpy.layers.fc import FullyConnected

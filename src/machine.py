@@ -79,10 +79,6 @@ class Link:
         """Seconds to move ``nbytes`` bytes in ``messages`` messages: ``messages·α + nbytes·β``."""
         return messages * self.alpha_s + nbytes * self.beta_s_per_byte
 
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        return math.inf if self.beta_s_per_byte == 0 else 1.0 / self.beta_s_per_byte
-
 
 # --------------------------------------------------------------------------------------------------------
 # pure α-β collectives (Thakur, Rabenseifner & Gropp 2005)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from lbannpy.dist import DIM_NAMES, Distribution, DistributionError
-from lbannpy.layers.base import Layer, LayerContext, LayerError
+from lbannpy.layers.base import Layer, LayerError
+from lbannpy.layers.context import LayerContext
 from lbannpy.layers.registry import ALL_DIMS, INPUT_NAMES, activation_sharing, layer_classes
 from lbannpy.tensor import DistTensor
 

@@ -255,7 +255,7 @@ class Optimizer:
 
     def zero_grad(self) -> None:
         """Every gradient to zeros; a lazy parameter's is only marked stale (its layer's first contribution
-        overwrites it, and :meth:`lbannpy.layers.base.Param.settle` zeroes it where none comes)."""
+        overwrites it, and :meth:`lbannpy.layers.param.Param.settle` zeroes it where none comes)."""
         for p in self.params:
             if getattr(p, "lazy", False):
                 p.stale = True

@@ -54,14 +54,6 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-class _NoOptimizer:
-    """Receives the optimizer tensors a checkpoint restore hands out; inference drops them."""
-
-    def __init__(self, params):
-        self.state = {p.name: {} for p in params}
-        self.t = 0
-
-
 def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
     """Who calls: every rank of ``world`` (collective when given). Parameters and layer state of ``model``
     from a checkpoint, or from the newest usable one in a directory: each rank reads and verifies its own
@@ -210,7 +202,8 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
 
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.backend import to_numpy
-    from lbannpy.layers.base import LayerContext, Timer
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.timer import Timer
     from lbannpy.tensor import DistTensor
     from lbannpy.training.build import build_model
 

@@ -1,23 +1,20 @@
 """Distributed tensors: a local block (NumPy or CuPy), the global shape and the Distribution it belongs to.
 
-Moving whole tensors (``scatter``, ``from_root``, ``gather``) is meant for tests, checkpoints and data
-loading; layers move data with halo plans (:mod:`lbannpy.halo`) and shuffle plans (:mod:`lbannpy.shuffle`).
+Moving whole tensors (``scatter``, ``gather``) is meant for tests, checkpoints and data loading; layers
+move data with halo plans (:mod:`lbannpy.halo`) and shuffle plans (:mod:`lbannpy.shuffle`).
 
 Boxes are packed into flat, contiguous buffers as :mod:`lbannpy.packing` plans them (its names are
 re-exported here).
 
 Replicated distributions hold each logical element on ``dist.copies`` ranks. Whenever a reduction must
-count each logical element once (``gather``, :func:`vdot`) the ranks of replica 0 speak for their block.
+count each logical element once (``gather``) the ranks of replica 0 speak for their block.
 """
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
-import numpy
-
-from lbannpy.backend import array_module, get_xp
+from lbannpy.backend import array_module
 from lbannpy.comm.base import Communicator
 from lbannpy.dist import Box, Distribution, DistributionError, empty_block, shape_str
 from lbannpy.packing import (Segment, check_array, check_comm, pack, packed_size,  # noqa: F401 (re-exported)
@@ -162,38 +159,6 @@ class DistTensor:
         local = global_array[tuple(slice(lo, hi) for lo, hi in box)].copy()
         return cls(local, shape, dist, comm.rank)
 
-    @classmethod
-    def from_root(cls, global_array, dist: Distribution, comm: Communicator, root: int = 0) -> "DistTensor":
-        """Collective over ``comm``: ``root`` holds the global array (others pass ``None``) and sends every
-        rank its block (all replicas receive) in one alltoallv. Shape, dtype and array backend come from
-        ``root``; an error found on ``root`` (no array, bad shape) is raised on every rank."""
-        if comm.rank == root:
-            meta = (None if global_array is None else
-                    (tuple(global_array.shape), numpy.dtype(global_array.dtype).str,
-                     "numpy" if array_module(global_array) is numpy else "cupy"))
-        else:
-            meta = None
-        meta = comm.bcast_obj(meta, root)
-        if meta is None:
-            raise DistributionError(f"from_root: root rank {root} passed no array; give it the global array")
-        shape, dtype, backend = meta
-        check_comm(comm, dist, None, "from_root")
-        shape = _check_global(dist, shape, "tensor sent from the root")
-        xp = get_xp(backend)
-        nranks = comm.size
-        sizes = [math.prod(dist.local_shape(shape, r)) for r in range(nranks)]
-        if comm.rank == root:
-            segs = segments([(r, dist.box(shape, r)) for r in range(nranks)], (0,) * len(shape))
-            sendbuf = pack(global_array, segs)
-            sendcounts = sizes
-        else:
-            sendbuf = xp.empty(0, dtype=dtype)
-            sendcounts = [0] * nranks
-        recvcounts = [sizes[comm.rank] if r == root else 0 for r in range(nranks)]
-        flat = comm.alltoallv(sendbuf, sendcounts, recvcounts)
-        local = flat.reshape(dist.local_shape(shape, comm.rank))
-        return cls(local, shape, dist, comm.rank)
-
     def gather(self, comm: Communicator, root: int | None = None):
         """Collective over ``comm``: the global array on every rank (``root=None``, one allgatherv) or only
         on ``root`` (one alltoallv; other ranks get ``None``). The blocks of replica 0 are used."""
@@ -222,37 +187,3 @@ class DistTensor:
         """Collective over ``comm``: this tensor under ``dst_dist`` (a cached :class:`ShufflePlan`)."""
         plan = shuffle_plan(self.dist, dst_dist, self.global_shape, comm.rank)
         return DistTensor(plan.start(comm, self.local).wait(), self.global_shape, dst_dist, comm.rank)
-
-
-# --------------------------------------------------------------------------------------------------------
-# inner products and the dot-product (adjoint) test
-
-
-def vdot(comm: Communicator, a, b, counted: bool = True) -> float:
-    """Collective over ``comm``: ``sum`` over ranks of ``<a, b>`` (float64) on the ranks with ``counted``.
-
-    For replicated data pass ``counted=dist.copy_index(rank) == 0`` so each logical element counts once.
-    """
-    xp = array_module(a)
-    local = float(xp.vdot(a.reshape(-1).astype(numpy.float64), b.reshape(-1).astype(numpy.float64))) \
-        if counted and a.size else 0.0
-    total = comm.allreduce(xp.asarray([local], dtype=numpy.float64))
-    return float(total[0])
-
-
-def adjoint_gap(comm: Communicator, fx, y, x, aty, fwd_counted: bool = True,
-                adj_counted: bool = True) -> float:
-    """Collective over ``comm``: the dot-product test of a linear operator ``F`` and its adjoint ``F*``.
-
-    Given ``fx = F x`` and ``aty = F* y`` (local pieces), returns the relative gap
-    ``|<F x, y> - <x, F* y>| / max(|<F x, y>|, |<x, F* y>|)``, inner products summed over ranks. Ranks whose
-    pieces duplicate another rank's (replicas other than 0) pass ``fwd_counted`` / ``adj_counted`` False
-    so that each logical element counts once. Zero for a correct adjoint up to rounding (~1e-15 in
-    float64 for well-scaled data); 0.0 when both products vanish.
-    """
-    xp = array_module(fx)
-    lhs = float(xp.vdot(fx.reshape(-1), y.reshape(-1))) if fwd_counted and fx.size else 0.0
-    rhs = float(xp.vdot(x.reshape(-1), aty.reshape(-1))) if adj_counted and x.size else 0.0
-    lhs, rhs = (float(v) for v in comm.allreduce(xp.asarray([lhs, rhs], dtype=numpy.float64)))
-    scale = max(abs(lhs), abs(rhs))
-    return 0.0 if scale == 0.0 else abs(lhs - rhs) / scale

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lbannpy.checkpoint import assemble
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.model import Model
 from lbannpy.tensor import DistTensor
 

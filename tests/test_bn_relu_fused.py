@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernel_util import assert_close
 from lbannpy.comm import SingleCommunicator
 from lbannpy.layers import kernels as K
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.layers.kernels import batchnorm as B
 from lbannpy.model import Model
 from lbannpy.tensor import DistTensor

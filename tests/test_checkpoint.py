@@ -20,7 +20,7 @@ from lbannpy import checkpoint
 from lbannpy.checkpoint import CheckpointError, Piece, StateTensor, is_writer, restore_plan, save_plan
 from lbannpy.comm import SingleCommunicator
 from lbannpy.dist import Distribution
-from lbannpy.layers.base import Param
+from lbannpy.layers.param import Param
 from lbannpy.optim import SGD
 
 CONV_W, CONV_OUT = (64, 32, 3, 3), (256, 64, 64, 64)

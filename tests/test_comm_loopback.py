@@ -8,7 +8,7 @@ import pytest
 from lbannpy.bench import costmodel as cm
 from lbannpy.comm import CommError, LoopbackCommunicator
 from lbannpy.dist import Distribution
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.strategy import build_graph
 
 

@@ -16,7 +16,7 @@ import yaml
 from lbannpy import checkpoint
 from lbannpy.comm import SingleCommunicator
 from lbannpy.export import attr_name, main, read_safetensors, write_safetensors
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.model import Model
 from lbannpy.optim import make_optimizer
 from lbannpy.tensor import DistTensor

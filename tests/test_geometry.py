@@ -14,6 +14,7 @@ from lbannpy.dist import (Distribution, DistributionError, block_owner, block_ra
                           box_contains, box_shape, box_size, box_subtract, clip_box, empty_block, intersect)
 from lbannpy.shuffle import ShufflePlan, shuffle_plan
 from lbannpy.tensor import DistTensor, Segment, pack, segments, unpack
+from tensor_util import from_root
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -306,7 +307,7 @@ def test_dist_tensor_on_one_rank():
     comm = SingleCommunicator()
     g = np.arange(2 * 3 * 5, dtype=np.float64).reshape(2, 3, 5)
     dist = Distribution.whole(3, 1)
-    t = DistTensor.from_root(g, dist, comm)
+    t = from_root(g, dist, comm)
     assert np.array_equal(t.gather(comm), g) and np.array_equal(t.gather(comm, root=0), g)
     assert np.array_equal(DistTensor.scatter(g, dist, comm).local, g)
     assert np.array_equal(t.redistribute(dist, comm).local, g)
@@ -317,4 +318,4 @@ def test_dist_tensor_on_one_rank():
     with pytest.raises(DistributionError, match="laid on 2 ranks"):
         DistTensor.scatter(g, Distribution.whole(3, 2), comm)
     with pytest.raises(DistributionError, match="passed no array"):
-        DistTensor.from_root(None, dist, comm)
+        from_root(None, dist, comm)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lbannpy.comm import SingleCommunicator
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.layers.registry import layer_specs
 from lbannpy.model import Model
 from lbannpy.optim import make_optimizer

@@ -207,7 +207,7 @@ def test_unsplit_layers_hand_their_blocks_to_kernels_that_pad(monkeypatch):
     """ATen pads every unsplit layer's convolution; lbannpy's own kernels those small enough for their
     one-call path (``_conv_small.MAX_MACS``), and no other."""
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.kernels import _conv_small
     from lbannpy.layers.kernels.select import conv_kernels
     from lbannpy.model import Model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.layers.kernels import _buffers
 from lbannpy.layers.kernels import conv as kconv
 from lbannpy.layers.kernels import pool as kpool

@@ -7,7 +7,7 @@ import pytest
 
 from lbannpy.comm import SingleCommunicator
 from lbannpy.layers import kernels as K
-from lbannpy.layers.base import LayerContext
+from lbannpy.layers.context import LayerContext
 from lbannpy.model import Model
 from lbannpy.tensor import DistTensor
 

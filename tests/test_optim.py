@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lbannpy.dist import Distribution
-from lbannpy.layers.base import Param
+from lbannpy.layers.param import Param
 from lbannpy.optim import ScheduleError, learning_rate, make_optimizer
 
 

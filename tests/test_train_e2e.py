@@ -158,14 +158,15 @@ def test_interrupted_checkpoint_write_is_never_newest(work, tmp_path):
 
 
 def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
-    """A process writing large checkpoints is killed at several moments; whatever it leaves, the newest
-    complete checkpoint loads and belongs to a step that was fully written."""
+    """A process writing large checkpoints is killed at several moments of a save (after it reports 1, 2
+    and 3 finished saves, at once or a little later); whatever it leaves, the newest complete checkpoint
+    loads and belongs to a step that was fully written, no older than the last one reported."""
     script = tmp_path / "writer.py"
     script.write_text(
         "import sys, numpy as np\n"
         "from lbannpy import checkpoint\n"
         "from lbannpy.comm import SingleCommunicator\n"
-        "from lbannpy.layers.base import Param\n"
+        "from lbannpy.layers.param import Param\n"
         "from lbannpy.optim import SGD\n"
         "from lbannpy.dist import Distribution\n"
         "d = Distribution.whole(2, 1)\n"
@@ -181,19 +182,19 @@ def test_sigkill_during_checkpoint_writes_never_corrupts_the_newest(tmp_path):
     from lbannpy import checkpoint
 
     ck = tmp_path / "ck"
-    loaded = 0
-    for delay in (0.6, 1.1, 1.7):
+    for saves, pause in ((1, 0.0), (2, 0.02), (3, 0.06)):
         proc = subprocess.Popen([PY, str(script), str(ck)], env=ENV, stdout=subprocess.PIPE, text=True)
-        time.sleep(delay)
+        reported = [int(line) for line, _ in zip(proc.stdout, range(saves))]
+        time.sleep(pause)  # where in the next save the kill lands (no duration is asserted)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
+        assert reported == list(range(1, saves + 1)), f"the writer ended after reporting {reported}"
         path, data = checkpoint.load_newest(str(ck))
-        if path is None:
-            continue
+        assert path is not None, f"no complete checkpoint after {saves} reported saves"
         w = data["tensors"]["params/w"]
         assert data["step"] == data["meta"]["step"] and np.all(w == data["step"]), path
-        loaded += 1
-    assert loaded >= 1, "the writer never completed a checkpoint before being killed"
+        assert data["step"] >= saves, (path, data["step"], saves)
 
 
 @pytest.mark.parametrize("machine", ["p100", "slow-compute"])

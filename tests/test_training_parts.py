@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from lbannpy.layers.base import Timer
+from lbannpy.layers.timer import Timer
 from lbannpy.training.build import settings
 from lbannpy.training.report import Report
 

@@ -201,7 +201,7 @@ def layer_call_overhead(comm, xp, reps: int = 200) -> float:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.dist import Distribution
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.simple import ReLU
     from lbannpy.tensor import DistTensor
 

@@ -29,7 +29,8 @@ def _model(name: str, size: int, world, xp):
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import zoo
     from lbannpy.config import normalize, validate
-    from lbannpy.layers.base import LayerContext, Timer
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.timer import Timer
     from lbannpy.training.build import build_model
 
     cfg = normalize(zoo.get_spec(name, batch_size=1, input_size=size))

@@ -73,7 +73,7 @@ def _pass_stepper(model_spec: dict, batch: int, fuse: bool, device: str):
     the stream is synchronised after the backward, outside both timed passes."""
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.kernels.select import conv_kernels, gpu_math
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor

@@ -64,7 +64,7 @@ def worker(units: int, batch: int, steps: int) -> dict:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.comm.overlap import OverlapEngine, hidden_fraction
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 

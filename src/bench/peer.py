@@ -85,7 +85,7 @@ def network(case: Case) -> tuple[dict, int, tuple[int, ...]]:
     """The case's model spec, lbannpy's parameter count and its output shape (N, classes, ...)."""
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.zoo import get_spec
 

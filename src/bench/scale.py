@@ -160,7 +160,7 @@ class RankSetup:
     def __init__(self, spec: dict, batch: int, degrees: dict, comm, data_dir: str, reader: bool = True):
         # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.comm.overlap import OverlapEngine
-        from lbannpy.layers.base import LayerContext
+        from lbannpy.layers.context import LayerContext
         from lbannpy.layers.loss import Loss
         from lbannpy.model import Model
 

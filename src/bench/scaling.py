@@ -33,7 +33,7 @@ def measure(size: int, channels: int, filters: int, batch: int, repeats: int, in
     ``independent``, each rank alone on its own half of the height (no communication)."""
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 

@@ -500,12 +500,6 @@ class HDF5Reader:
     def __iter__(self):
         return self
 
-    def epoch_batches(self):
-        """The remaining batches of the current epoch."""
-        epoch = self._epoch
-        while self._epoch == epoch:
-            yield self.next()
-
     # -- position --------------------------------------------------------------------------------------
     @property
     def epoch(self) -> int:

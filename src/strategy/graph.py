@@ -38,10 +38,6 @@ class Node:
     def in_shape(self) -> tuple[int, ...]:
         return self.in_shapes[0]
 
-    @property
-    def spatial_dims(self) -> int:
-        return len(self.out_shape) - 2
-
     def __str__(self) -> str:
         ins = ", ".join(shape_str(s) for s in self.in_shapes)
         return f"{self.name} ({self.type}): {ins} -> {shape_str(self.out_shape)}"

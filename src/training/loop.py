@@ -9,7 +9,6 @@ the device in :meth:`Trainer.upload`.
 """
 from __future__ import annotations
 
-import collections
 import sys
 import time
 
@@ -20,14 +19,14 @@ from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
 from .graphloop import choose
-from . import health, outdirs
-from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_on_data, user_errors
+from . import health, kernels, outdirs
+from .errors import DataStop, NonFinite, Stopped, WriteFailed, agree_on_data, user_errors
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
-from lbannpy.machine import DEFAULT_MACHINE
 from lbannpy.config import validate
-from lbannpy.layers.base import LayerContext, Timer
+from lbannpy.layers.context import LayerContext
+from lbannpy.layers.timer import Timer
 from lbannpy.data.upload import stage_batches
 from lbannpy.export import init_from
 from lbannpy.tensor import DistTensor
@@ -35,9 +34,7 @@ from lbannpy.backend import is_gpu_array
 from lbannpy.comm.overlap import hidden_fraction
 from lbannpy.backend import to_numpy
 from lbannpy.checkpoint import CheckpointError, candidates
-from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_math, kernel_table
-from lbannpy.machine import MachineError, load_machine
-from .report import PlainProgress
+from .report import progress_bar
 
 
 # a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
@@ -85,13 +82,14 @@ class Trainer:
         # set-up reads files and builds communicators: a rank stuck there must not hang the others
         self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
         self.watchdog.progress("set-up: model, data and communicators")
-        self._choose_kernels(cfg)
+        self._kernel_machine = kernels.choose(cfg, self.ctx, self.rt.device)
         parts = build(cfg, self.ctx, world)
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
         self.memory = parts.memory
-        self._say_kernels()
+        if world.rank == 0 and not self.quiet:
+            kernels.say(self.model, self.ctx, self._kernel_machine)
         self._bar = None  # the progress bar (or plain lines) of rank 0 while run() goes on
         if world.rank == 0 and not self.quiet and self.memory is not None:
             print(f"lbannpy.train: memory: {self.memory.text()}", flush=True)
@@ -277,35 +275,6 @@ class Trainer:
             rate = size / 2**20 / max(dt, 1e-9)
             self.say(f"step {self.step}: checkpoint written in {dt:.1f} s ({rate:.0f} MiB/s)")
 
-    def _choose_kernels(self, cfg: dict) -> None:
-        """The run's conv kernel set, and per layer shape the set a calibration of ``parallel.machine``
-        chose (a preset has none: the rule of ``runtime.kernels`` everywhere)."""
-        choice = cfg["runtime"].get("kernels", "auto")
-        self._kernel_machine = None
-        try:
-            self.ctx.conv_kernels = conv_kernels(choice, self.rt.device)
-        except KernelChoiceError as exc:
-            raise UserError(str(exc)) from None
-        gpu_math(choice, self.rt.device, bool(cfg["runtime"].get("tf32", False)))
-        if choice != "auto":
-            return
-        try:
-            machine = load_machine(cfg["parallel"].get("machine") or DEFAULT_MACHINE)
-        except MachineError as exc:
-            raise UserError(str(exc)) from None
-        self.ctx.conv_kernel_table = kernel_table(choice, self.rt.device, machine)
-        self._kernel_machine = machine.name
-
-    def _say_kernels(self) -> None:
-        """Rank 0: which set each conv layer took, where a calibrated machine chose by shape."""
-        if not self.ctx.conv_kernel_table or self.world.rank != 0 or self.quiet:
-            return
-        counts = collections.Counter(lay.kern.name for lay in self.model.layers if hasattr(lay, "kern"))
-        print("lbannpy.train: conv kernels: " + ", ".join(f"{name} at {n} layer(s)" for name, n in
-                                                        sorted(counts.items()))
-              + f" (by shape where machine {self._kernel_machine} measured it; "
-              f"{self.ctx.conv_kernels.name} elsewhere)", flush=True)
-
     def say(self, msg: str) -> None:
         """One line on stderr that leaves a terminal's progress bar intact."""
         bar = self._bar
@@ -333,12 +302,7 @@ class Trainer:
     def _progress_bar(self):
         if self.world.rank != 0 or self.quiet:
             return None
-        if not sys.stderr.isatty():  # a log file: plain lines, not carriage returns
-            return PlainProgress(self.settings.total_steps, self.step)
-        from tqdm import tqdm
-
-        return tqdm(total=self.settings.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                    mininterval=0.5, file=sys.stderr)
+        return progress_bar(self.settings.total_steps, self.step)
 
     def run(self) -> None:
         s, rep = self.settings, self.report

@@ -242,6 +242,17 @@ METRICS_ORDER = ("step", "epoch", "loss", "accuracy", "iou", "miou", "lr", "grad
                  "io_wait_s", "comm_time_s", "hidden_comm_fraction", "hidden_comm_s", "samples_per_s")
 
 
+def progress_bar(total: int, initial: int):
+    """Rank 0's progress: tqdm on a terminal, :class:`PlainProgress` lines in a log file (no carriage
+    returns there)."""
+    if not sys.stderr.isatty():
+        return PlainProgress(total, initial)
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5,
+                file=sys.stderr)
+
+
 class PlainProgress:
     """Progress for logs (stderr not a terminal: a SLURM log, a pipe): one plain line every ``every_steps``
     steps or ``every_s`` seconds, whichever comes first, and at the end; the tqdm calls the loop makes."""

@@ -175,7 +175,7 @@ def test_non_finite_values_are_damage_and_the_newest_sound_checkpoint_is_named(t
     from lbannpy import checkpoint
     from lbannpy.comm import SingleCommunicator
     from lbannpy.dist import Distribution
-    from lbannpy.layers.base import Param
+    from lbannpy.layers.param import Param
     from lbannpy.optim import SGD
 
     def make(v: float):

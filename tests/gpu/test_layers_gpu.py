@@ -153,7 +153,7 @@ def _logits_and_labels(kind, comm, xp, ctx):
 def _case_loss(comm, host, cupy, out):
     import numpy as np
 
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.loss import Loss
 
     probe = _sync_probe(cupy)
@@ -205,7 +205,7 @@ def _case_syncs(comm, host, cupy, out):
     import numpy as np
 
     from layer_cases import Case, global_data
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 
@@ -255,7 +255,7 @@ def _case_windowless(comm, host, cupy, out):
     from layer_cases import Case, compare, global_data
     from test_layers import _windowless, conv, windowless_cases
     from lbannpy.layers import conv as conv_layer
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.layers.kernels import select
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor

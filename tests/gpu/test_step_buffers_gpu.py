@@ -73,7 +73,7 @@ def _worker(kind: str) -> dict:  # pragma: no cover - runs under mpiexec
 
     import lbannpy.optim as optim
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.optim import learning_rate, make_optimizer
     from lbannpy.tensor import DistTensor

@@ -130,7 +130,7 @@ OPT_CASES = [{"type": "sgd", "lr": 0.1},
 @pytest.mark.parametrize("cfg", OPT_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_optimizer_gpu_update_is_one_kernel_a_parameter_and_equals_the_host(cfg, dtype):
     from lbannpy.dist import Distribution
-    from lbannpy.layers.base import Param
+    from lbannpy.layers.param import Param
     from lbannpy.optim import make_optimizer
 
     rng = np.random.default_rng(0)
@@ -206,7 +206,7 @@ def test_relu_backward_is_one_kernel_and_equals_the_host(dtype):
 
 def _dev_params(xp, shapes, dtype, seed=0):
     from lbannpy.dist import Distribution
-    from lbannpy.layers.base import Param
+    from lbannpy.layers.param import Param
 
     rng = np.random.default_rng(seed)
     return [Param(f"w{i}", s, tuple((0, n) for n in s), xp.asarray(rng.standard_normal(s).astype(dtype)),
@@ -328,7 +328,7 @@ def test_dropout_layer_draws_each_steps_mask_from_device_memory():
     """The GPU layer's masks at steps 0, 1, 2 (and after a resume to step 7) equal the host layer's; the
     step lives in one device counter the forward advances on the device."""
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.tensor import DistTensor
 
@@ -381,7 +381,7 @@ def test_a_training_step_keeps_its_buffers_and_equals_the_host():
     same device buffers as step 0 (what a step captured once and replayed does) and give the host's
     weights, running statistics and masks."""
     from lbannpy.comm import SingleCommunicator
-    from lbannpy.layers.base import LayerContext
+    from lbannpy.layers.context import LayerContext
     from lbannpy.model import Model
     from lbannpy.optim import make_optimizer
     from lbannpy.tensor import DistTensor

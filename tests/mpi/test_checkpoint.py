@@ -17,7 +17,7 @@ import pytest
 from lbannpy import checkpoint
 from lbannpy.checkpoint import StateTensor, is_writer
 from lbannpy.dist import Distribution
-from lbannpy.layers.base import Param
+from lbannpy.layers.param import Param
 from lbannpy.optim import SGD
 from mpi_util import assert_all, collective_check
 

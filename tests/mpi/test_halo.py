@@ -6,7 +6,7 @@ and only verdicts are communicated.
 
 Replicated distributions: the window gradient ``y`` of a block is the same on every replica (it is
 generated from the block coordinates), and inner products count each logical element once (only the
-ranks of replica 0 contribute), as :func:`lbannpy.tensor.adjoint_gap` documents.
+ranks of replica 0 contribute), as :func:`tensor_util.adjoint_gap` documents.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from lbannpy.backend import array_module, to_numpy
 from lbannpy.dist import Distribution, DistributionError, clip_box, relative_slices
 from lbannpy.stencil import Stencil
 from lbannpy.halo import HaloPlan, check_halo, window_of
-from lbannpy.tensor import adjoint_gap, pack, unpack
+from lbannpy.tensor import pack, unpack
+from tensor_util import adjoint_gap
 from mpi_util import assert_all, raises_all
 
 ADJOINT_RTOL = 1e-12

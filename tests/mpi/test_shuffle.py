@@ -2,7 +2,7 @@
 on either side) against the global re-blocking, the reverse plan, and the dot-product test.
 
 Replicated distributions: inputs are cut from one global array, so replicas agree, and inner products
-count each logical element once (ranks of replica 0 only), as :func:`lbannpy.tensor.adjoint_gap` says.
+count each logical element once (ranks of replica 0 only), as :func:`tensor_util.adjoint_gap` says.
 Under replicated semantics (see :mod:`lbannpy.shuffle`) the adjoint of ``src -> dst`` is ``dst -> src``.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from lbannpy.backend import array_module, to_numpy
 from lbannpy.dist import Distribution, DistributionError, empty_block
 from lbannpy.shuffle import ShufflePlan, shuffle_plan
-from lbannpy.tensor import DistTensor, adjoint_gap, pack, unpack
+from lbannpy.tensor import DistTensor, pack, unpack
+from tensor_util import adjoint_gap
 from mpi_util import assert_all, raises_all
 
 ADJOINT_RTOL = 1e-12

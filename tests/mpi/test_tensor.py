@@ -13,6 +13,7 @@ import pytest
 from lbannpy.backend import to_numpy
 from lbannpy.dist import Distribution, DistributionError, empty_block
 from lbannpy.tensor import DistTensor
+from tensor_util import from_root
 from mpi_util import assert_all, raises_all
 
 
@@ -75,7 +76,7 @@ def test_scatter_gather_identity_on_every_grid(comm, xp, case):
             if comm.rank != root and got is not None:
                 failures.append(f"{dist}: gather to root {root} returned data on a non-root rank")
         root = comm.size - 1
-        f = DistTensor.from_root(gx if comm.rank == root else None, dist, comm, root=root)
+        f = from_root(gx if comm.rank == root else None, dist, comm, root=root)
         if not np.array_equal(to_numpy(f.local), to_numpy(t.local)) or f.global_shape != case.shape:
             failures.append(f"{dist}: from_root({root})")
     assert_all(comm, not failures and tried > 0, f"{tried} grids tried; " + "; ".join(failures[:10]))
@@ -101,7 +102,7 @@ def test_refusals(comm, xp):
     g = xp.asarray(global_array((3, 2, 5, 4)))
     wrong_ranks = Distribution.whole(4, comm.size + 1)
     raises_all(comm, DistributionError, DistTensor.scatter, g, wrong_ranks, comm, match="communicator has")
-    raises_all(comm, DistributionError, DistTensor.from_root, None, Distribution.whole(4, comm.size),
+    raises_all(comm, DistributionError, from_root, None, Distribution.whole(4, comm.size),
                comm, match="passed no array")
     local = xp.zeros((1, 1, 1, 1))
     raises_all(comm, DistributionError, DistTensor, local, (3, 2, 5, 4),
@@ -109,7 +110,7 @@ def test_refusals(comm, xp):
     if comm.size >= 2:
         # more blocks along h than rows: every rank names the same first empty rank
         dist = Distribution.make(4, ranks=comm.size, h=comm.size)
-        exc = raises_all(comm, DistributionError, DistTensor.from_root,
+        exc = raises_all(comm, DistributionError, from_root,
                          global_array((3, 2, comm.size - 1, 4)) if comm.rank == 0 else None, dist, comm,
                          match=f"rank {comm.size - 1} would hold an empty block along 'h'")
         msgs = comm.allgather_obj(str(exc))

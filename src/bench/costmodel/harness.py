@@ -51,14 +51,16 @@ class StandIn:
     and collective completing at once. Its communication is what the cost model prices apart. Its backward
     includes what the trainer does to the layer's weight block after backprop: the optimizer's update
     (``optimizer``: the spec's ``optimizer`` section) and clearing the gradients. ``ctx`` (a loopback
-    :class:`~lbannpy.layers.base.LayerContext` of the same rank) is shared by the stand-ins of one chain, as
-    a model's layers share theirs (the convolution workspace). ``overlap``: the runs' ``comm.overlap``."""
+    :class:`~lbannpy.layers.context.LayerContext` of the same rank) is shared by the stand-ins of one
+    chain, as a model's layers share theirs (the convolution workspace). ``overlap``: the runs'
+    ``comm.overlap``."""
 
     def __init__(self, node: Node, dist: Distribution, rank: int, optimizer: Mapping[str, Any] | None = None,
                  ctx=None, overlap: bool = False, dtype: str = "float32", seed: int = 0):
         # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.comm import LoopbackCommunicator
-        from lbannpy.layers.base import LayerContext, Timer
+        from lbannpy.layers.context import LayerContext
+        from lbannpy.layers.timer import Timer
         from lbannpy.layers.registry import layer_classes
         from lbannpy.optim import make_optimizer
         from lbannpy.tensor import DistTensor

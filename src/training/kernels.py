@@ -1,0 +1,39 @@
+"""The run's convolution kernels: the set of ``runtime.kernels``, per local shape the set a calibration of
+``parallel.machine`` found faster there (``auto``), and the line that says which set each layer took."""
+from __future__ import annotations
+
+import collections
+
+from .errors import UserError
+from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_math, kernel_table
+from lbannpy.machine import DEFAULT_MACHINE, MachineError, load_machine
+
+
+def choose(cfg: dict, ctx, device: str) -> str | None:
+    """Sets ``ctx.conv_kernels`` (and cuDNN's float32 arithmetic) from ``runtime.kernels``, and for ``auto``
+    ``ctx.conv_kernel_table`` from the calibration of ``parallel.machine`` (a preset has none: the rule of
+    ``runtime.kernels`` everywhere). Returns the name of the machine that chose by shape, or None."""
+    choice = cfg["runtime"].get("kernels", "auto")
+    try:
+        ctx.conv_kernels = conv_kernels(choice, device)
+    except KernelChoiceError as exc:
+        raise UserError(str(exc)) from None
+    gpu_math(choice, device, bool(cfg["runtime"].get("tf32", False)))
+    if choice != "auto":
+        return None
+    try:
+        machine = load_machine(cfg["parallel"].get("machine") or DEFAULT_MACHINE)
+    except MachineError as exc:
+        raise UserError(str(exc)) from None
+    ctx.conv_kernel_table = kernel_table(choice, device, machine)
+    return machine.name
+
+
+def say(model, ctx, machine: str | None) -> None:
+    """Prints which set each conv layer took, where a calibrated machine chose by shape (nothing else)."""
+    if not ctx.conv_kernel_table:
+        return
+    counts = collections.Counter(lay.kern.name for lay in model.layers if hasattr(lay, "kern"))
+    print("lbannpy.train: conv kernels: " + ", ".join(f"{name} at {n} layer(s)" for name, n in
+                                                    sorted(counts.items()))
+          + f" (by shape where machine {machine} measured it; {ctx.conv_kernels.name} elsewhere)", flush=True)
