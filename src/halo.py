@@ -188,7 +188,7 @@ class HaloPlan:
         last exchange of that direction is still in flight or the plan is shared."""
         n_recv, n_send = (self.recv_size, self.send_size) if direction == "fwd" else \
             (self.send_size, self.recv_size)
-        key = (direction, str(dtype), xp.__name__)
+        key = (direction, dtype, xp)  # the objects themselves: a NumPy dtype's str() is slow
         if not self.keep_buffers or key in self._in_flight:
             return None, xp.empty(n_recv, dtype=dtype), xp.empty(n_send, dtype=dtype)
         bufs = self._buffers.get(key)
