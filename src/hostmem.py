@@ -14,10 +14,10 @@ has no ``mallopt`` (not glibc), or where the user set ``MALLOC_MMAP_THRESHOLD_``
 ``MALLOC_TRIM_THRESHOLD_`` (glibc's own tunables, which then decide).
 
 The price is memory: the kept blocks fragment differently from run to run, and on a model at its memory
-limit the peak moves with them (the full mesh1k model on one 1024² sample with ATen kernels: 2917–2974 MiB
-on 1 rank, 1672–1824 MiB per rank split over 2). ``MALLOC_MMAP_THRESHOLD_=4194304`` in the environment gives
-the lower, steady end of those ranges at the cost of fresh pages for every block above 4 MiB (mesh1k 256² at
-batch 2, whose activations are 25 MiB, trains measurably slower so; see the README's memory section).
+limit the peak moves with them. ``MALLOC_MMAP_THRESHOLD_=4194304`` in the environment gives the lower,
+steady end of that range at the cost of fresh pages for every block above 4 MiB, which slows a model whose
+activations are made of such blocks (``python -m lbannpy.bench memory`` measures both; the figures are on
+the benchmark page).
 """
 from __future__ import annotations
 
