@@ -4,6 +4,7 @@ Bigger runs (32, 64 ranks) take minutes on a small machine and stay out of the d
 ``mpiexec -n 64 python -m lbannpy.bench scale --real``."""
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -30,5 +31,7 @@ def test_sixteen_real_ranks_match_the_simulator(tmp_path):
         real, sim = rows[key]
         assert int(real) == int(sim) > 0, (key, real, sim, out)
     for key in ("set-up s (wall)", "index µs/layer", "step overhead µs/layer"):
-        assert float(rows[key][0]) >= 0 and float(rows[key][1]) >= 0, (key, rows[key])
+        # measured, so only their form is checked here: a finite number in both columns (a missing or
+        # unformatted figure fails); their size is judged by the benchmark, not by a unit test
+        assert all(math.isfinite(float(v)) for v in rows[key]), (key, rows[key])
     print(out, file=sys.stderr)
