@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 import time
 
-from . import health
 from lbannpy.tensor import DistTensor
 from .errors import UserError
 from .graphstep import CaptureFailed, CaptureRefused, Decision, StepGraphs, agreed, decide
@@ -138,15 +137,6 @@ class GraphRun:
             t.timer.settle()
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
-            loss, metrics, grad_norm = t.read_stats(stats, grad_sq)
-            health.check_loss(t.world, t.step, loss, t.model, x.local, t.rt.xp)
-            health.check_grad_norm(t.world, t.step, grad_norm, t.model, t.rt.xp)
-            metrics["grad_norm"] = grad_norm
-            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
-        row = {"step": t.step, "epoch": (t.step - 1) // max(st.steps_per_epoch, 1), **metrics,
-               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": 0.0,
-               "hidden_comm_fraction": 0.0, "hidden_comm_s": 0.0}
-        if timing:
-            row["samples_per_s"] = row.pop("samples_per_s")
+            metrics, timing = t.logged_metrics(stats, grad_sq, x, dt)
         t.report.end_step()
-        return row
+        return t.metrics_row(lr, metrics, timing, t_io)

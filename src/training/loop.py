@@ -209,18 +209,29 @@ class Trainer:
                 comm_iv = sync.bucket_intervals(mark, clock.seconds)
                 t_comm = sum(e - s for s, e in comm_iv)
                 hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
-            loss, metrics, grad_norm = self.read_stats(stats, grad_sq)
-            if not host_stats:
-                health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
-            health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
-            metrics["grad_norm"] = grad_norm
-            timing = {"step_time_s": dt, "samples_per_s": st.batch_size / dt}
+            metrics, timing = self.logged_metrics(stats, grad_sq, x, dt, check_loss=not host_stats)
+        self.report.end_step()
+        return self.metrics_row(lr, metrics, timing, t_io, t_comm, hidden)
+
+    def logged_metrics(self, stats, grad_sq, x, dt: float, check_loss: bool = True) -> tuple[dict, dict]:
+        """A logged step's metrics (loss statistics and gradient norm, read in one transfer and checked
+        for non-finite values on every rank) and timing columns."""
+        loss, metrics, grad_norm = self.read_stats(stats, grad_sq)
+        if check_loss:
+            health.check_loss(self.world, self.step, loss, self.model, x.local, self.rt.xp)
+        health.check_grad_norm(self.world, self.step, grad_norm, self.model, self.rt.xp)
+        metrics["grad_norm"] = grad_norm
+        return metrics, {"step_time_s": dt, "samples_per_s": self.settings.batch_size / dt}
+
+    def metrics_row(self, lr: float, metrics: dict, timing: dict, t_io: float, t_comm: float = 0.0,
+                    hidden: float = 0.0) -> dict:
+        """One metrics row of the step just taken, in the columns' order."""
+        st = self.settings
         row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
                "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
                "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
         if timing:
             row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
-        self.report.end_step()
         return row
 
     def read_stats(self, stats, grad_sq) -> tuple[float, dict, float]:
