@@ -17,6 +17,7 @@ from lbannpy.checkpoint import assemble
 from lbannpy.layers.context import LayerContext
 from lbannpy.model import Model
 from lbannpy.tensor import DistTensor
+from torch_refs import REFS
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def _apply(layer, ins, params):
     if ltype == "fc":
         return F.linear(ins[0].reshape(ins[0].shape[0], -1), params[f"{name}.weight"],
                         params.get(f"{name}.bias"))
+    if ltype in REFS:
+        return REFS[ltype](layer, ins, params)
     raise ValueError(f"no torch reference for layer type {ltype}")
 
 

@@ -105,10 +105,11 @@ def _device_id(cupy) -> int:
 
 
 def _case_tier(comm, host, cupy, out):
+    from case_sets import all_cases
     from layer_cases import compare
     from test_layers import layer_cases
 
-    bad, excused, cases = [], [], layer_cases(comm.size)
+    bad, excused, cases = [], [], layer_cases(comm.size) + all_cases(comm.size)
     for case in cases:
         try:
             bad += compare(case, comm, xp=cupy)
