@@ -1,4 +1,4 @@
-"""``python -m lbannpy.data {mesh,blobs} ... -o FILE.h5``: synthetic data sets;
+"""``python -m lbannpy.data {mesh,mesh3d,blobs} ... -o FILE.h5``: synthetic data sets;
 ``python -m lbannpy.data check FILE [--spec SPEC]``: scan a data file for values a run would stop on."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Write a synthetic data set (inputs and labels) into an HDF5 "
                                              "file that lbannpy.train reads, or check one. See each "
                                              "command's --help.")
-    sub = ap.add_subparsers(dest="kind", required=True, metavar="{mesh,blobs,check}")
+    sub = ap.add_subparsers(dest="kind", required=True, metavar="{mesh,mesh3d,blobs,check}")
     m = sub.add_parser("mesh", help="synthetic mesh-tangling segmentation data (18 channels, cell labels)",
                        description="Synthetic mesh-tangling segmentation data: per-cell mesh quantities as "
                                    "input channels, cells about to tangle as labels.", formatter_class=fmt)
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label cells whose min corner Jacobian (relative to the initial one) is below this "
                         "and decreasing; tangled cells are always labelled")
     m.add_argument("-q", "--quiet", action="store_true", help="no per-sample lines")
+    _mesh3d_parser(sub, fmt)
     b = sub.add_parser("blobs", help="small learnable classification images (oriented gratings + noise)",
                        description="Small learnable classification images: one oriented grating per class "
                                    "plus noise.", formatter_class=fmt)
@@ -39,6 +40,42 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", required=True, help="HDF5 file to write")
     _check_parser(sub)
     return ap
+
+
+def _mesh3d_parser(sub, fmt) -> None:
+    v = sub.add_parser("mesh3d", help="synthetic 3-D mesh-tangling volumes (14 channels, voxel labels)",
+                       description="Synthetic 3-D mesh-tangling segmentation data: per-cell quantities of a "
+                                   "deformed hexahedral mesh as input channels, cells about to tangle as "
+                                   "labels (one per voxel).", formatter_class=fmt)
+    v.add_argument("--size", type=int, required=True, help="cells per side of a slice (N)")
+    v.add_argument("--depth", type=int, default=0, help="cells in depth (D; 0: N, a cube); a sample is D×N×N")
+    v.add_argument("--samples", type=int, required=True, help="number of samples (M)")
+    v.add_argument("-o", "--output", required=True, help="HDF5 file to write")
+    v.add_argument("--seed", type=int, default=0, help="random seed")
+    v.add_argument("--channels", type=int, default=14, help="keep the first C of the 14 channels")
+    v.add_argument("--steps", type=int, default=4, help="Euler steps of the mesh motion")
+    v.add_argument("--threshold", type=float, default=0.25,
+                   help="label cells whose min corner Jacobian (relative to the initial one) is below this "
+                        "and decreasing; tangled cells are always labelled")
+    v.add_argument("-q", "--quiet", action="store_true", help="no per-sample lines")
+
+
+def _mesh3d(args, t0: float) -> None:
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from .mesh3d import Mesh3DParams, write_mesh3d
+
+    params = Mesh3DParams(size=args.size, depth=args.depth, samples=args.samples, seed=args.seed,
+                          channels=args.channels, steps=args.steps, threshold=args.threshold)
+
+    def progress(i, frac):
+        if not args.quiet:
+            print(f"sample {i + 1}/{params.samples}: positive fraction {frac:.4f}", flush=True)
+
+    info = write_mesh3d(args.output, params, progress)
+    print(f"wrote {info['path']}: inputs {info['samples']}×{info['channels']}×"
+          f"{'×'.join(map(str, info['shape']))} float32, labels uint8; positive fraction "
+          f"{info['positive_fraction']:.4f} (per sample {info['positive_fraction_min']:.4f}.."
+          f"{info['positive_fraction_max']:.4f}); {time.perf_counter() - t0:.1f} s")
 
 
 def _check_parser(sub) -> None:
@@ -118,6 +155,8 @@ def main(argv=None) -> int:
                   f"{info['size']} float32, labels uint8; positive fraction {info['positive_fraction']:.4f} "
                   f"(per sample {info['positive_fraction_min']:.4f}..{info['positive_fraction_max']:.4f}); "
                   f"{time.perf_counter() - t0:.1f} s")
+        elif args.kind == "mesh3d":
+            _mesh3d(args, t0)
         else:
             # late: loaded when the command runs, so its --help and argument errors come without it
             from .blobs import write_blobs

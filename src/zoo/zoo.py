@@ -36,6 +36,7 @@ def path(name: str) -> Path:
 
 
 MESH_CHANNELS = 18   # channels `lbannpy.data mesh` writes (its --channels keeps the first C)
+MESH3D_CHANNELS = 14  # channels `lbannpy.data mesh3d` writes (likewise)
 BLOBS_MAX_CLASSES = 1000
 
 
@@ -45,6 +46,8 @@ def data_command(channels: int, spatial: Sequence[int], classes: int, loss: str,
     model with this input and output, or None when no generator makes that shape (non-square input, more
     mesh channels than the generator has, segmentation with other than 2 classes)."""
     spatial = [int(s) for s in spatial]
+    if len(spatial) == 3 and spatial[1] == spatial[2]:
+        return _volume_command(channels, spatial, classes, loss, path, samples)
     if len(spatial) != 2 or spatial[0] != spatial[1]:
         return None
     size = spatial[0]
@@ -57,6 +60,18 @@ def data_command(channels: int, spatial: Sequence[int], classes: int, loss: str,
         return None
     return (f"python -m lbannpy.data blobs --size {size} --channels {channels} --classes {classes} "
             f"--samples {samples} -o {path}")
+
+
+def _volume_command(channels: int, spatial: list[int], classes: int, loss: str, path: str,
+                    samples: int) -> str | None:
+    """``lbannpy.data mesh3d`` for a per-voxel 2-class model on D x N x N volumes (``--depth`` only where
+    D differs from N)."""
+    if loss != "pixel_cross_entropy" or classes != 2 or not 1 <= channels <= MESH3D_CHANNELS:
+        return None
+    depth, size = spatial[0], spatial[1]
+    extra = (f" --depth {depth}" if depth != size else "") + (
+        f" --channels {channels}" if channels != MESH3D_CHANNELS else "")
+    return f"python -m lbannpy.data mesh3d --size {size} --samples {samples}{extra} -o {path}"
 
 
 def spec_data_command(spec: dict[str, Any]) -> str | None:
