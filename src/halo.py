@@ -28,6 +28,16 @@ Execution (point to point, within one replica group; every rank of the distribut
   block is the owned part of ``grad_window`` plus, added, every part of other ranks' window gradients that
   lies in this block; padding gradients are dropped.
 
+Boundaries: by default the window's parts past the tensor's edges are zero padding. A plan built with
+``boundary`` (one mode for every spatial dimension, or one per tensor dimension) fills them instead from
+the tensor itself, as ``F.pad`` does: ``reflect`` (mirrored about the edge row, which is not repeated),
+``replicate`` (the edge row repeated) or ``circular`` (periodic: the rows at the other end). Each is an index
+map of the padded rows onto rows of the tensor, so the plan treats them like the window's other parts: the
+rows they map to are received from whichever rank holds them (a periodic dimension wraps around the
+process grid, the rank at the other end sends them), or copied (mirrored where the map reverses) from this
+rank's own block; the adjoint sends their gradients back to those rows and adds them. One rank, or a
+dimension that is not split, wraps locally.
+
 Message tags: a plan has a base tag ``t`` (given, or derived from its geometry) and uses ``2t`` for the
 exchange and ``2t + 1`` for the accumulation, both below 32768 (the smallest ``MPI_TAG_UB`` the standard
 allows). Plans that may be in flight at the same time on the same communicator need distinct base tags;
@@ -37,6 +47,7 @@ geometry overlap (the activation halo and the error-signal halo of one layer, sa
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import zlib
 from typing import Sequence
@@ -51,11 +62,31 @@ from lbannpy.packing import Segment, check_array, check_comm, pack, packed_size,
 TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
 
 
-def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil) -> tuple[int, ...]:
+#: how a plan fills the parts of a window past the tensor's edges (see the module docstring)
+BOUNDARY_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def boundary_modes(boundary, ndim: int) -> tuple[str, ...]:
+    """``boundary`` (None: zeros; one mode for every spatial dimension; or one per tensor dimension) as one
+    mode per tensor dimension (sample and channel dimensions: zeros, they have no padding)."""
+    if boundary is None:
+        return ("zeros",) * ndim
+    modes = (("zeros", "zeros") + (boundary,) * (ndim - 2) if isinstance(boundary, str)
+             else tuple(boundary))
+    if len(modes) != ndim or any(m not in BOUNDARY_MODES for m in modes):
+        raise DistributionError(f"halo boundary {boundary!r}: one of {', '.join(BOUNDARY_MODES)} (or one per "
+                                f"dimension of the rank-{ndim} tensor)")
+    return modes
+
+
+def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil,
+               boundary=None) -> tuple[int, ...]:
     """Refuse a halo plan that cannot work; returns the output shape.
 
     Pure and rank-independent: it checks every rank's input and output block, so every rank raises the
-    same error (naming the first offending rank) without communication.
+    same error (naming the first offending rank) without communication. A ``reflect`` boundary needs
+    padding below the extent and a ``circular`` one at most the extent (PyTorch's rules: the padded rows
+    map onto the tensor once).
     """
     global_shape = tuple(int(n) for n in global_shape)
     what = f"halo plan for input {shape_str(global_shape)} under {dist}"
@@ -65,6 +96,14 @@ def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil
             f"stencil {len(stencil.dims)}; build all three for the same tensor rank")
     if any(n < 1 for n in global_shape):
         raise DistributionError(f"{what}: every extent must be >= 1")
+    modes = boundary_modes(boundary, len(global_shape))
+    for name, n, w, mode in zip(dist.dim_names, global_shape, stencil.dims, modes):
+        most = {"reflect": n - 1, "circular": n}.get(mode)
+        if most is not None and max(w.pad_lo, w.pad_hi) > most:
+            raise DistributionError(
+                f"{what}: {mode} padding ({w.pad_lo}, {w.pad_hi}) along '{name}' needs at most {most} rows "
+                f"of padding on a side for an extent of {n} (each padded row maps onto one row of the "
+                f"tensor); pad less, or use a larger input")
     out_shape = stencil.output_shape(global_shape)
     for name, n, w, m in zip(dist.dim_names, global_shape, stencil.dims, out_shape):
         if m < 1:
@@ -85,14 +124,87 @@ def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil
     return out_shape
 
 
-def _interior_1d(w, lo: int, hi: int, n: int, o0: int, o1: int) -> tuple[int, int]:
+def _interior_1d(w, lo: int, hi: int, n: int, o0: int, o1: int, edge_lo: bool | None = None,
+                 edge_hi: bool | None = None) -> tuple[int, int]:
     """Outputs in ``[o0, o1)`` whose inputs lie in ``[lo, hi)`` or in padding past a tensor edge the block
-    touches (a possibly empty range inside ``[o0, o1]``)."""
+    touches (a possibly empty range inside ``[o0, o1]``); ``edge_lo``/``edge_hi`` (default: the block
+    touches that edge) say whether the padding past that edge is ready before the exchange ends (zeros,
+    or a boundary map onto this rank's own rows)."""
+    edge_lo = lo == 0 if edge_lo is None else edge_lo
+    edge_hi = hi == n if edge_hi is None else edge_hi
     # output o reads [o*s - pad_lo, o*s - pad_lo + reach)
-    first = o0 if lo == 0 else -((-(lo + w.pad_lo)) // w.stride)  # ceil((lo + pad_lo) / s)
-    last = o1 - 1 if hi == n else (hi + w.pad_lo - w.reach) // w.stride
+    first = o0 if edge_lo else -((-(lo + w.pad_lo)) // w.stride)  # ceil((lo + pad_lo) / s)
+    last = o1 - 1 if edge_hi else (hi + w.pad_lo - w.reach) // w.stride
     i0 = min(max(o0, first), o1)
     return i0, max(i0, min(o1, last + 1))
+
+
+def _runs_1d(a: int, b: int, n: int, mode: str) -> list[tuple]:
+    """The window range ``[a, b)`` of one dimension as runs ``(wa, wb, sa, flip)``: window rows
+    ``[wa, wb)`` are the tensor's rows ``[sa, sa + wb - wa)`` (in reverse order where ``flip``), or zero
+    padding (``sa`` None)."""
+    out = []
+    if a < 0:
+        e = min(b, 0)
+        if mode == "zeros":
+            out.append((a, e, None, False))
+        elif mode == "circular":
+            out.append((a, e, a + n, False))
+        elif mode == "reflect":  # row i < 0 is row -i
+            out.append((a, e, 1 - e, True))
+        else:  # replicate: every row is row 0
+            out += [(i, i + 1, 0, False) for i in range(a, e)]
+    lo, hi = max(a, 0), min(b, n)
+    if lo < hi:
+        out.append((lo, hi, lo, False))
+    if b > n:
+        s = max(a, n)
+        if mode == "zeros":
+            out.append((s, b, None, False))
+        elif mode == "circular":
+            out.append((s, b, s - n, False))
+        elif mode == "reflect":  # row i >= n is row 2(n - 1) - i
+            out.append((s, b, 2 * n - 1 - b, True))
+        else:
+            out += [(i, i + 1, n - 1, False) for i in range(s, b)]
+    return out
+
+
+def _window_part(run, piece) -> tuple[int, int]:
+    """The window rows of ``run`` whose source rows are ``piece`` (a sub-range of the run's source)."""
+    wa, wb, sa, flip = run
+    ps, pe = piece
+    if not flip:
+        return wa + ps - sa, wa + pe - sa
+    sb = sa + wb - wa
+    return wa + sb - pe, wa + sb - ps
+
+
+def _sources(dist: Distribution, global_shape: tuple, window_box: Box, modes: tuple, replica: int) -> list:
+    """Every part of a window that holds tensor data (not zero padding), as ``(peer, window box, source
+    box, flips)``: the rank of replica ``replica`` holding the source rows, where they land in the window
+    (global coordinates, possibly past the edges) and the dimensions in which their order is reversed."""
+    per_dim = [_runs_1d(a, b, n, m) for (a, b), n, m in zip(window_box, global_shape, modes)]
+    out = []
+    for combo in itertools.product(*per_dim):
+        if any(r[2] is None for r in combo):
+            continue
+        src = tuple((r[2], r[2] + r[1] - r[0]) for r in combo)
+        flips = tuple(r[3] for r in combo)
+        for coords in dist.blocks_meeting(global_shape, src):
+            peer = dist.rank_of(coords, replica)
+            piece = intersect(src, dist.box(global_shape, peer))
+            out.append((peer, tuple(_window_part(r, p) for r, p in zip(combo, piece)), piece, flips))
+    return out
+
+
+def _source_slices(box: Box, origin, flips) -> tuple[slice, ...]:
+    """Slices selecting ``box`` from an array whose element 0 is at ``origin``, reversed along ``flips``."""
+    out = []
+    for (lo, hi), o, f in zip(box, origin, flips):
+        a, b = lo - o, hi - o
+        out.append(slice(b - 1, a - 1 if a > 0 else None, -1) if f else slice(a, b))
+    return tuple(out)
 
 
 class HaloPlan:
@@ -109,16 +221,25 @@ class HaloPlan:
     be empty, ``box_size == 0``); ``boundary_boxes``: disjoint boxes covering the rest of the output
     block. ``*_slices`` select these from the local output (``interior_slices``) or the window
     (``interior_window_slices``, the inputs those outputs read).
+
+    ``boundary`` (see the module docstring): ``modes`` holds it per tensor dimension, ``periodic`` the
+    circular dimensions; ``wraps`` are ``(window slices, local slices)`` of the padded parts this rank
+    fills from its own block (slices of the block reversed where a reflection reverses the rows);
+    a send segment's ``box`` is then the block's rows it packs, a receive segment's the window's.
     """
 
     def __init__(self, dist: Distribution, global_shape: Sequence[int], stencil: Stencil, rank: int,
-                 tag: int | None = None):
+                 tag: int | None = None, boundary=None):
         global_shape = tuple(int(n) for n in global_shape)
-        self.output_shape = check_halo(dist, global_shape, stencil)
+        self.output_shape = check_halo(dist, global_shape, stencil, boundary)
+        modes = self.modes = boundary_modes(boundary, len(global_shape))
+        self.periodic = tuple(i for i, m in enumerate(modes) if m == "circular")
+        mapped = any(m != "zeros" for m in modes)
         if not 0 <= rank < dist.ranks:
             raise DistributionError(f"halo plan: rank {rank} outside the {dist.ranks} ranks of {dist}")
         if tag is None:
-            tag = zlib.crc32(repr((dist, global_shape, stencil)).encode()) % TAG_LIMIT
+            key = (dist, global_shape, stencil) + ((modes,) if mapped else ())
+            tag = zlib.crc32(repr(key).encode()) % TAG_LIMIT
         if not 0 <= tag < TAG_LIMIT:
             raise DistributionError(f"halo plan: tag {tag} outside [0, {TAG_LIMIT})")
         self.dist, self.global_shape, self.stencil = dist, global_shape, stencil
@@ -138,37 +259,54 @@ class HaloPlan:
         self.owned_box = intersect(self.window_box, self.input_box)
         self.owned_window_slices = None if self.owned_box is None else relative_slices(self.owned_box, win0)
         self.owned_local_slices = None if self.owned_box is None else relative_slices(self.owned_box, in0)
-        inside = clip_box(self.window_box, global_shape)
+        # padding: the window past the edges of the dimensions without a boundary map
+        inside = intersect(self.window_box, tuple(w if m != "zeros" else (0, n) for w, n, m
+                                                  in zip(self.window_box, global_shape, modes)))
         self.padding_boxes = (box_subtract(self.window_box, inside) if inside is not None
                               else [self.window_box])
         self.padding_slices = [relative_slices(b, win0) for b in self.padding_boxes]
 
-        # receives: blocks of the same replica that the window meets; sends: my block ∩ their windows
+        # receives: the blocks of the same replica that the window's data comes from; sends: my block's
+        # rows in the windows of the ranks that read them (each list in the receiver's order, so the
+        # pieces of one peer travel as one message)
         replica = dist.copy_index(rank)
-        recv_pieces = []
-        for coords in dist.blocks_meeting(global_shape, self.window_box):
-            peer = dist.rank_of(coords, replica)
+        recv_pieces, wraps = [], []
+        for peer, win, src, flips in _sources(dist, global_shape, self.window_box, modes, replica):
             if peer != rank:
-                recv_pieces.append((peer, intersect(self.window_box, dist.box(global_shape, peer))))
+                recv_pieces.append((peer, win))
+            elif win != src:  # a boundary map onto this rank's own rows
+                wraps.append((relative_slices(win, win0), _source_slices(src, in0, flips)))
+        self.wraps = tuple(wraps)
         send_pieces = []
         for peer in sorted(dist.rank_of(c, replica) for c in _readers(dist, self.output_shape, stencil,
-                                                                     self.input_box)):
+                                                                     self.input_box, global_shape, modes)):
             if peer == rank:
                 continue
-            box = intersect(stencil.input_window(dist.box(self.output_shape, peer)), self.input_box)
-            if box is not None:
-                send_pieces.append((peer, box))
+            window = stencil.input_window(dist.box(self.output_shape, peer))
+            send_pieces += sorted((peer, win, src, flips) for q, win, src, flips
+                                  in _sources(dist, global_shape, window, modes, replica) if q == rank)
         self.recvs: tuple[Segment, ...] = segments(sorted(recv_pieces), win0)
-        self.sends: tuple[Segment, ...] = segments(send_pieces, in0)
+        sends, offset = [], 0
+        for peer, _, src, flips in send_pieces:
+            sends.append(Segment(peer, src, _source_slices(src, in0, flips), offset))
+            offset = sends[-1].stop
+        self.sends: tuple[Segment, ...] = tuple(sends)
         self.recv_size = packed_size(self.recvs)
         self.send_size = packed_size(self.sends)
         # nothing to exchange (one rank, or a split the stencil does not cross: samples, channels, 1x1
-        # kernels): the window is the owned block and padding, and its gradient goes to this block alone
+        # kernels): the window is the owned block, padding and wraps, and its gradient goes to this block
         self.local = not self.recvs and not self.sends
 
-        # interior (owned data and padding only) and boundary of the output block
-        ranges = [_interior_1d(w, lo, hi, n, o0, o1) for w, (lo, hi), n, (o0, o1)
-                  in zip(stencil.dims, self.input_box, global_shape, self.output_box)]
+        # interior (owned data, padding and wraps only) and boundary of the output block
+        ranges = []
+        for w, (lo, hi), n, (o0, o1), (a, b), m in zip(stencil.dims, self.input_box, global_shape,
+                                                       self.output_box, self.window_box, modes):
+            edges = [lo == 0, hi == n]
+            if m != "zeros":  # an edge's padding is ready early where it maps onto this block's rows
+                for k, part in enumerate((_runs_1d(a, min(b, 0), n, m) if a < 0 else [],
+                                          _runs_1d(max(a, n), b, n, m) if b > n else [])):
+                    edges[k] = edges[k] and all(lo <= sa and sa + wb - wa <= hi for wa, wb, sa, _ in part)
+            ranges.append(_interior_1d(w, lo, hi, n, o0, o1, *edges))
         self.interior_box: Box = tuple(ranges)
         self.boundary_boxes: list[Box] = (box_subtract(self.output_box, self.interior_box)
                                           if box_size(self.interior_box) else [self.output_box])
@@ -218,7 +356,7 @@ class HaloPlan:
         is that convolution plus, on the boundary boxes only, the convolution of the ghost values
         (:attr:`ghost_pieces`): no window is built."""
         pads = (0, 0) + tuple(int(p) for p in pads)
-        if len(pads) != len(self.stencil.dims):
+        if len(pads) != len(self.stencil.dims) or any(m != "zeros" for m in self.modes):
             return False
         for w, p, (lo, hi), (o0, o1) in zip(self.stencil.dims, pads, self.input_box, self.output_box):
             if w.pad_lo != p or w.pad_hi != p or o0 * w.stride != lo:
@@ -308,8 +446,8 @@ class HaloPlan:
         """Posts one receive per segment of ``recv_segs`` into ``recvbuf`` and one send per segment of
         ``send_segs`` from ``sendbuf`` (the exchange and its adjoint swap the two), then flushes: backends
         that batch point-to-point operations start them now, before the interior work."""
-        handles = [comm.irecv(recvbuf[s.offset:s.stop], s.peer, tag) for s in recv_segs]
-        handles += [comm.isend(sendbuf[s.offset:s.stop], s.peer, tag) for s in send_segs]
+        handles = [comm.irecv(recvbuf[a:b], peer, tag) for peer, a, b in _messages(recv_segs)]
+        handles += [comm.isend(sendbuf[a:b], peer, tag) for peer, a, b in _messages(send_segs)]
         comm.flush()
         return handles
 
@@ -341,6 +479,8 @@ class HaloPlan:
             out[sl] = 0
         if self.owned_box is not None:
             out[self.owned_window_slices] = local[self.owned_local_slices]
+        for wsl, lsl in self.wraps:
+            out[wsl] = local[lsl]
         return unpack(received, self.recvs, out)
 
     def local_window(self, local, out=None):
@@ -357,6 +497,8 @@ class HaloPlan:
             window[sl] = 0
         if self.owned_box is not None:
             window[self.owned_window_slices] = local[self.owned_local_slices]
+        for wsl, lsl in self.wraps:
+            window[wsl] = local[lsl]
         return window
 
     def local_gradient(self, grad_window):
@@ -364,11 +506,19 @@ class HaloPlan:
         new array): the owned part of ``grad_window``; inputs no window reads get zeros."""
         check_array(grad_window, self.window_shape, "halo accumulate window gradient", self.rank)
         if self.owned_box == self.input_box:  # every input is read: one copy, nothing to zero
-            return grad_window[self.owned_window_slices].copy()
-        grad = array_module(grad_window).zeros(self.local_shape, dtype=grad_window.dtype)
-        if self.owned_box is not None:
-            grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
+            grad = grad_window[self.owned_window_slices].copy()
+        else:
+            grad = array_module(grad_window).zeros(self.local_shape, dtype=grad_window.dtype)
+            if self.owned_box is not None:
+                grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
+        self._add_wraps(grad, grad_window)
         return grad
+
+    def _add_wraps(self, grad, grad_window) -> None:
+        """The adjoint of the wraps: their window gradients added to the rows they were copied from (one
+        piece at a time: pieces may share rows)."""
+        for wsl, lsl in self.wraps:
+            grad[lsl] += grad_window[wsl]
 
     def accumulate_start(self, comm: Communicator, grad_window, out=None) -> Handle:
         """Adjoint of :meth:`start` (point to point, same group). ``grad_window`` has ``window_shape``;
@@ -385,6 +535,7 @@ class HaloPlan:
             grad[...] = 0
         if self.owned_box is not None:
             grad[self.owned_local_slices] = grad_window[self.owned_window_slices]
+        self._add_wraps(grad, grad_window)
         key, recvbuf, sendbuf = self._exchange_buffers(xp, "bwd", grad_window.dtype)
         pack(grad_window, self.recvs, sendbuf)
         handles = self._post(comm, recvbuf, self.sends, sendbuf, self.recvs, 2 * self.tag + 1)
@@ -424,16 +575,36 @@ class HaloExchange(Handle):
         self.received = received
 
 
-def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_box: Box):
+def _messages(segs):
+    """``(peer, start, stop)`` of one message per run of consecutive segments of the same peer (a boundary
+    map may give a peer several pieces of one window)."""
+    out = []
+    for s in segs:
+        if out and out[-1][0] == s.peer and out[-1][2] == s.offset:
+            out[-1][2] = s.stop
+        else:
+            out.append([s.peer, s.offset, s.stop])
+    return [tuple(m) for m in out]
+
+
+def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_box: Box,
+             global_shape: tuple | None = None, modes: tuple | None = None):
     """Block coordinates of every output block whose input window meets ``input_box``: per dimension the
-    output blocks whose window range meets the input range (a box meets a box exactly when their ranges
-    meet in every dimension), then their product. O(sum of the split degrees), never a loop over ranks."""
+    output blocks whose window range (through the boundary map of ``modes``, when given, on an input of
+    ``global_shape``) meets the input range (a box meets a box exactly when their ranges meet in every
+    dimension), then their product. O(sum of the split degrees), never a loop over ranks."""
     per_dim = []
-    for n, p, w, (lo, hi) in zip(output_shape, dist.parts, stencil.dims, input_box):
+    modes = modes or ("zeros",) * len(output_shape)
+    for d, (n, p, w, (lo, hi), m) in enumerate(zip(output_shape, dist.parts, stencil.dims, input_box,
+                                                   modes)):
         hit = []
         for c in range(p):
             a, b = w.input_window(*block_range(n, p, c))
-            if a < hi and lo < b:
+            if m != "zeros":
+                if any(sa is not None and sa < hi and lo < sa + wb - wa
+                       for wa, wb, sa, _ in _runs_1d(a, b, global_shape[d], m)):
+                    hit.append(c)
+            elif a < hi and lo < b:
                 hit.append(c)
         if not hit:
             return []
@@ -446,18 +617,33 @@ def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_bo
 
 @functools.lru_cache(maxsize=512)
 def halo_plan(dist: Distribution, global_shape: tuple, stencil: Stencil, rank: int,
-              tag: int | None = None) -> HaloPlan:
+              tag: int | None = None, boundary=None) -> HaloPlan:
     """Cached :class:`HaloPlan`, shared: it keeps no buffers (a caller may hold one exchange's ghost values
     while another caller starts the next)."""
-    plan = HaloPlan(dist, tuple(global_shape), stencil, rank, tag)
+    plan = HaloPlan(dist, tuple(global_shape), stencil, rank, tag, boundary)
     plan.keep_buffers = False
     return plan
 
 
-def window_of(global_array, box: Box):
-    """Reference window: ``box`` (global coordinates) cut from ``global_array`` zero-padded outside it.
+_NUMPY_PAD = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def window_of(global_array, box: Box, boundary=None):
+    """Reference window: ``box`` (global coordinates) cut from ``global_array`` zero-padded outside it
+    (``boundary``: padded as ``np.pad`` does with its modes reflect, edge and wrap, dimension by dimension).
     For tests and checks; it allocates the whole window."""
     xp = array_module(global_array)
+    modes = boundary_modes(boundary, global_array.ndim)
+    if any(m != "zeros" for m in modes):
+        padded = global_array
+        for d, ((lo, hi), n, m) in enumerate(zip(box, global_array.shape, modes)):
+            if m != "zeros" and (lo < 0 or hi > n):
+                widths = [(0, 0)] * global_array.ndim
+                widths[d] = (max(0, -lo), max(0, hi - n))
+                padded = xp.pad(padded, widths, mode=_NUMPY_PAD[m])
+        shift = [max(0, -lo) if m != "zeros" else 0 for (lo, _), m in zip(box, modes)]
+        inner = window_of(padded, tuple((lo + s, hi + s) for (lo, hi), s in zip(box, shift)))
+        return inner
     out = xp.zeros(box_shape(box), dtype=global_array.dtype)
     inside = clip_box(box, global_array.shape)
     if inside is not None:
