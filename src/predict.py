@@ -301,7 +301,30 @@ def _report(cfg: dict, args, ckpt_path: str, step: int, n_ids: int, ranks: int, 
         png = os.path.splitext(args.output)[0] + ".png"
         draw(args.data, cfg["data"]["train"], args.output, png, args.png, args.channel)
         sys.stdout.write(f"lbannpy.predict: {min(args.png, n_ids)} sample(s) drawn in {png}\n")
+        sys.stdout.write(f"lbannpy.predict: {resolution_line(args.output, cfg)}\n")
     sys.stdout.flush()
+
+
+def resolution_line(out: str, cfg: dict) -> str:
+    """What the drawing's prediction map is against the input, e.g. ``prediction 8×8 per pixel, 1/8 of the
+    input's resolution 64×64``: a map coarser than the labels beside it is said to be, not left to guess."""
+    import h5py
+
+    with h5py.File(out, "r") as fo:
+        shape = fo["probabilities"].shape
+    ins = [int(s) for s in cfg["model"]["input"]["spatial"]]
+    if len(shape) == 2:
+        return f"prediction per sample ({shape[1]} classes) for inputs of {'×'.join(map(str, ins))}"
+    outs = list(shape[2:])
+    what = {1: "point", 2: "pixel", 3: "voxel"}.get(len(outs), "cell")
+    head = f"prediction {'×'.join(map(str, outs))} per {what}"
+    if outs == ins:
+        return f"{head} at the input's resolution {'×'.join(map(str, ins))}"
+    factors = {i / o for i, o in zip(ins, outs)}
+    f = factors.pop() if len(factors) == 1 else None
+    rel = (f"1/{f:g}" if f is not None and f >= 1 else
+           "×".join(f"{o}/{i}" for o, i in zip(outs, ins)))
+    return f"{head}, {rel} of the input's resolution {'×'.join(map(str, ins))}"
 
 
 def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> None:
