@@ -196,3 +196,92 @@ def iou(tp, fp, fn):
     denom = (tp + fp + fn).astype(xp.float64)
     with numpy.errstate(invalid="ignore", divide="ignore"):
         return xp.where(denom > 0, tp / xp.where(denom > 0, denom, 1.0), xp.nan)
+
+
+# -- regression, binary and overlap losses (model.loss mse, l1, bce_with_logits, dice) ----------------------
+# Each returns this block's partial sum and the block's exact share of the gradient of the *global* mean,
+# like :func:`cross_entropy`: the caller reduces the partial sums over the ranks of a batch.
+
+
+def mse(outputs, targets, global_count):
+    """Squared error -> ``(partial_sum, doutputs)``: ``sum((x - y)^2)`` of this block (float64, 0-d) and
+    ``2 (x - y) / global_count``; ``targets`` have the outputs' shape and dtype."""
+    d = outputs - targets
+    loss = (d * d).sum(dtype=numpy.float64)
+    d *= outputs.dtype.type(2) / outputs.dtype.type(global_count)
+    return loss, d
+
+
+def l1(outputs, targets, global_count):
+    """Absolute error -> ``(partial_sum, doutputs)``: ``sum(|x - y|)`` and ``sign(x - y) / global_count``
+    (0 where ``x == y``, as PyTorch's ``l1_loss`` differentiates)."""
+    xp = array_module(outputs)
+    d = outputs - targets
+    loss = xp.abs(d).sum(dtype=numpy.float64)
+    g = xp.sign(d)
+    g /= outputs.dtype.type(global_count)
+    return loss, g
+
+
+def bce_with_logits(logits, targets, global_count):
+    """Binary cross-entropy on logits -> ``(partial_sum, dlogits, correct)``. Per term
+    ``max(x, 0) - x y + log(1 + exp(-|x|))`` (no overflow for any ``x``); ``dlogits = (sigmoid(x) - y) /
+    global_count``; ``correct`` counts ``x > 0`` agreeing with ``y > 0.5`` (accuracy at probability 0.5), a
+    0-d int64 array of the logits' module."""
+    xp = array_module(logits)
+    dt = logits.dtype.type
+    e = xp.exp(-xp.abs(logits))
+    loss = (xp.maximum(logits, dt(0)) - logits * targets + xp.log1p(e)).sum(dtype=numpy.float64)
+    pos = logits >= 0
+    sig = xp.where(pos, dt(1), e) / (dt(1) + e)
+    sig -= targets
+    sig /= dt(global_count)
+    correct = ((logits > 0) == (targets > dt(0.5))).sum(dtype=xp.int64)
+    return loss, sig, correct
+
+
+DICE_SMOOTH = 1e-5  # MONAI DiceLoss's smooth_nr and smooth_dr defaults
+
+
+def softmax(logits):
+    """Softmax over axis 1 (the classes)."""
+    xp = array_module(logits)
+    e = xp.exp(logits - logits.max(axis=1, keepdims=True))
+    e /= e.sum(axis=1, keepdims=True)
+    return e
+
+
+def dice_sums(logits, labels):
+    """Soft Dice's statistics of a block: ``(probabilities, onehot, sums)`` with ``sums`` float64
+    ``(n, K, 3)``: per sample and class the block's ``sum(p t)``, ``sum(p)`` and ``sum(t)`` over its pixels
+    (``p`` the softmax over classes, ``t`` the one-hot integer labels ``(n, *spatial)``). Sums over the
+    pixels of the whole domain are these summed over the ranks that split the space."""
+    xp = array_module(logits)
+    p = softmax(logits)
+    onehot = labels[:, None] == _class_ids(xp, logits.shape[1], logits.ndim)
+    axes = tuple(range(2, logits.ndim))
+    sums = xp.empty(tuple(logits.shape[:2]) + (3,), dtype=numpy.float64)
+    sums[..., 0] = xp.where(onehot, p, p.dtype.type(0)).sum(axis=axes, dtype=numpy.float64)
+    sums[..., 1] = p.sum(axis=axes, dtype=numpy.float64)
+    sums[..., 2] = onehot.sum(axis=axes, dtype=numpy.float64)
+    return p, onehot, sums
+
+
+def dice_terms(sums, smooth=DICE_SMOOTH):
+    """Per (sample, class) Dice coefficients ``(2 I + s) / (P + T + s)`` from *global* sums ``(..., 3)``."""
+    return (2 * sums[..., 0] + smooth) / (sums[..., 1] + sums[..., 2] + smooth)
+
+
+def dice_grad(p, onehot, sums, terms: int, smooth=DICE_SMOOTH):
+    """d/dlogits of ``mean(1 - dice_terms)`` over ``terms`` (sample, class) pairs for the block whose
+    probabilities and one-hot labels are ``p``, ``onehot``, given the *global* sums ``(n, K, 3)`` of its
+    samples: with ``D = P + T + s``, ``dL/dp = ((2 I + s) / D^2 - 2 t / D) / terms``, then through the
+    softmax, ``p (g - sum_k p g)``."""
+    bcast = (slice(None), slice(None)) + (None,) * (p.ndim - 2)
+    den = sums[..., 1] + sums[..., 2] + smooth
+    a = (2.0 / (den * terms)).astype(p.dtype)[bcast]
+    b = ((2 * sums[..., 0] + smooth) / (den * den * terms)).astype(p.dtype)[bcast]
+    g = b - a * onehot.astype(p.dtype)
+    g -= (p * g).sum(axis=1, keepdims=True)
+    g *= p
+    return g
