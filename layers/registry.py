@@ -50,15 +50,52 @@ class LayerArgs:
         return self.in_shapes[0]
 
 
+#: how a stencil layer's halo moves (:attr:`Inferred.halo`), priced by :func:`lbannpy.strategy.cost.halo_time`
+HALO_MODES = ("window", "periodic", "adjoint")
+
+
 @dataclass(frozen=True)
 class Inferred:
     """The result of shape inference: output shape, forward FLOPs of the whole mini-batch (a multiply-add
-    is two), learnable parameters, and the window geometry on the input (None for pointwise layers)."""
+    is two), learnable parameters, and the window geometry on the input (None for pointwise layers).
+
+    ``halo`` says how the stencil's halo moves when space is split, which the stencil alone cannot say:
+
+    * ``"window"``: each rank fetches the input rows its output block reads beyond its own block; padding
+      is made locally (zeros, reflect, replicate);
+    * ``"periodic"``: the same, but the padding wraps around (circular): the ranks at either end of a split
+      dimension fetch it from the other end of the process grid, so it is exchanged like a halo;
+    * ``"adjoint"``: the layer is the data gradient of a window layer (transposed convolution, upsampling)
+      and ``stencil`` is that window layer's geometry *on this layer's output* (its output size is this
+      layer's input size): the forward sends the ghost contributions of each output block to their owners
+      and the backward fetches the same rows of dL/dy, on output-shaped blocks.
+    """
 
     out_shape: tuple[int, ...]
     flops: int
     n_params: int = 0
     stencil: Stencil | None = None
+    halo: str = "window"
+
+    def __post_init__(self):
+        if self.halo not in HALO_MODES:
+            raise ValueError(f"Inferred.halo must be one of {HALO_MODES}, got {self.halo!r}")
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Numbers a normalisation or global reduction sums (or maximises) across ranks: ``forward`` and
+    ``backward`` numbers per element of the output's local extents along ``per`` (``("n", "c")``: per
+    sample and channel), reduced over the ranks that split ``over``. ``groups`` names the parameter that
+    counts channel groups when the numbers are per group rather than per channel (group norm: ``per``
+    holds ``"c"``, and a block of ``c_local`` channels holds ``groups·c_local/C`` groups). Priced by
+    :func:`lbannpy.strategy.cost.internal_comm_time` as one allreduce per pass that has numbers."""
+
+    over: tuple[str, ...] = ("d", "h", "w")
+    per: tuple[str, ...] = ("c",)
+    forward: int = 2
+    backward: int = 2
+    groups: str | None = None
 
 
 def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
@@ -72,9 +109,14 @@ class LayerSpec:
 
     * ``input_dist(dist, ndim_in)``: the distribution the layer needs its input in, given its output's;
     * ``weights_split``: its weights are cut along the output channels like its output;
+    * ``weights_spatial``: its weights have the output's shape less the samples (layer norm's
+      ``(C, spatial...)``) and are cut like the output along channels and space: only ranks holding other
+      samples of the same block hold copies to synchronise;
     * ``reduces_channels``: each output sums over all input channels (its backward costs two forwards, its
       weights are read by the kernel, and a channel split leaves dL/dx as partial sums to allreduce);
     * ``spatial_statistics``: a spatial split needs an allreduce of 2 numbers per channel each way;
+    * ``statistics``: what a layer reduces across ranks, when it is not the above (:class:`Statistics`:
+      instance, group and layer norm, global pooling); where set, it replaces ``spatial_statistics``;
     * ``pointwise``: the planner lets it follow its parent's split instead of enumerating its own;
     * ``no_kernel``: a view (no arithmetic, no memory traffic);
     * ``dense``: where the "one weird trick" baseline turns model-parallel;
@@ -99,6 +141,8 @@ class LayerSpec:
     weights_split: bool = False
     reduces_channels: bool = False
     spatial_statistics: bool = False
+    statistics: Statistics | None = None
+    weights_spatial: bool = False
     pointwise: bool = False
     no_kernel: bool = False
     dense: bool = False

@@ -32,6 +32,14 @@ A machine file is YAML (read with :func:`lbannpy.yamlsafe.load`: never evaluated
            bwd_weights_s: 0.0007, kernel: aten}             # optional kernel (conv): the faster set at this
                                                            # shape, whose times the row holds; what
                                                            # `runtime.kernels: auto` takes for the shape
+      rates:                                               # optional, from the calibration benchmark:
+        - {type: sigmoid, per: element, fwd_s: 1.1e-9, bwd_data_s: 1.4e-9, bwd_weights_s: 0.0}
+        - {type: upsample, params: {mode: linear}, per: element, fwd_s: 2.0e-9, bwd_data_s: 3.1e-9,
+           bwd_weights_s: 0.0}                             # seconds per output element of the local block
+        - {type: conv_transpose, per: flop, fwd_s: 9.0e-12, bwd_data_s: 9.0e-12, bwd_weights_s: 9.0e-12}
+                                                           # or per forward FLOP; params: the values it was
+                                                           # timed with that select the row (a layer of the
+                                                           # type with other values takes a row without)
     measured_on: {date: ..., host: ...}                    # optional, written by `lbannpy.bench calibrate`
     fit: {...}                                             # optional, the calibration's fit errors (not read)
 
@@ -124,6 +132,29 @@ def ring_from_fit(a: float, b: float, p: int) -> tuple[float, float]:
 # the machine
 
 
+RATE_UNITS = ("element", "flop")  # what a rate row's seconds are per (cost.compute_times)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Seconds per unit of local work of one layer type, measured by ``bench calibrate`` on a block of its
+    own kernels: per output element (``per: element``: pointwise, normalisation, resampling layers, whose
+    time neither FLOPs nor bytes predict on a CPU, where exp/erf/tanh cost tens of cycles an element) or
+    per forward FLOP (``per: flop``: GEMM layers whose rate differs from the plain GEMM's γ). ``params``:
+    the layer parameters it was timed with that select it (``(("mode", "linear"),)``); a row without
+    serves every layer of the type that no row with parameters matches."""
+
+    type: str
+    per: str
+    fwd_s: float
+    bwd_data_s: float
+    bwd_weights_s: float
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def matches(self, params: Mapping[str, Any]) -> bool:
+        return all(params.get(k) == v for k, v in self.params)
+
+
 @dataclass(frozen=True)
 class Machine:
     name: str
@@ -153,6 +184,17 @@ class Machine:
     gradient_sync: str = "allreduce"
     source: str = ""  # where the numbers come from
     measured_on: Mapping[str, str] = field(default_factory=dict, compare=False)  # date, host of a calibration
+    # per-type rates of layers that neither γ nor the streaming rate price well (see Rate); none: roofline
+    rates: tuple[Rate, ...] = ()
+
+    def rate(self, typ: str, params: Mapping[str, Any]) -> Rate | None:
+        """The rate row of layer type ``typ`` for a layer with (resolved) ``params``: the matching row with
+        the most parameters, None when the machine has none for the type."""
+        best = None
+        for r in self.rates:
+            if r.type == typ and r.matches(params) and (best is None or len(r.params) > len(best.params)):
+                best = r
+        return best
 
     @classmethod
     def from_dict(cls, tree: Any, name: str | None = None) -> "Machine":
@@ -209,7 +251,9 @@ _TOP_KEYS = ("name", "source", "comment", "ranks_per_node", "cores_per_node", "m
              "measured_on", "fit")
 _SECTION_KEYS = {"intra": _LINK_KEYS, "inter": _LINK_KEYS, "redistribution": _LINK_KEYS,
                  "allreduce": _LINK_KEYS + ("threshold_bytes", "algorithm"),
-                 "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured")}
+                 "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured",
+                             "rates")}
+_RATE_KEYS = ("type", "per", "params", "fwd_s", "bwd_data_s", "bwd_weights_s")
 _MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s", "kernel")
 KERNEL_SETS = ("own", "aten")  # the conv kernel sets a measured row may name (layers/kernels/select.py)
 
@@ -296,6 +340,36 @@ class _Reader:
         return out, kernels
 
 
+    def rates(self, rows: Any) -> tuple[Rate, ...]:
+        """The ``compute.rates`` rows (see :class:`Rate`)."""
+        if rows is None:
+            return ()
+        if not isinstance(rows, list):
+            raise self.fail(f"compute.rates must be a list of rows, got {type(rows).__name__}")
+        out = []
+        for i, row in enumerate(rows):
+            what = f"compute.rates[{i}]"
+            if not isinstance(row, Mapping):
+                raise self.fail(f"{what} must be a mapping, got {type(row).__name__}")
+            unknown = sorted(set(row) - set(_RATE_KEYS))
+            if unknown:
+                raise self.fail(f"unknown key(s) {unknown} in {what}; known keys are {list(_RATE_KEYS)}")
+            if not isinstance(row.get("type"), str) or "fwd_s" not in row:
+                raise self.fail(f"{what} needs type (a layer type) and fwd_s (and per, bwd_data_s, "
+                                f"bwd_weights_s, params)")
+            per = row.get("per", "element")
+            if per not in RATE_UNITS:
+                raise self.fail(f"{what}.per must be one of {', '.join(RATE_UNITS)}, got {per!r}")
+            params = row.get("params") or {}
+            if not isinstance(params, Mapping) or not all(
+                    isinstance(v, (str, int, float, bool)) for v in params.values()):
+                raise self.fail(f"{what}.params must map parameter names to plain values, got {params!r}")
+            out.append(Rate(row["type"], per, *(self.number(row.get(k, 0.0), f"{what}.{k}")
+                                                 for k in ("fwd_s", "bwd_data_s", "bwd_weights_s")),
+                            tuple(sorted((str(k), v) for k, v in params.items()))))
+        return tuple(out)
+
+
 def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None) -> Machine:
     """The one parser of machine trees (module docstring). ``name`` is used where the tree has none."""
     r = _Reader(where)
@@ -339,7 +413,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
         allreduce_algorithm=algo, allreduce_link=ar_link,
         redistribution_link=None if rd is None else r.link(rd, "redistribution"),
         dtype_bytes=r.integer(tree.get("dtype_bytes", 4), "dtype_bytes", 1, "a positive integer (bytes)"),
-        measured=measured, kernels=kernels,
+        measured=measured, kernels=kernels, rates=r.rates(comp.get("rates")),
         cores_per_node=r.integer(tree.get("cores_per_node", 0), "cores_per_node", 0,
                                  "an integer >= 0 (0: one compute slot per rank)"),
         gradient_sync=sync, source=str(tree.get("source") or tree.get("comment") or ""),
@@ -367,6 +441,10 @@ def _to_dict(m: Machine) -> dict[str, Any]:
                 row["kernel"] = m.kernels[key[:3]]
             rows.append(row)
         compute["measured"] = rows
+    if m.rates:
+        compute["rates"] = [{"type": r.type, **({"params": dict(r.params)} if r.params else {}), "per": r.per,
+                             "fwd_s": r.fwd_s, "bwd_data_s": r.bwd_data_s, "bwd_weights_s": r.bwd_weights_s}
+                            for r in m.rates]
     d: dict[str, Any] = {"name": m.name, "source": m.source, "ranks_per_node": m.ranks_per_node}
     if m.cores_per_node:  # 0, one compute slot per rank, is the default
         d["cores_per_node"] = m.cores_per_node

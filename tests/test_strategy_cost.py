@@ -210,3 +210,168 @@ def test_presets_are_the_shipped_files_and_price_memory_bound_layers(name):
     fwd, bwd_data, bwd_w = cost.compute_times(node, Distribution.make(4, 4, n=4), m)
     want = nbytes / 4 * m.mem_s_per_byte + m.kernel_overhead_s
     assert fwd == pytest.approx(want, rel=1e-12) and bwd_data == pytest.approx(want, rel=1e-12) and bwd_w == 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# the facts the new layer types are priced by (declared by toy types here, so each rule is tested on its own
+# whatever the shipped types declare)
+
+_A, _B = 2e-6, 1e-9  # α (s), β (s/B) of every link of the test machine below
+
+
+def _ab_machine(**compute):
+    """A machine with one α-β everywhere, recursive doubling for every allreduce, no cores shared."""
+    tree = {**_p100_tree(), "intra": {"alpha_s": _A, "beta_s_per_byte": _B},
+            "inter": {"alpha_s": _A, "beta_s_per_byte": _B},
+            "allreduce": {"threshold_bytes": 1 << 30}, "gradient_sync": "allreduce"}
+    tree["compute"] = {**tree["compute"], **compute}
+    return Machine.from_dict(tree)
+
+
+def _toy(monkeypatch, name, infer, **facts):
+    """Register a layer type for one test (the registry is restored afterwards)."""
+    from lbannpy.layers import registry
+    registry.layer_specs()
+    monkeypatch.setitem(registry._LAYERS, name, registry.LayerSpec(name, "toy", (), infer, **facts))
+    return name
+
+
+def _node(typ, in_shape, out_shape, stencil=None, halo="window", n_params=0, flops=0, params=None):
+    from lbannpy.strategy.graph import Node
+    return Node("t", typ, dict(params or {}), ("x",), (tuple(in_shape),), tuple(out_shape), flops, n_params,
+                stencil, halo)
+
+
+def test_statistics_are_one_allreduce_per_pass_of_their_numbers(monkeypatch):
+    from lbannpy.layers.registry import Statistics, elementwise
+    m = _ab_machine()
+    shape = (4, 8, 16, 16)
+    # per sample and channel over space (instance norm): n2·h2 leaves 2 samples × 8 channels a rank, 2 numbers
+    # each, float32, over the 2 ranks of the h group: 1 step of recursive doubling per pass
+    inst = _toy(monkeypatch, "t_inst", elementwise(5), statistics=Statistics(per=("n", "c")))
+    d = Distribution.make(4, 4, n=2, h=2)
+    node = _node(inst, shape, shape)
+    assert cost.internal_comm_time(node, d, m) == pytest.approx(2 * (_A + 2 * 2 * 8 * 4 * _B), rel=1e-12)
+    assert cost.internal_comm_time(node, d, m, needs_dx=False) == pytest.approx(_A + 2 * 2 * 8 * 4 * _B)
+    assert cost.internal_comm_time(node, Distribution.make(4, 4, n=4), m) == 0.0  # nothing split to reduce
+    # per sample over (C, space) (layer norm): c2·h2 is a group of 4 (2 steps), 4 samples × 2 numbers
+    lay = _toy(monkeypatch, "t_layer", elementwise(5), statistics=Statistics(("c", "d", "h", "w"), ("n",)))
+    d = Distribution.make(4, 4, c=2, h=2)
+    assert cost.internal_comm_time(_node(lay, shape, shape), d, m) == pytest.approx(
+        2 * 2 * (_A + 2 * 4 * 4 * _B), rel=1e-12)
+    # per sample and group (group norm, 4 groups of 2 channels): a block of 8 channels holds all 4 groups
+    grp = _toy(monkeypatch, "t_group", elementwise(5),
+               statistics=Statistics(per=("n", "c"), groups="groups"))
+    node = _node(grp, shape, shape, params={"groups": 4})
+    d = Distribution.make(4, 2, w=2)
+    assert cost.internal_comm_time(node, d, m) == pytest.approx(2 * (_A + 2 * 4 * 4 * 4 * _B), rel=1e-12)
+    # a global average pool's sums: one number per sample and channel, forward only
+    gp = _toy(monkeypatch, "t_gpool", elementwise(1), statistics=Statistics(per=("n", "c"), forward=1,
+                                                                             backward=0))
+    assert cost.internal_comm_time(_node(gp, shape, (4, 8, 1, 1)), Distribution.make(4, 2, n=2), m) == 0.0
+    d = Distribution.make(4, 4, h=2, w=2)
+    assert cost.internal_comm_time(_node(gp, shape, (4, 8, 1, 1)), d, m) == pytest.approx(
+        2 * (_A + 4 * 8 * 4 * _B), rel=1e-12)
+    # a type declaring both: statistics replaces spatial_statistics (not priced twice)
+    both = _toy(monkeypatch, "t_both", elementwise(5), spatial_statistics=True,
+                statistics=Statistics(per=("n", "c")))
+    d = Distribution.make(4, 4, n=2, h=2)
+    assert cost.internal_comm_time(_node(both, shape, shape), d, m) == pytest.approx(
+        2 * (_A + 2 * 2 * 8 * 4 * _B), rel=1e-12)
+
+
+def test_periodic_padding_is_a_halo_around_the_process_grid(monkeypatch):
+    """Explicit circular padding of 1 on a height split in two: zero padding is made locally (no halo), a
+    periodic one brings the far end's row to each end rank, one message a side each way."""
+    from lbannpy.layers.registry import Inferred
+    from lbannpy.stencil import Stencil
+    m = _ab_machine()
+    st = Stencil.conv(4, 1, 1, 1)  # kernel 1, padding 1: output n + 2
+    shape, out = (2, 3, 16, 16), (2, 3, 18, 18)
+    typ = _toy(monkeypatch, "t_pad", lambda lay: Inferred(out, 0, 0, st))
+    d = Distribution.make(4, 2, h=2)
+    assert cost.halo_time(_node(typ, shape, out, st), d, m) == 0.0
+    assert cost.halo_widths(st.dims, shape, d.split, periodic=True) == ((0, 0), (0, 0), (1, 1), (0, 0))
+    face_x, face_dy = 2 * 3 * 16, 2 * 3 * 18  # one row of the input block, one of the output block
+    want = 2 * (_A + face_x * 4 * _B) + 2 * (_A + face_dy * 4 * _B)
+    assert cost.halo_time(_node(typ, shape, out, st, "periodic"), d, m) == pytest.approx(want, rel=1e-12)
+    # a dimension held whole wraps around on the rank itself
+    assert cost.halo_time(_node(typ, shape, out, st, "periodic"), Distribution.make(4, 2, n=2), m) == 0.0
+    # a 3x3 'same' convolution's interior blocks already exchange both sides: circular costs what zeros
+    # cost at the slowest rank, both sides each way
+    conv = Stencil.conv(4, 3, 1, 1)
+    assert cost.halo_widths(conv.dims, shape, (1, 1, 4, 1), True) == cost.halo_widths(
+        conv.dims, shape, (1, 1, 4, 1))
+
+
+def test_an_adjoint_halo_is_exchanged_on_output_blocks(monkeypatch):
+    """A transposed convolution k3 s2 p1 (output padding 1) from 8² to 16², split h2: its adjoint, the
+    convolution k3 s2 p1 on the 16² output, reads one output row beyond the upper block's: forward the
+    lower rank's ghost contributions (one output row, 4 channels), backward the same row of dL/dy."""
+    from lbannpy.layers.registry import Inferred
+    from lbannpy.stencil import Stencil
+    m = _ab_machine()
+    st = Stencil.conv(4, 3, 2, 1)
+    shape, out = (2, 6, 8, 8), (2, 4, 16, 16)
+    typ = _toy(monkeypatch, "t_convt", lambda lay: Inferred(out, 0, 0, st, "adjoint"))
+    node = _node(typ, shape, out, st, "adjoint")
+    d = Distribution.make(4, 2, h=2)
+    widths, fwd, bwd = cost.halo_geometry(node, d)
+    assert widths[2] == (1, 0) and fwd == bwd == (2, 4, 8, 16)
+    row = 2 * 4 * 16
+    assert cost.halo_time(node, d, m) == pytest.approx(2 * (_A + row * 4 * _B), rel=1e-12)
+    assert cost.halo_time(node, d, m, needs_dx=False) == pytest.approx(_A + row * 4 * _B, rel=1e-12)
+    # k2 s2 (the U-Net's up-convolution): each input row makes its own two output rows, no halo
+    st2 = Stencil.conv(4, 2, 2, 0)
+    assert cost.halo_time(_node(typ, shape, out, st2, "adjoint"), d, m) == 0.0
+    # its window in the memory estimate: the output block and its halo row, and its gradient
+    pers, trans = cost.layer_memory(node, d, m)
+    assert trans == (2 * 4 * 8 * 16 + 2 * 6 * 4 * 8 + 2 * 2 * 4 * 9 * 16) * 4
+
+
+def test_weights_cut_like_the_output_sync_over_the_samples_only(monkeypatch):
+    from lbannpy.layers.registry import elementwise
+    m = _ab_machine()
+    shape = (4, 8, 16, 16)
+    params = 2 * 8 * 16 * 16  # a scale and a shift per element of (C, H, W)
+    typ = _toy(monkeypatch, "t_ln", elementwise(7), weights_spatial=True)
+    node = _node(typ, shape, shape, n_params=params)
+    d = Distribution.make(4, 8, n=2, h=2, w=2)
+    assert cost.weight_split(node, d) == 4 and cost.gradient_sync_group(node, d) == 2
+    assert cost.gradient_sync_time(node, d, m) == pytest.approx(_A + params // 4 * 4 * _B, rel=1e-12)
+    assert cost.gradient_sync_time(node, Distribution.make(4, 4, h=2, w=2), m) == 0.0
+
+
+def test_calibrated_rates_price_their_types(monkeypatch):
+    """A rate row: seconds per output element (or per forward FLOP) of the rank's block plus the fixed
+    cost of a call; the row whose parameters the layer has wins over the row without; a machine without a
+    row for the type keeps the roofline."""
+    from lbannpy.layers.registry import elementwise
+    from lbannpy.config_types import Key, Str
+    rates = [{"type": "t_act", "per": "element", "fwd_s": 2e-9, "bwd_data_s": 3e-9},
+             {"type": "t_act", "params": {"mode": "b"}, "per": "element", "fwd_s": 5e-9, "bwd_data_s": 7e-9},
+             {"type": "t_gemm", "per": "flop", "fwd_s": 1e-11, "bwd_data_s": 2e-11, "bwd_weights_s": 3e-11}]
+    m = _ab_machine(rates=rates, kernel_overhead_s=1e-5)
+    from lbannpy.layers import registry
+    registry.layer_specs()
+    monkeypatch.setitem(registry._LAYERS, "t_act", registry.LayerSpec(
+        "t_act", "toy", (Key("mode", Str(("a", "b")), "a", "which"),), elementwise(1), pointwise=True))
+    gemm = _toy(monkeypatch, "t_gemm", elementwise(1), reduces_channels=True)
+    shape = (4, 8, 16, 16)
+    d = Distribution.make(4, 4, n=2, h=2)
+    local = 2 * 8 * 8 * 16
+    a = _node("t_act", shape, shape)
+    assert cost.compute_times(a, d, m) == pytest.approx((1e-5 + 2e-9 * local, 1e-5 + 3e-9 * local, 0.0))
+    b = _node("t_act", shape, shape, params={"mode": "b"})
+    assert cost.compute_times(b, d, m) == pytest.approx((1e-5 + 5e-9 * local, 1e-5 + 7e-9 * local, 0.0))
+    assert cost.compute_times(b, d, m, needs_dx=False)[1] == 0.0
+    flops = 10 ** 9
+    g = _node(gemm, shape, shape, flops=flops)
+    assert cost.compute_times(g, d, m) == pytest.approx((1e-5 + 1e-11 * flops / 4, 1e-5 + 2e-11 * flops / 4,
+                                                         1e-5 + 3e-11 * flops / 4))
+    plain = _ab_machine(kernel_overhead_s=1e-5)
+    assert cost.compute_times(a, d, plain)[0] == pytest.approx(
+        max(local * plain.gamma_s_per_flop, 2 * local * 4 * plain.mem_s_per_byte) + 1e-5)
+    # the planner's cache tells the two parameter sets apart
+    from lbannpy.strategy.planner import _cached_cost
+    assert _cached_cost(a, d, m, False, "sgd").fwd_s != _cached_cost(b, d, m, False, "sgd").fwd_s

@@ -4,9 +4,12 @@ Jia et al. (2018) eq. 1: ``t_O = Σ_layers (t_C + t_S) + Σ_edges t_X``. Here
 
 * ``t_C`` = local forward + backward-data + backward-weights compute (γ·FLOPs roofline, or a measured table;
   a layer reading the model input also reads its block of it from the data set, where that is measured)
-  plus the layer's own communication: halo exchanges (Dryden et al. 2019 §V-A), batch-norm statistics over
-  the spatial group, and the partial-sum allreduce of the error signal when output channels are split
-  (the second term of Gholami et al. 2018 eq. 8);
+  plus the layer's own communication: halo exchanges (Dryden et al. 2019 §V-A; periodic padding wraps
+  them around the process grid; transposed convolution and upsampling exchange their adjoint's halo on
+  output blocks), the statistics of normalisations and global pooling over the ranks that split what
+  they reduce, and the partial-sum allreduce of the error signal when output channels are split (the
+  second term of Gholami et al. 2018 eq. 8). Layer types a calibration gave a rate (seconds per output
+  element or per FLOP, :class:`lbannpy.machine.Rate`) are priced by it instead of the roofline;
 * ``t_S`` = gradient synchronisation over the ranks whose weight gradients are partial sums of one weight
   block (the runtime's ``block_group`` over the non-channel dimensions; leftover replicas compute the same
   sums and sync in their own group). The machine's ``gradient_sync`` picks the scheme: ``allreduce``
@@ -73,8 +76,11 @@ def _required(typ: str, dist: Distribution, ndim_in: int) -> Distribution:
 
 def weight_split(node: Node, dist: Distribution) -> int:
     """Number of pieces the layer's weights are cut into (the output-channel split where the type's weights
-    follow it: conv, fc, batchnorm)."""
-    return dist.split[1] if layer_spec(node.type).weights_split else 1
+    follow it: conv, fc, batchnorm; every split but the samples' where they have the output's shape)."""
+    spec = layer_spec(node.type)
+    if spec.weights_spatial:
+        return math.prod(dist.split[1:])
+    return dist.split[1] if spec.weights_split else 1
 
 
 def _group_span(dist: Distribution, dims: Sequence[str]) -> int:
@@ -159,6 +165,12 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
         return f * slow, (bd * slow if needs_dx else 0.0), bw * slow
     frac = math.prod(out_local) / math.prod(node.out_shape)
     flops = node.flops_fwd * frac
+    rate = machine.rates and machine.rate(node.type, layer_spec(node.type).resolve(node.params))
+    if rate:  # measured seconds per unit of this type's work, plus the fixed cost of each call
+        units = math.prod(out_local) if rate.per == "element" else flops
+        f, bd, bw = (machine.kernel_overhead_s + r * units if r else 0.0
+                     for r in (rate.fwd_s, rate.bwd_data_s, rate.bwd_weights_s))
+        return f * slow, (bd * slow if needs_dx else 0.0), bw * slow
     moved = (math.prod(in_local) * len(node.in_shapes) + math.prod(out_local)) * machine.dtype_bytes
     spec = layer_spec(node.type)
     if spec.reduces_channels:  # the kernel reads the weights too
@@ -178,10 +190,12 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
 
 
 @lru_cache(maxsize=None)
-def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int, ...]
+def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int, ...], periodic: bool = False
                 ) -> tuple[tuple[int, int], ...]:
     """Largest (lo, hi) halo, in input elements, over all blocks of each dimension when input and output are
-    split alike into ``parts``; elements in the padding are not exchanged."""
+    split alike into ``parts``; elements in the padding are not exchanged, unless ``periodic``: then the
+    padding of the first and last blocks is the far end of the dimension, fetched from the other end of
+    the process grid (a dimension held whole wraps around locally)."""
     out = []
     for w, n, p in zip(stencil_dims, in_shape, parts):
         if p == 1:
@@ -195,10 +209,31 @@ def halo_widths(stencil_dims: tuple, in_shape: tuple[int, ...], parts: tuple[int
                 continue
             i0, i1 = block_range(n, p, j)
             lo, hi = w.input_window(o0, o1)
-            lo_max = max(lo_max, i0 - max(lo, 0))
-            hi_max = max(hi_max, min(hi, n) - i1)
+            if not periodic:
+                lo, hi = max(lo, 0), min(hi, n)
+            lo_max = max(lo_max, i0 - lo)
+            hi_max = max(hi_max, hi - i1)
         out.append((max(lo_max, 0), max(hi_max, 0)))
     return tuple(out)
+
+
+def halo_geometry(node: Node, dist: Distribution) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...],
+                                                            tuple[int, ...]] | None:
+    """``(widths, forward block, backward block)`` of the halos a stencil layer exchanges under ``dist``,
+    or None where it exchanges none: the (lo, hi) widths per dimension and the local shapes whose faces
+    move forward and backward. A window (or periodic) layer fetches rows of its input block forward and
+    sends back those of dL/dy's block backward (Dryden's FP and BP terms); an adjoint layer
+    (:attr:`lbannpy.layers.registry.Inferred.halo`) exchanges its adjoint's halo, whose input is this
+    layer's output, on output blocks both ways."""
+    if node.stencil is None or all(p == 1 for p in dist.split[2:]):
+        return None
+    out_local = max_local_shape(node.out_shape, dist)
+    if node.halo == "adjoint":
+        widths = halo_widths(node.stencil.dims, tuple(node.out_shape), tuple(dist.split))
+        return widths, out_local, out_local
+    in_local = max_local_shape(node.in_shape, required_input(node, dist, node.in_shape))
+    widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split), node.halo == "periodic")
+    return widths, in_local, out_local
 
 
 def _halo_exchange_time(widths: Sequence[tuple[int, int]], local: Sequence[int], link: Link,
@@ -228,31 +263,44 @@ def _subsets(items: list[int], r: int) -> list[tuple[int, ...]]:
 
 
 def halo_time(node: Node, dist: Distribution, machine: MachineModel, needs_dx: bool = True) -> float:
-    """Forward halo of x plus backward halo of dL/dy (the same widths, on output-shaped blocks)."""
-    if node.stencil is None or all(p == 1 for p in dist.split[2:]):
+    """Forward halo plus backward halo (:func:`halo_geometry`: the same widths, on the blocks it says)."""
+    geo = halo_geometry(node, dist)
+    if geo is None:
         return 0.0
-    in_dist = required_input(node, dist, node.in_shape)
-    widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
+    widths, fwd_local, bwd_local = geo
     link = machine.link(_group_span(dist, dist.dim_names[2:]))
-    fp = _halo_exchange_time(widths, max_local_shape(node.in_shape, in_dist), link, machine.dtype_bytes)
-    bp = 0.0
-    if needs_dx:
-        out_local = list(max_local_shape(node.out_shape, dist))
-        bp = _halo_exchange_time(widths, out_local, link, machine.dtype_bytes)
+    fp = _halo_exchange_time(widths, fwd_local, link, machine.dtype_bytes)
+    bp = _halo_exchange_time(widths, bwd_local, link, machine.dtype_bytes) if needs_dx else 0.0
     return fp + bp
 
 
 def internal_comm_time(node: Node, dist: Distribution, machine: MachineModel, needs_dx: bool = True) -> float:
     """Communication inside the layer: batch-norm statistics over the spatial group (forward and backward),
+    the statistics a layer declares (:class:`lbannpy.layers.registry.Statistics`: one allreduce per pass
+    of its numbers over the ranks splitting what it reduces; the backward's only where dL/dx is wanted),
     and for conv/fc with split output channels the allreduce of the partial sums of dL/dx over that split."""
     t = 0.0
     spatial = dist.dim_names[2:]
     spec = layer_spec(node.type)
-    if spec.spatial_statistics and any(dist.split[2:][i] > 1 for i in range(len(spatial))):
+    st = spec.statistics  # says more than spatial_statistics, which it replaces where both are set
+    if spec.spatial_statistics and st is None and any(dist.split[2:][i] > 1 for i in range(len(spatial))):
         p = math.prod(dist.split[2:])
         c_local = ceil_div(node.out_shape[1], dist.split[1])
         link = machine.link(_group_span(dist, spatial))
         t += 2 * allreduce_time(2 * c_local * machine.dtype_bytes, p, link, machine)
+    if st is not None:
+        over = [d for d in dist.dim_names if d in st.over]
+        p = math.prod(dist.split[dist.dim_names.index(d)] for d in over)
+        if p > 1:
+            out_local = max_local_shape(node.out_shape, dist)
+            count = math.prod(out_local[dist.dim_names.index(d)] for d in st.per if d in dist.dim_names)
+            if st.groups is not None and "c" in st.per:  # per group: the block's share of the groups
+                groups = int(layer_spec(node.type).resolve(node.params)[st.groups])
+                c_local = out_local[1]
+                count = count // c_local * max(1, ceil_div(groups * c_local, node.out_shape[1]))
+            link = machine.link(_group_span(dist, over))
+            for numbers in (st.forward, st.backward if needs_dx else 0):
+                t += allreduce_time(numbers * count * machine.dtype_bytes, p, link, machine)
     if spec.reduces_channels and dist.split[1] > 1 and needs_dx:
         in_dist = required_input(node, dist, node.in_shape)
         dx_bytes = nbytes(max_local_shape(node.in_shape, in_dist), machine)
@@ -286,11 +334,14 @@ def parameter_server_time(nbytes_: float, copies: int, copies_on_node: int, intr
 
 def gradient_sync_group(node: Node, dist: Distribution) -> int:
     """Ranks whose weight gradients are partial sums of the same weight block: the block group over every
-    dimension but the output channels (the runtime sums over ``block_group(rank, non-channel dims)``).
+    dimension but the output channels (the runtime sums over ``block_group(rank, non-channel dims)``), or
+    over the samples alone where the weights are cut like the output in space too (``weights_spatial``).
     Leftover replicas of a distribution on fewer ranks than exist hold the same partial sums and reduce in
     their own, identical group at the same time, so they do not enlarge it."""
     if node.n_params == 0:
         return 1
+    if layer_spec(node.type).weights_spatial:
+        return dist.parts[0]
     return math.prod(p for i, p in enumerate(dist.parts) if i != 1)
 
 
@@ -304,7 +355,8 @@ def gradient_sync_time(node: Node, dist: Distribution, machine: MachineModel) ->
         return 0.0
     block_bytes = ceil_div(node.n_params, weight_split(node, dist)) * machine.dtype_bytes
     # the group lies within one replica's consecutive block ranks: a layer on fewer ranks may stay in a node
-    span = _group_span(dist, [d for d in dist.dim_names if d != "c"])
+    span = _group_span(dist, ["n"] if layer_spec(node.type).weights_spatial else
+                       [d for d in dist.dim_names if d != "c"])
     if machine.gradient_sync == "parameter_server":
         # the group's members are spread evenly over the span; a node holds ranks_per_node of its ranks
         on_node = max(1, group * min(span, machine.ranks_per_node) // span)
@@ -338,11 +390,12 @@ def layer_memory(node: Node, dist: Distribution, machine: MachineModel, reads_in
         w = ceil_div(node.n_params, weight_split(node, dist)) * b
         persistent += w * (2 + optimizer_slots(optimizer))
     transient = (math.prod(out_local) + math.prod(in_local) * len(node.in_shapes)) * b
-    if node.stencil is not None:  # the window (input block and halo) and its gradient, in the backward
-        padded = in_local
-        if any(p > 1 for p in dist.split[2:]):
-            widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
-            padded = [e + lo + hi for e, (lo, hi) in zip(in_local, widths)]
+    if node.stencil is not None:  # the window (block and halo) and its gradient, in the backward
+        padded = out_local if node.halo == "adjoint" else in_local
+        geo = halo_geometry(node, dist)
+        if geo is not None:
+            widths, block, _ = geo
+            padded = [e + lo + hi for e, (lo, hi) in zip(block, widths)]
         transient += 2 * math.prod(padded) * b
     return int(persistent), int(transient)
 

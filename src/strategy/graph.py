@@ -33,6 +33,7 @@ class Node:
     flops_fwd: int  # floating-point operations of the forward pass over the whole mini-batch
     n_params: int  # learnable parameters (weights + biases; BN scale + shift)
     stencil: Stencil | None = None  # conv / pool geometry on the input tensor, None for pointwise layers
+    halo: str = "window"  # how the stencil's halo moves (registry.Inferred.halo): window, periodic, adjoint
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -242,7 +243,7 @@ def _infer(lay: dict[str, Any], in_shapes: tuple[tuple[int, ...], ...]) -> Node:
     args = LayerArgs(lay["name"], lay["type"], spec.resolve(lay["params"]), lay["parents"], in_shapes)
     r = spec.infer(args)
     return Node(lay["name"], lay["type"], dict(lay["params"]), lay["parents"], in_shapes,
-                tuple(int(s) for s in r.out_shape), int(r.flops), int(r.n_params), r.stencil)
+                tuple(int(s) for s in r.out_shape), int(r.flops), int(r.n_params), r.stencil, r.halo)
 
 
 def _check_loss(model: str, loss: str, nodes: list[Node]) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spec
 
 from ..dist import Distribution, DIM_NAMES
-from .cost import (LayerCost, halo_widths, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
+from .cost import (LayerCost, halo_geometry, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
                    redistribution_time, required_input)
 from .graph import INPUT_NAMES, ModelGraph, Node, build_graph
 from ..machine import DEFAULT_MACHINE, Machine as MachineModel, load_machine as load_machine_model
@@ -152,9 +152,12 @@ def filter_reason(node: Node, dist: Distribution, imbalance_tol: float) -> str |
     if worst > (1 + imbalance_tol) * ideal:
         return (f"load imbalance: the largest block holds {100 * (worst / ideal - 1):.0f}% more than the "
                 f"average (limit {100 * imbalance_tol:.0f}%)")
-    if node.stencil is not None and any(p > 1 for p in dist.split[2:]):
-        widths = halo_widths(node.stencil.dims, tuple(node.in_shape), tuple(dist.split))
-        for name, n, p, (lo, hi) in zip(dist.dim_names[2:], node.in_shape[2:], dist.split[2:], widths[2:]):
+    geo = halo_geometry(node, dist)
+    if geo is not None:
+        widths = geo[0]
+        # an adjoint's halo is in output elements (cost.halo_geometry)
+        shape = node.out_shape if node.halo == "adjoint" else node.in_shape
+        for name, n, p, (lo, hi) in zip(dist.dim_names[2:], shape[2:], dist.split[2:], widths[2:]):
             small = n // p
             if p > 1 and small < max(lo, hi, 1):
                 return (f"block smaller than its halo: {small} input elements along {name} per rank but a "
@@ -211,8 +214,10 @@ def _cached_cost(node: Node, d: Distribution, machine: MachineModel, reads_input
                  ) -> LayerCost:
     """layer_cost memoised on what it depends on: layers of one shape and kind (Inception, ResNet repeat
     them) share an entry."""
-    key = (node.type, node.in_shapes, node.out_shape, node.n_params, node.flops_fwd, node.stencil, d, machine,
-           id(machine.measured), reads_input, optimizer)
+    key = (node.type, node.in_shapes, node.out_shape, node.n_params, node.flops_fwd, node.stencil, node.halo,
+           d, machine, id(machine.measured), reads_input, optimizer)
+    if machine.rates:  # a rate row may be chosen by the layer's parameters (cost.compute_times)
+        key += (tuple(sorted((k, repr(v)) for k, v in node.params.items())),)
     c = _COST_CACHE.get(key)
     if c is None:
         if len(_COST_CACHE) > 200_000:
