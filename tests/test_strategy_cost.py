@@ -375,3 +375,18 @@ def test_calibrated_rates_price_their_types(monkeypatch):
     # the planner's cache tells the two parameter sets apart
     from lbannpy.strategy.planner import _cached_cost
     assert _cached_cost(a, d, m, False, "sgd").fwd_s != _cached_cost(b, d, m, False, "sgd").fwd_s
+
+
+def test_a_global_reduction_splits_its_input(monkeypatch):
+    """A layer that reduces space whole (output (N, C, 1, 1)) may split space: the split cuts its input, each
+    rank reduces its share and the statistics complete it (no 'empty blocks' refusal)."""
+    from lbannpy.layers.registry import Inferred, Statistics
+    m = _ab_machine(kernel_overhead_s=0.0, mem_s_per_byte=0.0)
+    shape, out = (4, 8, 16, 16), (4, 8, 1, 1)
+    typ = _toy(monkeypatch, "t_global", lambda lay: Inferred(out, math.prod(shape)),
+               statistics=Statistics(per=("n", "c"), forward=1, backward=0))
+    node = _node(typ, shape, out, flops=math.prod(shape))
+    d = Distribution.make(4, 4, h=2, w=2)
+    assert cost.reduced_dims(node, d) == (2, 3) and filter_reason(node, d, 0.25) is None
+    assert cost.compute_times(node, d, m)[0] == pytest.approx(math.prod(shape) / 4 * m.gamma_s_per_flop)
+    assert "empty blocks" in filter_reason(node, Distribution.make(4, 32, h=32), 0.25)

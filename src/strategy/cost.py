@@ -51,6 +51,17 @@ def max_local_shape(shape: Sequence[int], dist: Distribution) -> tuple[int, ...]
     return tuple(ceil_div(n, p) for n, p in zip(shape, dist.parts))
 
 
+def reduced_dims(node: Node, dist: Distribution) -> tuple[int, ...]:
+    """Dimensions the layer reduces whole (a global pool's space, extent 1 in the output) that ``dist``
+    splits: the split cuts its input there, and every rank of it holds the same output block
+    (:class:`lbannpy.layers.registry.Statistics` completes the reduction)."""
+    st = layer_spec(node.type).statistics
+    if st is None or len(node.in_shape) != len(node.out_shape):
+        return ()
+    return tuple(i for i, name in enumerate(dist.dim_names) if name in st.over and dist.parts[i] > 1
+                 and node.out_shape[i] == 1 < node.in_shape[i])
+
+
 def nbytes(shape: Sequence[int], machine: MachineModel) -> int:
     return math.prod(shape) * machine.dtype_bytes
 
@@ -164,10 +175,14 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
         f, bd, bw = entry
         return f * slow, (bd * slow if needs_dx else 0.0), bw * slow
     frac = math.prod(out_local) / math.prod(node.out_shape)
+    for i in reduced_dims(node, dist):  # each rank reduces its share of the input along it
+        frac *= in_local[i] / node.in_shape[i]
     flops = node.flops_fwd * frac
     rate = machine.rates and machine.rate(node.type, layer_spec(node.type).resolve(node.params))
     if rate:  # measured seconds per unit of this type's work, plus the fixed cost of each call
-        units = math.prod(out_local) if rate.per == "element" else flops
+        # per element of the larger of input and output: a pool's work is its input, an upsampling's output
+        units = max(math.prod(out_local), *(math.prod(in_local) for _ in node.in_shapes)) \
+            if rate.per == "element" else flops
         f, bd, bw = (machine.kernel_overhead_s + r * units if r else 0.0
                      for r in (rate.fwd_s, rate.bwd_data_s, rate.bwd_weights_s))
         return f * slow, (bd * slow if needs_dx else 0.0), bw * slow

@@ -21,7 +21,7 @@ from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spe
 
 from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_geometry, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
-                   redistribution_time, required_input)
+                   redistribution_time, reduced_dims, required_input)
 from .graph import INPUT_NAMES, ModelGraph, Node, build_graph
 from ..machine import DEFAULT_MACHINE, Machine as MachineModel, load_machine as load_machine_model
 from .search import Problem, SearchResult, eliminate, longest_path_heuristic, shortest_path_chain
@@ -144,11 +144,14 @@ def _splits(typ: str, ndim: int, ranks: int) -> tuple[Distribution, ...]:
 
 def filter_reason(node: Node, dist: Distribution, imbalance_tol: float) -> str | None:
     """Why ``dist`` cannot or should not be used for ``node`` (None: keep it)."""
-    for name, n, p in zip(dist.dim_names, node.out_shape, dist.split):
+    # where the layer reduces a split dimension whole (global pooling), the split cuts its input there
+    reduced = reduced_dims(node, dist)
+    shape = tuple(node.in_shape[i] if i in reduced else n for i, n in enumerate(node.out_shape))
+    for name, n, p in zip(dist.dim_names, shape, dist.split):
         if p > n:
             return f"empty blocks: {name}{p} > extent {n}"
-    ideal = math.prod(node.out_shape) / math.prod(dist.split)
-    worst = math.prod(max_local_shape(node.out_shape, dist))
+    ideal = math.prod(shape) / math.prod(dist.split)
+    worst = math.prod(max_local_shape(shape, dist))
     if worst > (1 + imbalance_tol) * ideal:
         return (f"load imbalance: the largest block holds {100 * (worst / ideal - 1):.0f}% more than the "
                 f"average (limit {100 * imbalance_tol:.0f}%)")
