@@ -1,0 +1,371 @@
+"""Local upsampling by integer scales (nearest, and linear: bi-/trilinear) on any block of the output.
+
+PyTorch's ``F.interpolate(x, scale_factor=s, mode=...)`` semantics, one spatial dimension at a time (both
+modes are separable). Along a dimension of ``n`` inputs and ``Y = s*n`` outputs, output ``o`` reads:
+
+* nearest: ``x[o // s]``;
+* linear, ``align_corners=False``: the source ``(o + 0.5)/s - 0.5`` (clamped at 0) between ``x[i0]`` and
+  ``x[i1]``, ``i1 = min(i0 + 1, n - 1)``. With ``o = s*q + a`` the source is ``q + f_a``,
+  ``f_a = (2a + 1 - s) / (2s)``: every output of phase ``a`` is ``x[q] + f_a * (x[q+1] - x[q])`` (or
+  ``x[q-1]`` for ``f_a < 0``), one strided pass per phase over differences of ``x`` computed once;
+* linear, ``align_corners=True``: the source ``o*(n-1)/(Y-1)``, not periodic in ``o``: a gather of the two
+  taps per output from index tables made once per block (the backward gathers the few outputs that feed
+  each input the same way), no scatter and no dense interpolation matrix.
+
+A :class:`Plan` computes the outputs of one box of the global output from an input array that covers (at
+least) the inputs that box reads (:meth:`Plan.source`), whatever its place in the global input: the
+distributed layer hands it its halo window. The last spatial dimension is upsampled first (on the smallest
+array: its strided writes are the slowest), then the others. Arrays are NumPy or CuPy (the module is taken
+from the arguments), every temporary is made by that module, and index tables live on the arrays' device.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from lbannpy.backend import array_module
+
+from ._buffers import scratch as _scratch
+from ._geometry import KernelShapeError
+
+MODES = ("nearest", "linear")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One spatial dimension: ``n`` inputs upsampled ``scale`` times."""
+
+    n: int
+    scale: int
+    mode: str = "nearest"
+    align_corners: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise KernelShapeError(f"upsample: mode must be one of {MODES}, got {self.mode!r}")
+        if self.n < 1 or self.scale < 1:
+            raise KernelShapeError(f"upsample: need n >= 1 and scale >= 1, got n={self.n}, "
+                                   f"scale={self.scale}")
+
+    @property
+    def out(self) -> int:
+        return self.n * self.scale
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1
+
+    def taps(self, o: int) -> tuple[int, int, float]:
+        """``(i0, i1, lam)``: output ``o`` is ``(1 - lam) x[i0] + lam x[i1]`` (nearest: ``lam`` 0)."""
+        n, s = self.n, self.scale
+        if self.mode == "nearest" or s == 1:
+            return o // s, o // s, 0.0
+        if self.align_corners:
+            den = self.out - 1
+            if den == 0:
+                return 0, 0, 0.0
+            i0 = min(o * (n - 1) // den, n - 1)
+            return i0, min(i0 + 1, n - 1), (o * (n - 1) - i0 * den) / den
+        num = 2 * o + 1 - s  # source (o + 0.5)/s - 0.5 = num / (2s), clamped at 0
+        if num <= 0:
+            return 0, min(1, n - 1), 0.0
+        i0 = num // (2 * s)
+        return i0, min(i0 + 1, n - 1), (num - 2 * s * i0) / (2 * s)
+
+    def source(self, o0: int, o1: int) -> tuple[int, int]:
+        """The input range ``[lo, hi)`` that outputs ``[o0, o1)`` read (``i0`` and ``i1`` are monotone)."""
+        if o1 <= o0:
+            return 0, 0
+        return self.taps(o0)[0], self.taps(o1 - 1)[1] + 1
+
+
+def _sl(axis: int, sl) -> tuple:
+    return (slice(None),) * axis + (sl,)
+
+
+def _phases(axis: Axis, o0: int, o1: int):
+    """Per phase ``a``: ``(a, f, q0, q1)``, outputs ``s*q + a`` for ``q`` in ``[q0, q1)`` within
+    ``[o0, o1)`` and the phase's offset ``f`` of the source from ``q`` (0 for nearest)."""
+    s = axis.scale
+    for a in range(s):
+        q0, q1 = -(-(o0 - a) // s), -(-(o1 - a) // s)
+        if q1 > q0:
+            f = 0.0 if axis.mode == "nearest" else (2 * a + 1 - s) / (2 * s)
+            yield a, f, q0, q1
+
+
+def _pieces(axis: Axis, f: float, q0: int, q1: int):
+    """``(qa, qb, shift)`` runs of a phase: ``shift`` None copies ``x[q]``, else the output is
+    ``x[q] + f * d[q + shift]`` with ``d[j] = x[j+1] - x[j]`` (the clamped edges are copies)."""
+    n = axis.n
+    if f == 0.0:
+        return [(q0, q1, None)]
+    out = []
+    if f < 0:
+        if q0 == 0:  # source clamped at 0
+            out.append((0, 1, None))
+        if max(q0, 1) < q1:
+            out.append((max(q0, 1), q1, -1))
+    else:
+        if q0 < min(q1, n - 1):
+            out.append((q0, min(q1, n - 1), 0))
+        if q1 > n - 1:  # i1 clamped at n - 1
+            out.append((n - 1, n, None))
+    return out
+
+
+def _strided(o0: int, s: int, a: int, qa: int, qb: int) -> slice:
+    start = s * qa + a - o0
+    return slice(start, start + s * (qb - qa - 1) + 1, s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gather_tables(axis: Axis, o0: int, o1: int, lo: int, hi: int):
+    """Host tables of the general (align_corners) path for outputs ``[o0, o1)`` from inputs ``[lo, hi)``:
+    forward ``i0, i1`` (relative to ``lo``) and ``lam`` per output; backward, per input ``j``, the first
+    output ``start[j]`` (relative to ``o0``) of the contiguous run that reads it and the weight ``w[k, j]``
+    of output ``start[j] + k`` (0 past the run)."""
+    i0 = np.empty(o1 - o0, dtype=np.int64)
+    i1 = np.empty(o1 - o0, dtype=np.int64)
+    lam = np.empty(o1 - o0)
+    feeds: dict[int, dict[int, float]] = {}
+    for k, o in enumerate(range(o0, o1)):
+        a, b, t = axis.taps(o)
+        i0[k], i1[k], lam[k] = a - lo, b - lo, t
+        for j, wt in ((a, 1.0 - t), (b, t)):
+            if wt != 0.0 or j == a:
+                d = feeds.setdefault(j - lo, {})
+                d[k] = d.get(k, 0.0) + wt
+    m = hi - lo
+    runs = [sorted(feeds.get(j, {0: 0.0}).items()) for j in range(m)]
+    taps = max(r[-1][0] - r[0][0] + 1 for r in runs)
+    start = np.array([r[0][0] for r in runs], dtype=np.int64)
+    w = np.zeros((taps, m))
+    for j, r in enumerate(runs):
+        for k, wt in r:
+            w[k - start[j], j] = wt
+    last = o1 - o0 - 1
+    idx = np.minimum(start[None, :] + np.arange(taps)[:, None], last)
+    return i0, i1, lam, idx, w
+
+
+class _Step:
+    """Upsampling along one array axis: outputs ``[o0, o1)`` from inputs ``[lo, hi)``."""
+
+    def __init__(self, dim: int, axis: Axis, o0: int, o1: int, lo: int, hi: int, nd: int, xp, dtype):
+        self.dim, self.axis, self.o0, self.o1, self.lo, self.hi, self.nd = dim, axis, o0, o1, lo, hi, nd
+        self.gather = axis.mode == "linear" and axis.align_corners
+        s = axis.scale
+        if self.gather:
+            i0, i1, lam, idx, w = _gather_tables(axis, o0, o1, lo, hi)
+            bshape = (-1,) + (1,) * (nd - dim - 1)
+            self.i0, self.i1 = xp.asarray(i0), xp.asarray(i1)
+            self.lam = xp.asarray(lam.astype(dtype)).reshape(bshape)
+            self.idx = [xp.asarray(r) for r in idx]
+            self.w = [xp.asarray(r.astype(dtype)).reshape(bshape) for r in w]
+            return
+        # every output is x[o // s] plus, for linear, f * (a difference of neighbours): the nearest part
+        # as whole groups of s outputs (a broadcast copy / a sum of s phases) and the partial groups at the
+        # ends of the range
+        qa, qb = -(-o0 // s), o1 // s
+        self.groups = None if qb <= qa else (_sl(dim, slice(s * qa - o0, s * qb - o0)),
+                                             _sl(dim, slice(qa - lo, qb - lo)), qb - qa)
+        # (outputs, the one input they copy) of the partial groups
+        if qb < qa:  # the range lies inside one group
+            part = [((0, o1 - o0), o0 // s)]
+        else:
+            part = ([((0, s * qa - o0), qa - 1)] * (o0 < s * qa)
+                    + [((s * qb - o0, o1 - o0), qb)] * (s * qb < o1))
+        self.partial = [(_sl(dim, slice(*r)), _sl(dim, slice(q - lo, q + 1 - lo))) for r, q in part]
+        n0, n1 = o0 // s - lo, (o1 - 1) // s + 1 - lo
+        self.unread = [_sl(dim, r) for r in (slice(0, n0), slice(n1, hi - lo)) if r.stop > r.start]
+        self.diffs = []
+        if axis.mode == "linear":
+            for a, f, q0, q1 in _phases(axis, o0, o1):
+                for qa_, qb_, shift in _pieces(axis, f, q0, q1):
+                    if shift is not None:
+                        self.diffs.append((_sl(dim, _strided(o0, s, a, qa_, qb_)),
+                                           _sl(dim, slice(qa_ + shift - lo, qb_ + shift - lo)), f))
+
+    def out_shape(self, shape) -> tuple:
+        return tuple(shape[:self.dim]) + (self.o1 - self.o0,) + tuple(shape[self.dim + 1:])
+
+    def in_shape(self, shape) -> tuple:
+        return tuple(shape[:self.dim]) + (self.hi - self.lo,) + tuple(shape[self.dim + 1:])
+
+    def _split(self, xp, v, m: int):
+        """``v`` with axis ``dim`` (``m * s`` long) seen as ``(m, s)``: a view, never a copy."""
+        d, s = self.dim, self.axis.scale
+        st = v.strides
+        return xp.lib.stride_tricks.as_strided(v, v.shape[:d] + (m, s) + v.shape[d + 1:],
+                                               st[:d] + (st[d] * s, st[d]) + st[d + 1:])
+
+    def forward(self, x, out):
+        xp, dim = array_module(x), self.dim
+        if self.gather:
+            y0 = xp.take(x, self.i0, axis=dim)
+            y1 = xp.take(x, self.i1, axis=dim)
+            y1 -= y0
+            y1 *= self.lam
+            xp.add(y0, y1, out=out)
+            return out
+        if self.groups is not None:
+            ysl, xsl, m = self.groups
+            self._split(xp, out[ysl], m)[...] = xp.expand_dims(x[xsl], dim + 1)
+        for ysl, xsl in self.partial:
+            out[ysl] = x[xsl]
+        if self.diffs:
+            n = x.shape[dim]
+            d = _temp(xp, "upsample differences", self.in_shape(x.shape)[:dim] + (n - 1,) + x.shape[dim + 1:],
+                      x.dtype)
+            xp.subtract(x[_sl(dim, slice(1, n))], x[_sl(dim, slice(0, n - 1))], out=d)
+            for ysl, dsl, f in self.diffs:
+                yv = out[ysl]
+                t = _temp(xp, "upsample product", yv.shape, x.dtype)
+                xp.multiply(d[dsl], f, out=t)
+                yv += t
+        return out
+
+    def backward(self, g, out=None):
+        """The adjoint: the gradient of the inputs ``[lo, hi)`` from that of the outputs ``g``."""
+        xp, dim = array_module(g), self.dim
+        if self.gather:
+            dx = out
+            for idx, w in zip(self.idx, self.w):
+                t = xp.take(g, idx, axis=dim)
+                t *= w
+                if dx is None:
+                    dx = t
+                else:
+                    dx += t
+            return dx
+        shape = self.in_shape(g.shape)
+        dx = xp.empty(shape, dtype=g.dtype) if out is None else out
+        s = self.axis.scale
+        for sl in self.unread:  # inputs only the linear taps read (no group of outputs starts there)
+            dx[sl] = 0
+        if self.groups is not None:
+            ysl, xsl, m = self.groups
+            gs = self._split(xp, g[ysl], m)
+            ph = [gs[_sl(dim + 1, a)] for a in range(s)]
+            dv = dx[xsl]
+            if s == 1:
+                dv[...] = ph[0]
+            else:
+                xp.add(ph[0], ph[1], out=dv)
+                for p in ph[2:]:
+                    dv += p
+        for ysl, xsl in self.partial:
+            dx[xsl] = g[ysl].sum(axis=dim, keepdims=True)
+        if self.diffs:  # d[j] = x[j+1] - x[j]: its gradient dd goes to x[j+1] (+) and x[j] (-)
+            n = shape[dim]
+            dd = _temp(xp, "upsample differences", shape[:dim] + (n - 1,) + shape[dim + 1:], g.dtype)
+            dd[...] = 0
+            for ysl, dsl, f in self.diffs:
+                gv = g[ysl]
+                t = _temp(xp, "upsample product", gv.shape, g.dtype)
+                xp.multiply(gv, f, out=t)
+                dd[dsl] += t
+            dx[_sl(dim, slice(1, n))] += dd
+            dx[_sl(dim, slice(0, n - 1))] -= dd
+        return dx
+
+
+def _temp(xp, slot: str, shape, dtype):
+    """A temporary of one call: this thread's scratch buffer on the host, a fresh array on a device."""
+    if xp is np:
+        return _scratch(slot, shape, dtype)
+    return xp.empty(shape, dtype=dtype)
+
+
+class Plan:
+    """Upsampling of the output box ``out_box`` (global ``(lo, hi)`` per spatial dimension) from an input
+    array whose element 0 sits at the global spatial index ``x_origin`` and which covers :attr:`source`.
+
+    ``forward(x, out=None)`` writes the box (``(N, C, *box)``); ``backward(dy)`` returns the gradient of
+    the inputs in :attr:`source` (``(N, C, *source extents)``), which the caller adds into its own array at
+    :attr:`source_slices`. Tables on the device of ``xp``, in ``dtype``, made once here."""
+
+    def __init__(self, axes: Sequence[Axis], out_box, x_origin, xp=np, dtype=np.float64):
+        self.axes = tuple(axes)
+        nsp = len(self.axes)
+        self.out_box = tuple((int(a), int(b)) for a, b in out_box)
+        if len(self.out_box) != nsp or len(x_origin) != nsp:
+            raise KernelShapeError(f"upsample plan: {nsp} axes, box {out_box}, origin {x_origin}")
+        for ax, (o0, o1) in zip(self.axes, self.out_box):
+            if not 0 <= o0 < o1 <= ax.out:
+                raise KernelShapeError(f"upsample plan: output range [{o0}, {o1}) outside [0, {ax.out})")
+        self.source = tuple((o0, o1) if ax.identity else ax.source(o0, o1)
+                            for ax, (o0, o1) in zip(self.axes, self.out_box))
+        self.x_origin = tuple(int(v) for v in x_origin)
+        self.source_slices = (slice(None), slice(None)) + tuple(
+            slice(lo - org, hi - org) for (lo, hi), org in zip(self.source, self.x_origin))
+        # the last dimension first (its strided writes on the smallest array), identities skipped
+        self.steps = [_Step(2 + d, ax, o0, o1, lo, hi, 2 + nsp, xp, dtype)
+                      for d, (ax, (o0, o1), (lo, hi)) in reversed(list(enumerate(
+                          zip(self.axes, self.out_box, self.source)))) if not ax.identity]
+
+    def _check(self, x):
+        need = tuple(hi - org for (_, hi), org in zip(self.source, self.x_origin))
+        if x.ndim != 2 + len(self.axes) or any(sl.start < 0 for sl in self.source_slices[2:]) or any(
+                n < h for n, h in zip(x.shape[2:], need)):
+            raise KernelShapeError(f"upsample: input of shape {tuple(x.shape)} at spatial origin "
+                                   f"{self.x_origin} does not cover the source {self.source} of the box "
+                                   f"{self.out_box}")
+
+    def forward(self, x, out=None):
+        self._check(x)
+        xp = array_module(x)
+        cur = x[self.source_slices]
+        shape = tuple(cur.shape)
+        if not self.steps:
+            if out is None:
+                return cur.copy()
+            out[...] = cur
+            return out
+        last = len(self.steps) - 1
+        for i, step in enumerate(self.steps):
+            shape = step.out_shape(shape)
+            if i == last:
+                dst = xp.empty(shape, dtype=x.dtype) if out is None else out
+            else:  # passes between the first and the last: temporaries of this call
+                dst = _temp(xp, f"upsample pass {i % 2}", shape, x.dtype)
+            cur = step.forward(cur, dst)
+        return cur
+
+    def backward(self, dy):
+        """A fresh array (never ``dy`` itself, never a scratch buffer)."""
+        if not self.steps:
+            return dy.copy()
+        g, xp = dy, array_module(dy)
+        for i, step in enumerate(reversed(self.steps)):
+            last = i == len(self.steps) - 1
+            shape = step.in_shape(g.shape)
+            g = step.backward(g, None if last or step.gather else
+                              _temp(xp, f"upsample pass {i % 2}", shape, dy.dtype))
+        return g
+
+
+def upsample(x, scale, mode: str = "nearest", align_corners: bool = False):
+    """The whole tensor ``x`` (``(N, C, *spatial)``) upsampled (``scale``: an int or one per dimension)."""
+    axes = _axes(x.shape, scale, mode, align_corners)
+    plan = Plan(axes, [(0, a.out) for a in axes], (0,) * len(axes), array_module(x), x.dtype)
+    return plan.forward(x)
+
+
+def upsample_backward(dy, in_shape, scale, mode: str = "nearest", align_corners: bool = False):
+    """Adjoint of :func:`upsample`: the input gradient (shape ``in_shape``) from the output's ``dy``."""
+    axes = _axes(in_shape, scale, mode, align_corners)
+    plan = Plan(axes, [(0, a.out) for a in axes], (0,) * len(axes), array_module(dy), dy.dtype)
+    return plan.backward(dy)
+
+
+def _axes(shape, scale, mode, align_corners) -> tuple[Axis, ...]:
+    nsp = len(shape) - 2
+    scales = [int(scale)] * nsp if isinstance(scale, (int, np.integer)) else [int(s) for s in scale]
+    if len(scales) != nsp:
+        raise KernelShapeError(f"upsample: scale {scale}: need one entry per spatial dimension ({nsp})")
+    return tuple(Axis(int(n), s, mode, bool(align_corners)) for n, s in zip(shape[2:], scales))
