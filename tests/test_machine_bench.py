@@ -1,6 +1,7 @@
 """Machine files (presets, validation), the α-β fitting, and the bench entry point."""
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,17 @@ def test_allreduce_ring_model():
     ({"allreduce": {"alpha_s": 1e-6}}, "allreduce.beta_s_per_byte is missing"),
     ({"memory_per_device_gib": None}, "'memory_per_device_gib' is missing"),
     ({"allreduce": {"algorithm": "tree"}}, "allreduce.algorithm must be one of auto, ring"),
+    ({"compute": {"gamma_s_per_flop": 1e-12, "rates": [{"type": "gelu", "per": "byte", "fwd_s": 1e-9}]}},
+     r"compute.rates\[0\].per must be one of element, flop"),
+    ({"compute": {"gamma_s_per_flop": 1e-12, "rates": [{"type": "gelu", "bwd_data_s": 1e-9}]}},
+     "compute.rates.0. needs type"),
+    ({"compute": {"gamma_s_per_flop": 1e-12, "rates": [{"type": "gelu", "fwd_s": -1.0}]}},
+     r"compute.rates\[0\].fwd_s must be >= 0"),
+    ({"compute": {"gamma_s_per_flop": 1e-12, "rates": [{"type": "gelu", "fwd_s": 1e-9, "colour": 1}]}},
+     r"unknown key\(s\) \['colour'\] in compute.rates\[0\]"),
 ], ids=["missing-beta", "negative-alpha", "zero-ranks", "text-gamma", "unknown-key", "unknown-compute-key",
-        "unknown-allreduce-key", "zero-beta", "half-a-link", "no-memory", "bad-algorithm"])
+        "unknown-allreduce-key", "zero-beta", "half-a-link", "no-memory", "bad-algorithm", "rate-unit",
+        "rate-without-time", "negative-rate", "unknown-rate-key"])
 def test_bad_machine_files_are_refused(change, match):
     """One parser, one way: every reader of machine files (planner, cost model, calibrate, halo bench) gets
     these refusals; the unchanged preset is the control."""
@@ -104,7 +114,8 @@ def test_bench_dispatch(capsys):
 def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     out = tmp_path / "machine.yaml"
     r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "-o", str(out), "--max-bytes",
-                        "4096", "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox"],
+                        "4096", "--gemm", "64", "--target-ms", "1", "--batches", "1", "--name", "testbox",
+                        "--rate-elements", "4096"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -113,6 +124,10 @@ def test_calibrate_writes_a_loadable_machine_file(tmp_path):
     m = load_machine(out)
     assert m.name == "testbox" and m.measured_on["ranks"] == "2" and m.intra.beta_s_per_byte > 0
     assert m.redistribution_link is not None and m.redistribution_link.beta_s_per_byte > 0
+    assert "per-type rates" in r.stdout
+    from lbannpy.bench.calibrate import RATE_CASES
+    from lbannpy.layers.registry import layer_specs
+    assert {x.type for x in m.rates} == {c[0] for c in RATE_CASES if c[0] in layer_specs()}
     # the round trip: what calibrate writes is what the planner plans with
     import yaml
     from lbannpy import zoo
@@ -168,3 +183,51 @@ def test_one_default_machine_everywhere():
     assert _parser().parse_args(["c.yaml", "--ranks", "2"]).machine == DEFAULT_MACHINE
     assert inspect.signature(plan).parameters["machine"].default == DEFAULT_MACHINE
     assert load_machine().name == DEFAULT_MACHINE == "lassen"
+
+
+def test_rates_round_trip_and_select_by_parameters(tmp_path):
+    import yaml
+    d = load_machine("lassen").to_dict()
+    d["compute"]["rates"] = [{"type": "upsample", "per": "element", "fwd_s": 1e-9},
+                             {"type": "upsample", "params": {"mode": "linear"}, "per": "element",
+                              "fwd_s": 3e-9, "bwd_data_s": 2e-9},
+                             {"type": "conv_transpose", "per": "flop", "fwd_s": 1e-11, "bwd_data_s": 1e-11,
+                              "bwd_weights_s": 1e-11}]
+    f = tmp_path / "m.yaml"
+    f.write_text(yaml.safe_dump(d))
+    m = load_machine(f)
+    assert len(m.rates) == 3 and machine_from_dict(m.to_dict()) == m
+    assert m.rate("upsample", {"mode": "linear", "scale": 2}).fwd_s == 3e-9
+    assert m.rate("upsample", {"mode": "nearest"}).fwd_s == 1e-9
+    assert m.rate("conv_transpose", {}).per == "flop" and m.rate("gelu", {}) is None
+    assert load_machine("lassen").rates == ()  # the presets price every type by the roofline
+
+
+def test_layer_rates_are_rows_the_cost_model_prices_by():
+    """``layer_rates`` on one rank: a row for each registered type of RATE_CASES, loadable as a machine's
+    ``compute.rates``; a layer of a rated type is then priced by its row (rate × its block's elements plus
+    the fixed cost of a call), one of an unrated type by the roofline as before."""
+    from lbannpy.bench.calibrate import RATE_CASES, layer_rates
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.registry import layer_specs
+    from lbannpy.strategy import cost
+    from lbannpy.strategy.graph import build_graph
+    rows, lines = layer_rates(SingleCommunicator(), np, "cpu", 1024, reps=1)
+    rated = [c for c in RATE_CASES if c[0] in layer_specs()]
+    assert len(rows) == len(rated) and len(lines) == 1 + len(RATE_CASES)
+    tree = load_machine("lassen").to_dict()
+    tree["compute"]["rates"] = rows
+    m = machine_from_dict(tree)
+    assert all(r.fwd_s >= 0 and r.bwd_data_s >= 0 for r in m.rates)
+    if not rows:
+        pytest.skip("no rated layer type is registered in this build")
+    typ, select, extra, n_in, per = rated[0]
+    layer = {"name": "a", "type": typ, **extra, **select}
+    if n_in > 1:
+        layer["parents"] = ["x"] * n_in
+    node = build_graph({"input": {"channels": 4, "spatial": [16, 16]}, "layers": [layer]}, 2)["a"]
+    rate = m.rate(typ, layer_specs()[typ].resolve(node.params))
+    units = max(math.prod(node.in_shape), math.prod(node.out_shape)) if per == "element" else node.flops_fwd
+    fwd = cost.compute_times(node, Distribution.make(4, 1), m)[0]
+    assert fwd == pytest.approx(m.kernel_overhead_s + rate.fwd_s * units, rel=1e-12)

@@ -7,7 +7,13 @@
   the roofline of memory-bound layers, a streaming ``c = a + b`` on every rank at once (seconds per byte
   moved) and the fixed cost of one call of a layer on a one-element tensor (seconds per local kernel);
 * compute slots of a node (``cores_per_node``): the CPU cores its ranks may run on (SLURM's allocation, else
-  the union of the ranks' CPU affinity), or its GPUs; more ranks than slots share them by time slicing.
+  the union of the ranks' CPU affinity), or its GPUs; more ranks than slots share them by time slicing;
+* per-type rates (``compute.rates``) of the layer types neither γ nor the streaming rate price: the
+  activations, normalisations, upsampling, padding, global pooling and multiply per element (of the larger
+  of a block's input and output: exp, erf and tanh cost a CPU tens of cycles an element, a normalisation
+  reads its input two or three times), the transposed convolution per FLOP (its GEMM runs on other shapes
+  than a convolution's): each the registered layer on a block of every rank at once, forward and backward,
+  less the fixed cost of a call, divided by the block's work (a type not registered is left out).
 
 Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
 point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
@@ -221,6 +227,99 @@ def layer_call_overhead(comm, xp, reps: int = 200) -> float:
     return float(np.median(comm.allgather_obj(float(np.median(times)))))
 
 
+# layer type, the parameters that select the rate row (written into it), the other parameters of the timed
+# layer, its inputs (in units of the block: channels, spatial rank), and what the rate is per
+RATE_CASES: tuple[tuple[str, dict, dict, int, str], ...] = (
+    ("conv_transpose", {}, {"filters": 16, "kernel": 2, "stride": 2}, 1, "flop"),
+    ("upsample", {"mode": "nearest"}, {"scale": 2}, 1, "element"),
+    ("upsample", {"mode": "linear"}, {"scale": 2}, 1, "element"),
+    ("instancenorm", {}, {"affine": True}, 1, "element"),
+    ("groupnorm", {}, {"groups": 4}, 1, "element"),
+    ("layernorm", {}, {}, 1, "element"),
+    ("sigmoid", {}, {}, 1, "element"),
+    ("tanh", {}, {}, 1, "element"),
+    ("silu", {}, {}, 1, "element"),
+    ("gelu", {"approximate": "none"}, {}, 1, "element"),
+    ("gelu", {"approximate": "tanh"}, {}, 1, "element"),
+    ("elu", {}, {}, 1, "element"),
+    ("prelu", {}, {}, 1, "element"),
+    ("softmax", {}, {}, 1, "element"),
+    ("mul", {}, {}, 2, "element"),
+    ("pad", {}, {"padding": 1}, 1, "element"),
+    ("global_pool", {"mode": "avg"}, {}, 1, "element"),
+    ("global_pool", {"mode": "max"}, {}, 1, "element"),
+)
+RATE_CHANNELS = 16
+
+
+def layer_rates(comm, xp, device: str, elements: int, reps: int = 5) -> tuple[list[dict], list[str]]:
+    """Rate rows (:class:`lbannpy.machine.Rate`) of :data:`RATE_CASES` whose type is registered, each timed
+    on a ``(1, 16, S, S)`` block of about ``elements`` elements on every rank at once (the median of
+    ``reps`` forward and backward calls after one warm-up, median over ranks), less the fixed cost of a
+    call; and the table lines. Backward: of a layer that reduces over input channels half is dL/dx and
+    half dL/dw (two GEMMs of the forward's size), of the others all is dL/dx. Collective over ``comm``."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.kernels.select import conv_kernels
+    from lbannpy.layers.registry import LayerArgs, layer_classes, layer_specs
+    from lbannpy.tensor import DistTensor
+
+    overhead = layer_call_overhead(comm, xp)
+    side = max(2, int(round(math.sqrt(elements / RATE_CHANNELS))) // 2 * 2)
+    shape = (1, RATE_CHANNELS, side, side)
+    specs, classes = layer_specs(), layer_classes()
+    rows, lines = [], [f"per-type rates on a {'x'.join(map(str, shape))} block on every rank, fixed cost "
+                       f"{overhead * 1e6:.1f} us a call taken off"]
+    rng = np.random.default_rng(comm.rank)
+    for typ, select, extra, n_in, per in RATE_CASES:
+        if typ not in specs:
+            what = "".join(f" {k}={v}" for k, v in select.items())
+            lines.append(f"  {typ}{what}: not registered, no rate")
+            continue
+        params = {**extra, **select}
+        spec = specs[typ]
+        ctx = LayerContext(SingleCommunicator(), xp, "float32", seed=0)
+        ctx.conv_kernels = conv_kernels("own", device)
+        layer = classes[typ]("rate", **params)
+        d = Distribution.make(4, 1)
+        layer.configure(ctx, [shape] * n_in, [d] * n_in, d)
+        xs = [DistTensor(xp.asarray(rng.standard_normal(shape, dtype=np.float32)), shape, d, 0)
+              for _ in range(n_in)]
+        dy = DistTensor(xp.asarray(rng.standard_normal(layer.out_shape, dtype=np.float32)), layer.out_shape,
+                        layer.out_dist, 0)
+        fwd, bwd = [], []
+        comm.barrier()
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            layer.forward(xs)
+            _sync(xp)
+            t1 = time.perf_counter()
+            layer.backward(dy)
+            _sync(xp)
+            t2 = time.perf_counter()
+            ctx.timer.totals.clear()
+            if i:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        t_f, t_b = (float(np.median(comm.allgather_obj(float(np.median(t))))) for t in (fwd, bwd))
+        if per == "flop":
+            units = spec.infer(LayerArgs("rate", typ, spec.resolve(params), ("x",) * n_in,
+                                         (shape,) * n_in)).flops
+        else:
+            units = max(math.prod(shape), math.prod(layer.out_shape))
+        rate_f, rate_b = (max(t - overhead, 0.0) / units for t in (t_f, t_b))
+        split = 0.5 if spec.reduces_channels else 0.0
+        row = {"type": typ, **({"params": dict(select)} if select else {}), "per": per, "fwd_s": rate_f,
+               "bwd_data_s": rate_b * (1 - split), "bwd_weights_s": rate_b * split}
+        rows.append(row)
+        what = " ".join(f"{k}={v}" for k, v in select.items())
+        lines.append(f"  {typ + (' ' + what if what else ''):<28} forward {t_f * 1e3:8.3f} ms, backward "
+                     f"{t_b * 1e3:8.3f} ms: {rate_f:.3e} + {rate_b:.3e} s per {per}")
+    return rows, lines
+
+
 # -------------------------------------------------------------------------------------------------------
 # fitting
 
@@ -318,6 +417,9 @@ def parse_args(argv):
                     help="the calls per size last about batches x target-ms")
     ap.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 3 batches, GEMM 512")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
+    ap.add_argument("--rate-elements", type=int, default=1 << 20,
+                    help="elements of the block the per-type layer rates are timed on (default 2^20, 2^18 "
+                         "with --quick; 0: no rates)")
     ap.add_argument("--kernels", nargs="+", metavar="MODEL", default=[],
                     help="also time lbannpy's own and PyTorch's ATen conv kernels at every conv shape of "
                          "these models (zoo names, NAME:SIZE:BATCH, or spec/config files) and write the "
@@ -444,6 +546,12 @@ def main(argv=None) -> int:
                                                              args.batches)
         compute, slots, compute_tables = measure_compute(comm, xp, hosts, args.gemm, args.quick,
                                                          rt.local_size)
+        if args.rate_elements > 0:
+            elements = min(args.rate_elements, 1 << 18) if args.quick else args.rate_elements
+            rates, lines = layer_rates(comm, xp, rt.device, elements)
+            compute_tables.append("\n".join(lines))
+            if rates:
+                compute["rates"] = rates
         if args.kernels:
             rows, lines = (measure_kernels(comm, args.kernels, args.quick) if rt.device == "cpu" else
                            ([], ["conv kernels: timed on the CPU only (a GPU run takes cuDNN through ATen "
