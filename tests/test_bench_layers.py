@@ -1,5 +1,6 @@
 """``python -m lbannpy.bench layers --models``: the zoo models' conv and batch-norm shapes, and the table of
-the ``--quick`` run (tiny inputs; what is checked is the table's shape, not the timings)."""
+the ``--quick`` run (tiny inputs; what is checked is the table's shape, not the timings); ``--new``: a row
+for every new layer type, run where the type is registered and skipped with its reason where not."""
 import os
 import subprocess
 import sys
@@ -41,3 +42,45 @@ def test_bench_layers_models_quick_prints_every_shape():
     assert sum(" bn " in ln for ln in rows) == n_bn
     assert any(ln.startswith("conv ") and "geometric mean" in ln and "worst" in ln for ln in lines)
     assert any(ln.startswith("batchnorm ") and "geometric mean" in ln for ln in lines)
+
+
+def test_new_rows_cover_every_contract_type():
+    rows = layers.new_rows(8)
+    types = {r.type for r in rows}
+    assert types == {"conv_transpose", "upsample", "instancenorm", "groupnorm", "layernorm", "sigmoid",
+                     "tanh", "silu", "identity", "gelu", "elu", "prelu", "softmax", "mul", "pad",
+                     "global_pool", "conv"}
+    assert {dict(r.params).get("mode") for r in rows if r.type == "pad"} == {None, "reflect", "replicate",
+                                                                              "circular"}
+    assert {dict(r.params).get("mode") for r in rows if r.type == "upsample"} == {"nearest", "linear"}
+    assert any(dict(r.params).get("padding_mode") == "circular" for r in rows if r.type == "conv")
+    assert len({r.id for r in rows}) == len(rows) and all(r.torch in layers.TORCH_REFS for r in rows)
+
+
+def test_each_registered_new_row_runs_both_sides_on_the_same_shapes():
+    """Every contender of every runnable row runs once at a tiny size (the contenders check PyTorch's output
+    shape against the layer's); an unregistered type or parameter says why it is skipped."""
+    import numpy as np
+    for row in layers.new_rows(8):
+        why = layers.new_row_missing(row)
+        if why:
+            assert "not registered" in why or "does not take" in why
+            continue
+        fns = layers.new_row_contenders(row, np.dtype("float32"))
+        assert "ours" in fns and "torch NCHW" in fns
+        for fn in fns.values():
+            fn()
+
+
+def test_bench_layers_new_quick_prints_every_row():
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "layers", "--new", "--quick", "--size", "8"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for row in layers.new_rows(8):
+        mine = [ln for ln in lines if ln.startswith(row.id + " ")]
+        assert len(mine) == 1, row.id
+        assert "skipped: " in mine[0] or mine[0].split()[len(row.id.split()) + 2].replace(".", "").isdigit()
+    if not all(layers.new_row_missing(row) for row in layers.new_rows(8)):
+        assert any(ln.startswith("new layers ratio ours/torch") and "geometric mean" in ln for ln in lines)
