@@ -24,7 +24,7 @@ from lbannpy.dist import Distribution, box_shape, shape_str
 
 from .base import Layer, LayerError
 from .kernels import norm as K
-from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
+from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, Statistics, needs_image, register
 from .state import StateTensor, is_writer
 
 _EPS = Key("eps", Float(0.0, lo_open=True), 1e-5, "added to the variance")
@@ -133,7 +133,8 @@ class _SampleNorm(Layer):
     Key("track_running_stats", Bool(), False,
         "keep running statistics (used in evaluation), as torch.nn.InstanceNorm does"),
     Key("momentum", Float(0.0, 1.0), 0.1, "weight of the new batch in the running statistics")),
-    _infer_instance, weights_split=True, spatial_statistics=True, pointwise=True, order=31, capturable=True))
+    _infer_instance, weights_split=True, spatial_statistics=True, statistics=Statistics(per=("n", "c")),
+    pointwise=True, order=31, capturable=True))
 class InstanceNorm(_SampleNorm):
     def _groups(self, channels: int) -> int:
         return channels
@@ -218,7 +219,7 @@ class InstanceNorm(_SampleNorm):
     _EPS,
     Key("affine", Bool(), True, "learn a scale and a shift per channel")),
     _infer_group, split_dims=("n", "d", "h", "w"), weights_split=True, spatial_statistics=True,
-    pointwise=True, order=32, capturable=True))
+    statistics=Statistics(per=("n", "c"), groups="groups"), pointwise=True, order=32, capturable=True))
 class GroupNorm(_SampleNorm):
     def _groups(self, channels: int) -> int:
         g = self.hparams.get("groups")
@@ -261,7 +262,8 @@ class GroupNorm(_SampleNorm):
                     (
     _EPS,
     Key("affine", Bool(), True, "learn a scale and a shift per element of (C, spatial...)")),
-    _infer_layer, weights_split=True, spatial_statistics=True, pointwise=True, order=33, capturable=True))
+    _infer_layer, weights_split=True, weights_spatial=True, spatial_statistics=True,
+    statistics=Statistics(("c", "d", "h", "w"), ("n",)), pointwise=True, order=33, capturable=True))
 class LayerNorm(_SampleNorm):
     """Over (C, spatial...) of each sample; the scale and shift have the shape (C, *spatial) and are split
     like the activation's block (their gradients: partial sums over the sample split only)."""
