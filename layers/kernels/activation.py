@@ -1,4 +1,5 @@
-"""Element-wise layers: ReLU, leaky ReLU and dropout (with a split-independent mask).
+"""Element-wise layers: ReLU, leaky ReLU, dropout (with a split-independent mask), the smooth activations
+(sigmoid, tanh, SiLU, GELU exact and tanh, ELU), PReLU, softmax over channels and the product of inputs.
 
 Dropout masks come from a counter-based hash (a chain of splitmix64 finalisers) of
 ``(seed, step, layer_id, global coordinates)``: an element's mask bit depends only on its global index, so
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import numpy
 
-from lbannpy.backend import array_module, get_xp
+from lbannpy.backend import array_module, get_xp, module_kernels
 
 from .batchnorm import relu_mask
 
@@ -102,3 +103,419 @@ def dropout_forward(x, mask):
 
 def dropout_backward(dy, mask):
     return dy * mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# smooth activations, PReLU, softmax over channels, product of inputs
+#
+# On NumPy a kernel runs its passes block by block (``_BLOCK`` elements of every operand; a block's scratch
+# stays in the core's L2 cache), so a formula of several ufunc passes reads and writes the whole arrays
+# about once, as a fused kernel does, and every pass writes into an existing array (``out=``). Where the
+# backward needs more than the output (SiLU, GELU), the training forward computes the derivative ``f'(x)``
+# in the same blocks and keeps it instead of the input (one array either way): the backward is then one
+# product. On a GPU each forward and backward is one CuPy ElementwiseKernel (softmax and the PReLU weight
+# gradient add their reductions), the backward recomputing from the kept input what it needs; where the
+# array module has no ElementwiseKernel, the NumPy path's array expressions run on the whole arrays.
+# Nothing reads a value back to the host, and the constants (alpha, the GELU form) are fixed at set-up.
+
+#: elements of each operand per block on NumPy: 2**15 (256 KiB in float64) keeps a block's operands and
+#: scratch in the L2 cache while each pass still amortises NumPy's call overhead
+_BLOCK = 1 << 15
+
+_SQRT1_2 = 0.7071067811865476        # 1/sqrt(2)
+_INV_SQRT_2PI = 0.3989422804014327   # 1/sqrt(2 pi)
+_SQRT_2_PI = 0.7978845608028654      # sqrt(2/pi), GELU's tanh form
+_GELU_CUBIC = 0.044715
+
+#: The normal distribution's upper tail ``q(a) = erfc(a/sqrt 2)/2`` (``a >= 0``) as
+#: ``q = (1 + u) P(u) phi(a)``, ``u = (4 - a)/(4 + a)`` in (-1, 1], ``phi`` the normal density. ``P``
+#: (monomial coefficients, lowest first, of a Chebyshev expansion computed at 50 digits) is smooth over the
+#: whole half line, so one formula with one exponential (the density, which GELU's derivative needs as well)
+#: serves every input without branches. float64: 24 terms, CDF within 3.4e-16 absolute, tail within 6e-14
+#: relative down to 1e-300; float32: the first 10 terms (of a 10-term fit), 1.3e-7 absolute.
+_TAIL64 = (0.23665238291356067, 0.19047136385249794, 0.12130119435845221, 0.05844262037479156,
+           0.018923970288880924, 0.002362556357713907, -0.0010902869060250046, -0.000510981960150009,
+           4.1780545617392063e-05, 7.240866308098399e-05, -5.977293346795411e-07, -1.1011966401340422e-05,
+           2.2390524526746172e-07, 1.8554097098850368e-06, -1.958162679346939e-07, -3.2109441390371527e-07,
+           8.294863104369398e-08, 5.006174115639638e-08, -2.4685150990909312e-08, -5.5913250643129035e-09,
+           5.034370805834905e-09, 1.8403748654682884e-10, -5.291046410835028e-10, 3.759247459049846e-11)
+_TAIL32 = (0.2366523818857911, 0.1904712892310337, 0.12130124517050901, 0.05844414093062343,
+           0.01892356953529236, 0.0023537964483835976, -0.0010891825915929037, -0.000489979057012023,
+           4.052142618558121e-05, 4.92930234877216e-05)
+_TAIL_KAPPA = 4.0
+
+
+def _flat(a):
+    """``a`` as a flat C-ordered array (a view when it is contiguous, as the layers' arrays are)."""
+    return a.reshape(-1) if a.flags.c_contiguous else array_module(a).ascontiguousarray(a).reshape(-1)
+
+
+def _blockwise(body, ins, nout, nscratch=0, nbool=0):
+    """Run ``body(*in_blocks, *out_blocks, *scratch)`` over flat blocks of ``ins`` (one shape) and return
+    the ``nout`` outputs (new arrays of the first input's shape and dtype); ``nbool`` of the scratch arrays
+    are boolean. NumPy: ``_BLOCK`` elements at a time, floating-point warnings off (exp overflows to inf
+    where the formulas want it, as in PyTorch's kernels); other array modules: the whole arrays at once."""
+    x = ins[0]
+    xp = array_module(x)
+    flat = [_flat(a) for a in ins]
+    outs = [xp.empty(x.shape, dtype=x.dtype) for _ in range(nout)]
+    oflat = [o.reshape(-1) for o in outs]
+    n = flat[0].size
+    step = _BLOCK if xp is numpy else max(n, 1)
+    m = min(n, step)
+    scratch = [xp.empty(m, dtype=x.dtype) for _ in range(nscratch)]
+    scratch += [xp.empty(m, dtype=bool) for _ in range(nbool)]
+    with numpy.errstate(all="ignore"):
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            body(*(a[i:j] for a in flat), *(o[i:j] for o in oflat), *(s[:j - i] for s in scratch))
+    return outs
+
+
+def _sample_blocks(x):
+    """Slices of ``x``'s first axis of about ``_BLOCK`` elements each on NumPy (at least one sample), the
+    whole array elsewhere: the blocks of the kernels that broadcast over channels or reduce over them."""
+    per = max(1, x.size // max(x.shape[0], 1))
+    rows = max(1, _BLOCK // per) if array_module(x) is numpy else max(x.shape[0], 1)
+    return [slice(i, i + rows) for i in range(0, x.shape[0], rows)]
+
+
+#: (inputs, outputs, operation) of the GPU kernels; a backward recomputes from the input what the NumPy
+#: path keeps (on a GPU the pass is bound by memory traffic, not arithmetic)
+_GPU = {
+    "sigmoid": ("T x", "T y", "y = (T)1 / ((T)1 + exp(-x));"),
+    "sigmoid_bwd": ("T dy, T y", "T dx", "dx = dy * (((T)1 - y) * y);"),
+    "tanh_bwd": ("T dy, T y", "T dx", "dx = dy * ((T)1 - y * y);"),
+    "silu": ("T x", "T y", "y = x / ((T)1 + exp(-x));"),
+    "silu_bwd": ("T dy, T x", "T dx",
+                 "T s = (T)1 / ((T)1 + exp(-x)); dx = dy * (s + x * s * ((T)1 - s));"),
+    "gelu": ("T x", "T y", f"y = x * ((T)0.5 * erfc(-x * (T){_SQRT1_2!r}));"),
+    "gelu_bwd": ("T dy, T x", "T dx",
+                 f"T c = (T)0.5 * erfc(-x * (T){_SQRT1_2!r});"
+                 f"dx = dy * (c + x * exp((T)-0.5 * x * x) * (T){_INV_SQRT_2PI!r});"),
+    "gelu_tanh": ("T x", "T y",
+                  f"T t = tanh((T){_SQRT_2_PI!r} * (x + (T){_GELU_CUBIC!r} * x * x * x));"
+                  "y = (T)0.5 * x * ((T)1 + t);"),
+    "gelu_tanh_bwd": ("T dy, T x", "T dx",
+                      f"T t = tanh((T){_SQRT_2_PI!r} * (x + (T){_GELU_CUBIC!r} * x * x * x));"
+                      f"T k = (T){_SQRT_2_PI!r} * ((T)1 + (T){3 * _GELU_CUBIC!r} * x * x);"
+                      "dx = dy * ((T)0.5 * ((T)1 + t) + (T)0.5 * x * ((T)1 - t * t) * k);"),
+    "elu": ("T x, T alpha", "T y", "y = x > (T)0 ? x : alpha * expm1(x);"),
+    "elu_bwd": ("T dy, T y, T alpha", "T dx", "dx = y > (T)0 ? dy : dy * (y + alpha);"),
+    "prelu": ("T x, T w", "T y", "y = x > (T)0 ? x : w * x;"),
+    "prelu_bwd": ("T dy, T x, T w", "T dx, T dw",
+                  "dx = x > (T)0 ? dy : w * dy; dw = x > (T)0 ? (T)0 : x * dy;"),
+}
+
+
+def _kernels(x):
+    """The GPU kernels (name -> ElementwiseKernel) of ``x``'s array module, or None (NumPy, or a module
+    without ElementwiseKernel)."""
+    return module_kernels(array_module(x), "activation", lambda xp: {
+        name: xp.ElementwiseKernel(*k, f"lbannpy_act_{name}") for name, k in _GPU.items()})
+
+
+# -- sigmoid, tanh: the backward reads the output ------------------------------------------------------------
+def _sigmoid_body(x, y):
+    xp = array_module(x)
+    xp.negative(x, out=y)
+    xp.exp(y, out=y)
+    y += 1
+    xp.divide(1, y, out=y)
+
+
+def sigmoid_forward(x):
+    """``1 / (1 + exp(-x))``; the backward takes the output."""
+    k = _kernels(x)
+    return k["sigmoid"](x) if k is not None else _blockwise(_sigmoid_body, [x], 1)[0]
+
+
+def _sigmoid_bwd_body(dy, y, dx):
+    array_module(y).subtract(1, y, out=dx)
+    dx *= y
+    dx *= dy
+
+
+def sigmoid_backward(dy, y):
+    """``dy * y * (1 - y)`` from the output ``y``."""
+    k = _kernels(y)
+    return k["sigmoid_bwd"](dy, y) if k is not None else _blockwise(_sigmoid_bwd_body, [dy, y], 1)[0]
+
+
+def tanh_forward(x):
+    """``tanh(x)`` (one ufunc, one pass); the backward takes the output."""
+    return array_module(x).tanh(x)
+
+
+def _tanh_bwd_body(dy, y, dx):
+    xp = array_module(y)
+    xp.multiply(y, y, out=dx)
+    xp.subtract(1, dx, out=dx)
+    dx *= dy
+
+
+def tanh_backward(dy, y):
+    """``dy * (1 - y**2)`` from the output ``y``."""
+    k = _kernels(y)
+    return k["tanh_bwd"](dy, y) if k is not None else _blockwise(_tanh_bwd_body, [dy, y], 1)[0]
+
+
+# -- SiLU and GELU: the forward keeps what the backward multiplies by ---------------------------------------
+def _silu_body(grad):
+    def body(x, y, *rest):
+        d, s = rest if grad else (None, rest[0])
+        xp = array_module(x)
+        xp.negative(x, out=s)
+        xp.exp(s, out=s)
+        s += 1
+        if not grad:
+            xp.divide(x, s, out=y)
+            return
+        xp.divide(1, s, out=s)       # sigmoid(x)
+        xp.multiply(x, s, out=y)
+        xp.subtract(1, y, out=d)
+        d *= s
+        d += y                       # silu'(x) = s + x s (1 - s) = s (1 - y) + y
+    return body
+
+
+def silu_forward(x, grad=True):
+    """``(x * sigmoid(x), saved)``: ``saved`` (None unless ``grad``) is what :func:`silu_backward` takes,
+    the derivative on NumPy, the input on a GPU."""
+    k = _kernels(x)
+    if k is not None:
+        return k["silu"](x), (x if grad else None)
+    outs = _blockwise(_silu_body(grad), [x], 2 if grad else 1, 1)
+    return outs[0], (outs[1] if grad else None)
+
+
+def silu_backward(dy, saved):
+    k = _kernels(dy)
+    return k["silu_bwd"](dy, saved) if k is not None else dy * saved
+
+
+def _gelu_body(grad, coef):
+    c = coef[::-1]  # highest power first (Horner)
+
+    def body(x, y, *rest):
+        d, (a, u, p) = (rest[0], rest[1:]) if grad else (None, rest)
+        xp = array_module(x)
+        xp.abs(x, out=a)
+        xp.subtract(_TAIL_KAPPA, a, out=u)
+        a += _TAIL_KAPPA
+        u /= a                       # u = (4 - |x|) / (4 + |x|)
+        xp.multiply(u, c[0], out=p)
+        for ck in c[1:-1]:
+            p += ck
+            p *= u
+        p += c[-1]                   # P(u)
+        xp.multiply(x, x, out=a)
+        a *= -0.5
+        xp.exp(a, out=a)
+        a *= _INV_SQRT_2PI           # phi(x)
+        u += 1
+        u *= p
+        u *= a                       # the tail q(|x|)
+        xp.subtract(0.5, u, out=u)
+        xp.copysign(u, x, out=u)
+        u += 0.5                     # Phi(x): q(|x|) below 0, 1 - q(|x|) above
+        xp.multiply(x, u, out=y)
+        if grad:
+            xp.multiply(x, a, out=d)
+            d += u                   # gelu'(x) = Phi(x) + x phi(x)
+    return body
+
+
+def _gelu_tanh_body(grad):
+    def body(x, y, *rest):
+        d, (s, t) = (rest[0], rest[1:]) if grad else (None, rest)
+        xp = array_module(x)
+        xp.multiply(x, x, out=s)
+        xp.multiply(s, _GELU_CUBIC, out=t)
+        t += 1
+        t *= x
+        t *= _SQRT_2_PI
+        xp.tanh(t, out=t)
+        t += 1                       # 1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))
+        xp.multiply(x, t, out=y)
+        y *= 0.5
+        if grad:                     # 0.5 (1 + th) + 0.5 x (1 - th^2) k, with 0.5 x (1 - th^2) = y (1 - th)
+            s *= 3 * _GELU_CUBIC * _SQRT_2_PI
+            s += _SQRT_2_PI          # k = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+            xp.subtract(2, t, out=d)
+            d *= y
+            d *= s
+            t *= 0.5
+            d += t
+    return body
+
+
+def gelu_forward(x, approximate="none", grad=True):
+    """``(x * Phi(x), saved)`` (``approximate`` "tanh": PyTorch's tanh form); ``saved`` (None unless
+    ``grad``) is what :func:`gelu_backward` takes, the derivative on NumPy, the input on a GPU."""
+    k = _kernels(x)
+    if k is not None:
+        return k["gelu" if approximate == "none" else "gelu_tanh"](x), (x if grad else None)
+    if approximate == "none":
+        body = _gelu_body(grad, _TAIL32 if x.dtype.itemsize <= 4 else _TAIL64)
+        outs = _blockwise(body, [x], 2 if grad else 1, 3)
+    else:
+        outs = _blockwise(_gelu_tanh_body(grad), [x], 2 if grad else 1, 2)
+    return outs[0], (outs[1] if grad else None)
+
+
+def gelu_backward(dy, saved, approximate="none"):
+    k = _kernels(dy)
+    if k is not None:
+        return k["gelu_bwd" if approximate == "none" else "gelu_tanh_bwd"](dy, saved)
+    return dy * saved
+
+
+# -- ELU (alpha >= 0: the output's sign is the input's, so the backward reads the output) -------------------
+def _elu_body(alpha):
+    def body(x, y, s):
+        xp = array_module(x)
+        xp.minimum(x, 0, out=y)
+        xp.expm1(y, out=y)
+        if alpha != 1.0:
+            y *= alpha
+        xp.maximum(x, 0, out=s)
+        y += s                       # x above 0 (where alpha * expm1(min(x, 0)) is 0), alpha expm1(x) else
+    return body
+
+
+def elu_forward(x, alpha=1.0):
+    """``x`` above 0, ``alpha * (exp(x) - 1)`` else (``alpha >= 0``)."""
+    k = _kernels(x)
+    if k is not None:
+        return k["elu"](x, x.dtype.type(alpha))
+    return _blockwise(_elu_body(float(alpha)), [x], 1, 1)[0]
+
+
+def _elu_bwd_body(alpha):
+    def body(dy, y, dx, s, b):
+        xp = array_module(y)
+        xp.less_equal(y, 0, out=b)
+        s[...] = b                   # 1 where x <= 0 (y <= 0 exactly there when alpha >= 0), else 0
+        xp.minimum(y, 0, out=dx)
+        dx += alpha - 1.0
+        dx *= s
+        dx += 1                      # 1 above 0, y + alpha = alpha exp(x) else (inf-safe: min(y, 0))
+        dx *= dy
+    return body
+
+
+def elu_backward(dy, y, alpha=1.0):
+    """The input gradient from the output ``y`` (``alpha >= 0``); at 0 the slope is ``alpha``, as in
+    PyTorch."""
+    k = _kernels(y)
+    if k is not None:
+        return k["elu_bwd"](dy, y, y.dtype.type(alpha))
+    return _blockwise(_elu_bwd_body(float(alpha)), [dy, y], 1, 1, 1)[0]
+
+
+# -- PReLU ---------------------------------------------------------------------------------------------------
+def _per_channel(w, ndim):
+    """The weight ``(1,)`` or ``(C,)`` shaped to broadcast over ``(N, C, spatial...)``."""
+    return w.reshape((1, -1) + (1,) * (ndim - 2)) if w.size > 1 else w.reshape((1,) * ndim)
+
+
+def prelu_forward(x, w):
+    """``x`` above 0, ``w * x`` else; ``w`` has one value or one per channel (axis 1)."""
+    wb = _per_channel(w, x.ndim)
+    k = _kernels(x)
+    if k is not None:
+        return k["prelu"](x, wb)
+    xp = array_module(x)
+    y = xp.empty_like(x)
+    with numpy.errstate(all="ignore"):
+        for sl in _sample_blocks(x):
+            xb, yb = x[sl], y[sl]
+            s = xp.empty_like(xb)
+            xp.minimum(xb, 0, out=yb)
+            yb *= wb
+            xp.maximum(xb, 0, out=s)
+            yb += s
+    return y
+
+
+def prelu_backward(dy, x, w, w_grad):
+    """The input gradient; this block's partial sum of the weight gradient (``sum dy * min(x, 0)`` per
+    channel, or over everything for one weight) is added to ``w_grad`` (reduced over the ranks later)."""
+    wb = _per_channel(w, x.ndim)
+    axes = tuple(i for i in range(x.ndim) if i != 1) if w.size > 1 else None
+    xp = array_module(x)
+    k = _kernels(x)
+    if k is not None:
+        dx, dw = k["prelu_bwd"](dy, x, wb)
+        w_grad += dw.sum(axis=axes).reshape(w_grad.shape)
+        return dx
+    dx = xp.empty_like(dy)
+    acc = xp.zeros(w_grad.shape, dtype=w_grad.dtype)
+    wm1 = wb - 1
+    with numpy.errstate(all="ignore"):
+        for sl in _sample_blocks(x):
+            xb, dyb, dxb = x[sl], dy[sl], dx[sl]
+            t = xp.empty_like(xb)
+            b = xp.empty(xb.shape, dtype=bool)
+            xp.minimum(xb, 0, out=t)
+            t *= dyb
+            acc += t.sum(axis=axes).reshape(acc.shape)
+            xp.less_equal(xb, 0, out=b)
+            t[...] = b
+            t *= wm1
+            t += 1                   # 1 above 0, w else
+            xp.multiply(dyb, t, out=dxb)
+    w_grad += acc
+    return dx
+
+
+# -- softmax over channels (axis 1), reduced within each block of samples --------------------------------
+def softmax_forward(x):
+    """``exp(x - max) / sum exp(x - max)`` over axis 1; the backward takes the output."""
+    xp = array_module(x)
+    y = xp.empty_like(x)
+    with numpy.errstate(all="ignore"):
+        for sl in _sample_blocks(x):
+            xb, yb = x[sl], y[sl]
+            xp.subtract(xb, xb.max(axis=1, keepdims=True), out=yb)
+            xp.exp(yb, out=yb)
+            yb /= yb.sum(axis=1, keepdims=True)
+    return y
+
+
+def softmax_backward(dy, y):
+    """``y * (dy - sum(dy * y))`` (sums over axis 1) from the output ``y``."""
+    xp = array_module(y)
+    dx = xp.empty_like(dy)
+    with numpy.errstate(all="ignore"):
+        for sl in _sample_blocks(y):
+            dyb, yb, dxb = dy[sl], y[sl], dx[sl]
+            xp.multiply(dyb, yb, out=dxb)
+            s = dxb.sum(axis=1, keepdims=True)
+            xp.subtract(dyb, s, out=dxb)
+            dxb *= yb
+    return dx
+
+
+# -- elementwise product of inputs ---------------------------------------------------------------------------
+def mul_forward(xs):
+    """``xs[0] * xs[1] * ...`` (one shape), multiplied left to right."""
+    xp = array_module(xs[0])
+    y = xp.multiply(xs[0], xs[1])
+    for x in xs[2:]:
+        y *= x
+    return y
+
+
+def mul_backward(dy, xs):
+    """Per input, ``dy`` times the product of the other inputs."""
+    xp = array_module(dy)
+    out = []
+    for i in range(len(xs)):
+        others = [x for j, x in enumerate(xs) if j != i]
+        d = xp.multiply(dy, others[0])
+        for x in others[1:]:
+            d *= x
+        out.append(d)
+    return out
