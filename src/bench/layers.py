@@ -231,8 +231,7 @@ def _batchnorm_pair(case: BenchCase, dtype, rng, host, xp, tt, done):
 
 @dataclass(frozen=True)
 class NewRow:
-    """One row of a new layer type: the layer ``type`` with ``params`` on inputs of ``shapes`` (a 2-D
-    image ``(1, C, S, S)`` or a 3-D volume ``(1, C, S/4, S/4, S/4)`` of the row size ``S``); ``torch``
+    """One row of a new layer type: the layer ``type`` with ``params`` on inputs of ``shapes``; ``torch``
     names its reference in :data:`TORCH_REFS`."""
 
     label: str
@@ -248,11 +247,11 @@ class NewRow:
 
 
 def new_rows(size: int = 256) -> list[NewRow]:
-    """Every row of the new layer types at spatial size ``size`` (2-D rows ``1x16xSxS``, the stencil rows
-    32 channels in; 3-D rows ``1x8x(S/4)^3``; the tests use a tiny ``size``)."""
+    """Every row of the new layer types at spatial size ``size`` (2-D rows ``1x16xSxS``, the resampling rows
+    ``1x32x(S/2)^2`` in; 3-D rows ``1x8x(S/8)^3``; the tests use a tiny ``size``)."""
     s2 = (1, 16, size, size)
     c32 = (1, 32, size // 2, size // 2)  # an up-convolution's input: the output is size x size
-    s3 = (1, 8) + (max(size // 4, 2),) * 3
+    s3 = (1, 8) + (max(size // 8, 2),) * 3
     p = lambda **kw: tuple(sorted(kw.items()))  # noqa: E731
     rows = [
         NewRow("conv_transpose ->16 k2 s2", "conv_transpose", p(filters=16, kernel=2, stride=2), (c32,),
@@ -502,14 +501,17 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
 def run_new(dtype, repeats: int, size: int, adaptive: bool = True) -> int:
     """The new layer types' table: one row each (skipped rows say why), then the geometric mean, the worst
     row and every row above :data:`TARGET_NEW_RATIO`."""
+    import statistics
+
     import numpy as np
 
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.registry import layer_specs
 
     print(f"new layer types ({len(layer_specs())} registered), forward+backward of the layer on one rank "
-          f"against torch.nn.functional + autograd, spatial size {size}")
-    head = (f"{'case':<44} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'torch layout':<12} "
+          f"against torch.nn.functional + autograd, spatial size {size}; ratio of the medians (the fastest "
+          f"calls' ratio beside it: on a loaded machine the one less hit by other processes)")
+    head = (f"{'case':<44} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'fastest':>7}  {'torch layout':<12} "
             f"{'NCHW ms':>9} {'NHWC ms':>9}")
     print(head)
     print("-" * len(head))
@@ -520,14 +522,16 @@ def run_new(dtype, repeats: int, size: int, adaptive: bool = True) -> int:
             skipped.append(row.id)
             print(f"{row.id:<44} skipped: {why}", flush=True)
             continue
-        t = measure_fns(new_row_contenders(row, dtype), repeats, adaptive)
+        calls = time_calls(new_row_contenders(row, dtype), repeats, adaptive)
+        t = {k: statistics.median(v) for k, v in calls.items()}
         layout = min((k for k in t if k.startswith("torch")), key=lambda k: t[k])
         ratio = t["ours"] / t[layout]
+        fastest = min(calls["ours"]) / min(min(v) for k, v in calls.items() if k.startswith("torch"))
         ratios.append((ratio, row.id))
         over = "  over" if ratio > TARGET_NEW_RATIO else ""
         nhwc = f"{t['torch NHWC'] * 1e3:9.3f}" if "torch NHWC" in t else f"{'-':>9}"
-        print(f"{row.id:<44} {t['ours'] * 1e3:9.3f} {t[layout] * 1e3:9.3f} {ratio:6.2f}  {layout[6:]:<12} "
-              f"{t['torch NCHW'] * 1e3:9.3f} {nhwc}{over}", flush=True)
+        print(f"{row.id:<44} {t['ours'] * 1e3:9.3f} {t[layout] * 1e3:9.3f} {ratio:6.2f} {fastest:7.2f}  "
+              f"{layout[6:]:<12} {t['torch NCHW'] * 1e3:9.3f} {nhwc}{over}", flush=True)
     print()
     if ratios:
         geo = float(np.exp(np.mean(np.log([r for r, _ in ratios]))))
@@ -556,6 +560,11 @@ def measure_fns(fns: dict, repeats: int, adaptive: bool = True) -> dict[str, flo
     """Median seconds per call of every callable of ``fns``, timed interleaved (see :func:`measure`)."""
     import statistics
 
+    return {name: statistics.median(ts) for name, ts in time_calls(fns, repeats, adaptive).items()}
+
+
+def time_calls(fns: dict, repeats: int, adaptive: bool = True) -> dict[str, list[float]]:
+    """Seconds of every timed call of every callable of ``fns``, timed interleaved (see :func:`measure`)."""
     names = list(fns)
     longest = 0.0
     for name in names:  # warm-up: first-touch allocations, torch's primitive caches
@@ -570,7 +579,7 @@ def measure_fns(fns: dict, repeats: int, adaptive: bool = True) -> dict[str, flo
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def gpu_missing() -> str:
