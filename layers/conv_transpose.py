@@ -1,0 +1,253 @@
+"""Distributed transposed convolution (1-D to 3-D; stride, padding, output padding, dilation, groups), split
+over samples and every spatial dimension, uneven blocks included.
+
+A transposed convolution ``X -> Y`` is the adjoint (the data gradient) of the convolution ``Y -> X`` with
+the same kernel, stride, padding and dilation, whose filter in PyTorch's layout ``(F, C/groups, *k)`` is
+exactly the transposed convolution's ``(C_in, filters/groups, *k)``. So the layer runs that convolution's
+passes backwards with lbannpy's convolution kernels, and its halo is that convolution's
+:class:`~lbannpy.halo.HaloPlan` on the output ``Y``, also run backwards: the plan's output blocks are the
+blocks of ``X`` and its windows the rows of ``Y`` each input block writes.
+
+* Forward: each rank computes the window of ``Y`` its input block writes (the convolution's data gradient
+  of that block), keeps the part it owns and sends the ghost parts to their owners, which add them (the
+  plan's accumulation). The boundary boxes of the input block (those writing ghost rows) are computed
+  first and their ghost rows sent; the interior is computed while they are in flight.
+* Backward: the halo exchange of ``dL/dY`` (the plan's forward), the interior of ``dL/dX`` (the
+  convolution of the window) computed while it is in flight, then its boundary; then the filter
+  gradient from the same window and the input block kept from the forward.
+
+Output shape per spatial dimension: ``(X - 1)*stride - 2*padding + dilation*(kernel - 1) + output_padding
++ 1``. The output padding rows (written by no input) hold the bias only, as in PyTorch.
+"""
+from __future__ import annotations
+
+import math
+
+from lbannpy.config_types import REQUIRED, Bool, Int, Key, PerDim
+from lbannpy.dist import Distribution, DistributionError, box_size, shape_str
+from lbannpy.packing import pack
+from lbannpy.stencil import Stencil
+
+from .base import LayerError
+from .halo_layer import HaloLayer
+from .kernels import conv as K
+from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
+
+#: the cost model prices this layer's halo as its adjoint's (a convolution's on the output), where the
+#: registry's shape inference can say so
+_ADJOINT = {"halo": "adjoint"} if "halo" in getattr(Inferred, "__dataclass_fields__", {}) else {}
+
+
+def _per_dim(v, nsp: int, name: str, lo: int) -> tuple[int, ...]:
+    vals = list(v) if isinstance(v, (list, tuple)) else [v] * nsp
+    if len(vals) != nsp or not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in vals):
+        raise ValueError(f"'{name}' must be an integer >= {lo} or one per spatial dimension ({nsp}), "
+                         f"got {v!r}")
+    return tuple(vals)
+
+
+def geometry(in_shape, params) -> tuple[tuple[int, ...], Stencil]:
+    """``(output shape, the adjoint convolution's stencil on the output)``; ValueError naming the key."""
+    in_shape = tuple(int(n) for n in in_shape)
+    nsp = len(in_shape) - 2
+    k = _per_dim(params.get("kernel", 3), nsp, "kernel", 1)
+    s = _per_dim(params.get("stride", 1), nsp, "stride", 1)
+    p = _per_dim(params.get("padding", 0), nsp, "padding", 0)
+    op = _per_dim(params.get("output_padding", 0), nsp, "output_padding", 0)
+    d = _per_dim(params.get("dilation", 1), nsp, "dilation", 1)
+    filters, groups, cin = int(params["filters"]), int(params.get("groups", 1)), in_shape[1]
+    if groups < 1 or cin % groups or filters % groups:
+        raise ValueError(f"groups {groups} must divide the input channels ({cin}) and the filters "
+                         f"({filters})")
+    out = []
+    for n, ki, si, pi, oi, di in zip(in_shape[2:], k, s, p, op, d):
+        if oi >= max(si, di):
+            raise ValueError(f"output_padding {oi} must be smaller than the stride ({si}) or the dilation "
+                             f"({di}), as in PyTorch")
+        if oi > pi + si - 1:
+            raise ValueError(f"output_padding {oi} larger than padding + stride - 1 ({pi + si - 1}) is not "
+                             f"supported; pad the output afterwards instead")
+        m = (n - 1) * si - 2 * pi + di * (ki - 1) + oi + 1
+        if m < 1:
+            raise ValueError(f"an input of {n} gives an output of {m} (stride {si}, padding {pi}, kernel "
+                             f"{ki}, dilation {di}); lower the padding")
+        out.append(m)
+    out_shape = (in_shape[0], filters) + tuple(out)
+    # the convolution Y -> X: its padding past the end is whatever keeps its output at X (the output padding
+    # rows are read by no window)
+    st = Stencil.conv(len(in_shape), k, s, [(pi, max(pi - oi, 0)) for pi, oi in zip(p, op)], d)
+    if st.output_shape(out_shape)[2:] != in_shape[2:]:  # pragma: no cover - the algebra above
+        raise ValueError(f"the adjoint convolution of {out_shape} gives {st.output_shape(out_shape)}")
+    return out_shape, st
+
+
+def _infer(lay: LayerArgs) -> Inferred:
+    needs_image(lay, "move the layer before the fully-connected layers")
+    x, p = lay.x, lay.params
+    try:
+        out, st = geometry(x, p)
+    except (KeyError, ValueError, DistributionError) as exc:
+        raise ShapeError(f"layer {lay.name!r} (conv_transpose) on input {shape_str(x)}: {exc}") from None
+    groups = int(p.get("groups", 1))
+    ksize = math.prod(w.kernel for w in st.dims[2:])
+    n_params = x[1] * (out[1] // groups) * ksize + (out[1] if p.get("bias", True) else 0)
+    return Inferred(out, 2 * math.prod(x) * (out[1] // groups) * ksize, n_params, st, **_ADJOINT)
+
+
+_POS = Int(1)
+SPEC = LayerSpec(
+    "conv_transpose", "N-d transposed convolution (the data gradient of a convolution) over the spatial "
+                      "dimensions", (
+        Key("filters", _POS, REQUIRED, "output channels"),
+        Key("kernel", PerDim(_POS), 3, "kernel size"),
+        Key("stride", PerDim(_POS), 1, "stride"),
+        Key("padding", PerDim(Int(0)), 0, "rows of the full output cropped on each side"),
+        Key("output_padding", PerDim(Int(0)), 0, "rows added at the end of each dimension (below the "
+                                                 "stride)"),
+        Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
+        Key("groups", _POS, 1, "input and output channels in this many independent groups"),
+        Key("bias", Bool(), True, "learn an additive bias")),
+    _infer, split_dims=("n", "d", "h", "w"), reduces_channels=True, order=11, capturable=True)
+
+
+def _chan(sl):
+    """Slices of a plan over ``Y`` (channel dimension: the filters) for an array with other channels."""
+    return (sl[0], slice(None)) + tuple(sl[2:])
+
+
+@register(SPEC)
+class ConvTranspose(HaloLayer):
+
+    def setup(self, dist: Distribution) -> None:
+        hp = self.hparams
+        (in_shape,) = self.in_shapes
+        if len(in_shape) not in (3, 4, 5):
+            raise LayerError(f"layer '{self.name}' (conv_transpose) needs an (n, c, [[d,] h,] w) input, got "
+                             f"shape {in_shape}; put it before any fully-connected layer")
+        try:
+            self.out_shape, self.stencil = geometry(in_shape, hp)
+        except ValueError as exc:
+            raise LayerError(f"layer '{self.name}' (conv_transpose) on input {in_shape}: {exc}") from None
+        sp = self.stencil.dims[2:]
+        self.kernel = tuple(w.kernel for w in sp)
+        self.stride = tuple(w.stride for w in sp)
+        self.dilation = tuple(w.dilation for w in sp)
+        self.groups = int(hp["groups"])
+        self.out_dist = dist
+        self.in_dists = [dist]
+        # the adjoint convolution's plan over the output: its "input" blocks are Y's, its "output" X's
+        self.plan_halo(dist, self.out_shape, self.stencil)
+        cin, filters = in_shape[1], self.out_shape[1]
+        wshape = (cin, filters // self.groups) + self.kernel
+        # He initialisation over what one output sums: C_in/groups inputs times the taps that reach it
+        fan = max(1.0, cin / self.groups * math.prod(self.kernel) / math.prod(self.stride))
+        w0 = self.rng("weight").standard_normal(wshape) * math.sqrt(2.0 / fan)
+        reduce_dims = [d for d in dist.dim_names if d != "c"]
+        self.w = self.new_param("weight", wshape, w0, None, dist, reduce_dims, lazy=True)
+        self.b = (self.new_param("bias", (filters,), None, None, dist, reduce_dims, lazy=True)
+                  if hp["bias"] else None)
+        h = self.halo
+        # the window of Y the whole input block writes is the output block itself (no padding to crop, no
+        # ghost rows, every row written): the common stride = kernel case on one rank
+        self._exact = h.local and h.window_shape == h.local_shape and h.owned_box == h.input_box
+        self._split = not h.local and box_size(h.interior_box) > 0 and bool(h.boundary_slices)
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def _scatter(self, x, shape, out=None):
+        """The adjoint convolution's data gradient of ``x``: the window of ``Y`` of ``shape`` it writes."""
+        return K.conv_backward_data(x, self.w.value, shape, self.stride, self.dilation, out=out)
+
+    def _add_bias(self, y):
+        if self.b is not None:
+            y += self.b.value.reshape((1, -1) + (1,) * (y.ndim - 2))
+        return y
+
+    def fp_compute(self, xs):
+        (x,) = xs
+        self._x = x if self.train else None
+        ctx, h = self.ctx, self.halo
+        if self._exact:
+            return self._add_bias(self._scatter(x, h.window_shape))
+        if h.local:
+            return self._add_bias(h.local_gradient(self._scatter(x, h.window_shape)))
+        if not self._split:  # no interior to overlap: the whole window, then the plan's accumulation
+            win = self._scatter(x, h.window_shape,
+                                out=ctx.workspace("conv_transpose window", h.window_shape, x.dtype))
+            return self._add_bias(h.accumulate_start(ctx.comm, win).wait())
+        win = ctx.workspace("conv_transpose window", h.window_shape, x.dtype)
+        win[...] = 0
+        t0 = ctx.timer.now()
+        for osl, wsl in zip(h.boundary_slices, h.boundary_window_slices):  # those writing ghost rows
+            part = win[wsl]
+            part += self._scatter(x[_chan(osl)], part.shape)
+        y = ctx.xp.empty(h.local_shape, dtype=x.dtype)
+        packed = pack(win, h.recvs, ctx.workspace("conv_transpose ghosts", (h.recv_size,), x.dtype))
+
+        def interior():
+            part = win[h.interior_window_slices]
+            part += self._scatter(x[_chan(h.interior_slices)], part.shape)
+        if not ctx.overlap:
+            interior()
+        acc = h.accumulate_ghosts_start(ctx.comm, packed, y)
+        if ctx.overlap:
+            interior()
+        if h.owned_box != h.input_box:  # rows no window of this block writes (beyond the kernel's reach)
+            y[...] = 0
+        y[h.owned_local_slices] = win[h.owned_window_slices]
+        t1 = ctx.timer.now()
+        acc.wait()
+        t2 = ctx.timer.now()
+        ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
+        if ctx.timer.events is not None:
+            ctx.timer.add((self.name, "interior"), t0, t1)
+        return self._add_bias(y)
+
+    # -- backward --------------------------------------------------------------------------------------
+    def _gather(self, dywin, out=None):
+        """The adjoint convolution of a window of ``dL/dY``: ``dL/dX`` of the block it covers."""
+        return K.conv_forward(dywin, self.w.value, None, self.stride, self.dilation, out=out)
+
+    def _window_and_dx(self, dy, want_dx: bool):
+        """``(window of dL/dY, dL/dX or None)``: the exchange in flight while the interior of ``dL/dX`` is
+        computed, as a convolution's forward (:meth:`HaloLayer.halo_forward`, here on the input's blocks)."""
+        ctx, h = self.ctx, self.halo
+        if self._exact:
+            return dy, (self._gather(dy) if want_dx else None)
+        space = ctx.workspace("conv_transpose window", h.window_shape, dy.dtype)
+        if h.local:
+            win = h.local_window(dy, space)
+            return win, (self._gather(win) if want_dx else None)
+        t0 = ctx.timer.now()
+        exchange = h.start(ctx.comm, dy, out=space)
+        win = exchange.window
+        dx = None
+        if want_dx and self._split:
+            dx = ctx.xp.empty(self.halo.output_local_shape[:1] + (self.in_shapes[0][1],)
+                              + self.halo.output_local_shape[2:], dtype=dy.dtype)
+
+        def interior():
+            self._gather(win[h.interior_window_slices], out=dx[_chan(h.interior_slices)])
+        if dx is not None and ctx.overlap:
+            interior()
+        t1 = ctx.timer.now()
+        exchange.wait()
+        t2 = ctx.timer.now()
+        if dx is not None:
+            if not ctx.overlap:
+                interior()
+            for osl, wsl in zip(h.boundary_slices, h.boundary_window_slices):
+                self._gather(win[wsl], out=dx[_chan(osl)])
+        elif want_dx:
+            dx = self._gather(win)
+        ctx.timer.add((self.name, "halo_wait"), t1, t2, "comm")
+        if ctx.timer.events is not None:
+            ctx.timer.add((self.name, "interior"), t0, t1)
+        return win, dx
+
+    def bp_compute(self, dy):
+        x, self._x = self._x, None
+        win, dx = self._window_and_dx(dy, self.needs_input_grad)
+        self.w.accumulate(K.conv_backward_filter(win, x, self.w.value.shape, self.stride, self.dilation))
+        if self.b is not None:
+            self.b.accumulate(K.conv_backward_bias(dy))
+        return [dx]
