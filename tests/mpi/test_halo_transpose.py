@@ -1,0 +1,119 @@
+"""The halo patterns of the transposed convolution and of upsampling, each on its own, by the dot-product
+test at any rank count (float64): the distributed forward ``F`` and backward ``F*`` of the layer satisfy
+``<F x, y> = <x, F* y>`` under every split of the samples and spatial dimensions whose degrees divide the
+rank count (leftover ranks replicate), uneven blocks included. A transposed convolution's forward sends
+its ghost output rows back to their owners (the accumulation of a convolution's halo) and its backward
+fetches those rows of ``dL/dY``; upsampling fetches input rows forward and sends their gradients back.
+Both directions are checked against each other, not against a reference, so a wrong piece of either (a
+dropped corner, a ghost overwritten instead of added, an off-by-one window) shows as a gap.
+
+The transposed convolution is also bilinear in its filter: ``<w, dL/dw> = <F_w x, y>`` checks the filter
+gradient's partial sums over the split (each rank's piece of the window) the same way.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from lbannpy.backend import to_numpy
+from lbannpy.layers.context import LayerContext
+from lbannpy.model import Model
+from lbannpy.tensor import DistTensor
+from mpi_util import assert_all
+from tensor_util import adjoint_gap
+
+GAP = 1e-12
+
+CONV_TRANSPOSE = [
+    dict(kernel=3, stride=1, padding=1),
+    dict(kernel=3, stride=2, padding=1, output_padding=1),
+    dict(kernel=2, stride=2),
+    dict(kernel=5, stride=3, padding=2, dilation=1, output_padding=2),
+    dict(kernel=3, stride=2, dilation=2, groups=2),
+]
+UPSAMPLE = [
+    dict(mode="nearest", scale=2),
+    dict(mode="nearest", scale=3),
+    dict(mode="linear", scale=2),
+    dict(mode="linear", scale=3),
+    dict(mode="linear", scale=2, align_corners=True),
+    dict(mode="linear", scale=[3, 2], align_corners=True),
+]
+IMAGE = (3, 4, 7, 10)  # 3 samples: n degrees of 2 and 4 leave uneven or replicated blocks
+VOLUME = (2, 2, 5, 4, 6)
+
+
+def grids(ndim: int, size: int, dims=None) -> list[dict]:
+    """Every split of the sample and spatial dimensions whose degrees multiply to a divisor of ``size``."""
+    names = dims or (("n", "d", "h", "w") if ndim == 5 else ("n", "h", "w"))
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    out = []
+    for degrees in itertools.product(divisors, repeat=len(names)):
+        if size % math.prod(degrees) == 0:
+            out.append({n: d for n, d in zip(names, degrees) if d > 1})
+    return out
+
+
+def _gaps(comm, xp, layer: dict, shape: tuple, par: dict) -> tuple[float, float]:
+    """``(gap of <F x, y> = <x, F* y>, gap of <w, dL/dw> = <F x, y> or 0)`` of one layer under ``par``."""
+    ctx = LayerContext(comm, xp, "float64", seed=3)
+    spec = {"input": {"channels": shape[1], "spatial": list(shape[2:])}, "layers": [dict(layer)]}
+    model = Model(spec, shape[0], ctx, {"default": par})
+    lay = model.layers[0]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(shape)
+    y = rng.standard_normal(lay.out_shape)
+    xt = DistTensor.scatter(xp.asarray(x), model.input_dist, comm)
+    fx = model.forward(xt)
+    yt = DistTensor.scatter(xp.asarray(y), fx.dist, comm)
+    aty = model.backward(yt, input_grad=True)
+    counted_out = fx.dist.copy_index(comm.rank) == 0
+    counted_in = aty.dist.copy_index(comm.rank) == 0
+    gap = adjoint_gap(comm, fx.local, yt.local, xt.local, aty.local, counted_out, counted_in)
+    wgap = 0.0
+    for p in lay.params:  # the filter (bias False): partial sums of dL/dw over the ranks of one replica
+        p.settle()
+        mine = float(np.vdot(to_numpy(p.value).ravel(), to_numpy(p.grad).ravel()))
+        lhs = float(np.vdot(to_numpy(fx.local).ravel(), to_numpy(yt.local).ravel()))
+        first = lay.out_dist.copy_index(comm.rank) == 0
+        tot = comm.allreduce(np.array([mine if first else 0.0, lhs if counted_out else 0.0]))
+        wgap = abs(tot[0] - tot[1]) / max(abs(tot[0]), abs(tot[1]), 1e-300)
+    return gap, wgap
+
+
+def _check(comm, xp, layers, shape, dims=None):
+    bad, tried = [], 0
+    for layer in layers:
+        for par in grids(len(shape), comm.size, dims):
+            if any(shape[{"n": 0, "c": 1, "d": 2, "h": -2, "w": -1}[d]] < k for d, k in par.items()):
+                continue
+            tried += 1
+            gap, wgap = _gaps(comm, xp, layer, shape, par)
+            if not (gap <= GAP and wgap <= GAP):
+                bad.append(f"{layer} under {par or 'no split'}: <Fx,y> against <x,F*y> {gap:.2e}, "
+                           f"<w,dw> against <Fx,y> {wgap:.2e}")
+    assert_all(comm, tried > 0 and not bad, f"{tried} splits tried; " + "; ".join(bad[:6]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", [IMAGE, VOLUME], ids=["2d", "3d"])
+def test_conv_transpose_forward_and_backward_are_adjoint(comm, xp, shape):
+    layers = [{"name": "t", "type": "conv_transpose", "filters": 4, "bias": False, **kw}
+              for kw in CONV_TRANSPOSE]
+    if len(shape) == 5:
+        layers = layers[:3]
+    _check(comm, xp, layers, shape)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", [IMAGE, VOLUME], ids=["2d", "3d"])
+def test_upsample_forward_and_backward_are_adjoint(comm, xp, shape):
+    layers = [{"name": "u", "type": "upsample", **kw} for kw in UPSAMPLE]
+    if len(shape) == 5:
+        layers = [dict(lay, scale=2) for lay in layers[::2]]
+    _check(comm, xp, layers, shape)
+    if comm.size > 1:  # channels split beside space
+        _check(comm, xp, layers[2:3], shape, ("c", "h"))
