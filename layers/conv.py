@@ -26,6 +26,16 @@ same either way). The layer reading the model input goes windowless too: it keep
 fresh array every step, as on one rank), not its own window (on mesh1k 1024² over two ranks a 36 MiB
 window alive all run). Filter-split layers keep the window.
 
+Padding modes and groups
+------------------------
+``padding_mode`` reflect, replicate or circular (PyTorch's) fills the window's padding from the tensor
+itself: the halo plan maps the padded rows onto tensor rows and fetches them like any halo (a periodic
+boundary wraps around the process grid; see :mod:`lbannpy.halo`), and its adjoint adds their gradients back
+to those rows. Such a convolution always builds its window (the kernels pad with zeros only). ``groups``
+(PyTorch's; filter ``(filters, C/groups, *kernel)``): the kernels read the groups from the filter's shape;
+under a filter split a rank's filters may begin or end inside a group, so it convolves the input channels
+of each group its filters touch (whole groups in one call, a partial group at either end on its own).
+
 Overlap (the stencil template of :class:`~lbannpy.layers.halo_layer.HaloLayer`, shared with pooling)
 -------
 Forward: the halo exchange is started, the interior of the output block (computable from owned input
@@ -39,14 +49,34 @@ from __future__ import annotations
 
 import math
 
-from lbannpy.config_types import REQUIRED, Bool, Key, Padding, PerDim, Int
+from lbannpy.config_types import REQUIRED, Bool, Key, Padding, PerDim, Int, Str
 from lbannpy.dist import Distribution
 from lbannpy.stencil import Stencil
 
 from .base import LayerError
 from .halo_layer import HaloLayer
-from .registry import Inferred, LayerArgs, LayerSpec, int_param, needs_image, register, window_stencil
+from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, needs_image, register,
+                       window_stencil)
 from .kernels.select import own
+
+#: how a convolution (and the pad layer) fills its padding: PyTorch's ``padding_mode`` values
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def check_padding_mode(lay: LayerArgs, st: Stencil, mode: str) -> None:
+    """ShapeError unless ``mode`` is known and each padded row maps onto one row of the input (PyTorch's
+    rule: reflect pads less than the extent, circular at most the extent)."""
+    if mode not in PADDING_MODES:
+        raise ShapeError(f"layer {lay.name!r} ({lay.type}): padding mode must be one of "
+                         f"{', '.join(PADDING_MODES)}, got {mode!r}")
+    most = {"reflect": 0, "circular": 1}.get(mode)
+    if most is None:
+        return
+    for i, (w, n) in enumerate(zip(st.dims[2:], lay.x[2:])):
+        if max(w.pad_lo, w.pad_hi) > n - 1 + most:
+            raise ShapeError(f"layer {lay.name!r} ({lay.type}): {mode} padding ({w.pad_lo}, {w.pad_hi}) "
+                             f"along spatial dimension {i} needs an extent of at least "
+                             f"{max(w.pad_lo, w.pad_hi) + 1 - most}, got {n}; pad less or use zeros")
 
 
 #: a split convolution goes windowless only where its boundary boxes (each convolved again over its own
@@ -60,12 +90,19 @@ def _infer(lay: LayerArgs) -> Inferred:
     needs_image(lay, "move the layer before the fully-connected layers")
     x, p = lay.x, lay.params
     filters = int_param(lay, "filters")
+    groups = int_param(lay, "groups", 1)
+    if x[1] % groups or filters % groups:
+        raise ShapeError(f"layer {lay.name!r} (conv): {groups} groups must divide both the input channels "
+                         f"({x[1]}) and the filters ({filters})")
     st = window_stencil(lay, x, int_param(lay, "kernel"), int_param(lay, "stride"), p["padding"],
                         int_param(lay, "dilation"))
+    check_padding_mode(lay, st, p.get("padding_mode", "zeros"))
     out = (x[0], filters) + st.output_shape(x)[2:]
     ksize = math.prod(w.kernel for w in st.dims[2:])
-    n_params = filters * x[1] * ksize + (filters if p["bias"] else 0)
-    return Inferred(out, 2 * math.prod(out) * x[1] * ksize, n_params, st)
+    cg = x[1] // groups
+    n_params = filters * cg * ksize + (filters if p["bias"] else 0)
+    halo = "periodic" if p.get("padding_mode") == "circular" else "window"
+    return Inferred(out, 2 * math.prod(out) * cg * ksize, n_params, st, halo)
 
 
 def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
@@ -81,7 +118,10 @@ SPEC = LayerSpec(
         Key("stride", PerDim(_POS), 1, "stride"),
         Key("padding", Padding(), 0, "zero padding on each side"),
         Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
-        Key("bias", Bool(), True, "learn an additive bias")),
+        Key("bias", Bool(), True, "learn an additive bias"),
+        Key("groups", _POS, 1, "channel groups: each filter reads C/groups input channels (PyTorch's)"),
+        Key("padding_mode", Str(PADDING_MODES), "zeros",
+            "how the padding is filled: zeros, reflect, replicate or circular (periodic)")),
     _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=10,
     capturable=True)
 
@@ -96,6 +136,14 @@ class Conv(HaloLayer):
             raise LayerError(f"layer '{self.name}' (conv) needs an (n, c, [d,] h, w) input, got shape "
                              f"{in_shape}; put it before any fully-connected layer")
         self.filters = int(hp["filters"])
+        self.groups = int(hp.get("groups") or 1)
+        self.padding_mode = hp.get("padding_mode") or "zeros"
+        if self.padding_mode not in PADDING_MODES:
+            raise LayerError(f"layer '{self.name}' (conv): padding_mode must be one of "
+                             f"{', '.join(PADDING_MODES)}, got {self.padding_mode!r}")
+        if in_shape[1] % self.groups or self.filters % self.groups:
+            raise LayerError(f"layer '{self.name}' (conv): {self.groups} groups must divide both the input "
+                             f"channels ({in_shape[1]}) and the filters ({self.filters})")
         self.stencil = Stencil.conv(ndim, hp["kernel"], hp["stride"], hp["padding"], hp["dilation"])
         self.use_bias = bool(hp["bias"])
         sp = self.stencil.dims[2:]
@@ -112,13 +160,20 @@ class Conv(HaloLayer):
         if 1 in dist.replicate:
             raise LayerError(f"layer '{self.name}' (conv): its output distribution {dist} cannot replicate c")
         self.in_dists = [Distribution(dist.split, dist.ranks, (1,) if cdeg > 1 else ())]
-        self.plan_halo(self.in_dists[0], in_shape, self.stencil)
+        if self.padding_mode == "zeros":
+            self.plan_halo(self.in_dists[0], in_shape, self.stencil)
+        else:
+            from lbannpy.halo import HaloPlan  # as plan_halo: only stencil layers need the halo module
+
+            self.halo = HaloPlan(self.in_dists[0], in_shape, self.stencil, self.ctx.rank,
+                                 tag=self.ctx.new_tag(2), boundary=self.padding_mode)
         self._window_buf = None  # the window kept from step to step when keeps_window (see fp_compute)
         cin = in_shape[1]
-        wshape = (self.filters, cin) + self.kernel
-        fan_in = cin * math.prod(self.kernel)
+        wshape = (self.filters, cin // self.groups) + self.kernel
+        fan_in = cin // self.groups * math.prod(self.kernel)
         w0 = self.rng("weight").standard_normal(wshape) * math.sqrt(2.0 / fan_in)
         fbox = dist.box(self.out_shape, self.ctx.rank)[1]
+        self._segs = _group_segments(fbox, self.filters // self.groups, cin // self.groups, self.groups)
         reduce_dims = [d for d in dist.dim_names if d != "c"]
         self.w = self.new_param("weight", wshape, w0, (fbox,) + tuple((0, s) for s in wshape[1:]),
                                 dist, reduce_dims, lazy=True)
@@ -136,7 +191,10 @@ class Conv(HaloLayer):
             ctx, rank = self.ctx, self.ctx.rank
             key = ("conv", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
                    tuple(self.out_dist.local_shape(self.out_shape, rank)))
-            k = self._kern = ctx.conv_kernel_table.get(key) or ctx.conv_kernels or own()
+            k = ctx.conv_kernel_table.get(key) or ctx.conv_kernels or own()
+            if self.groups > 1 and k.name == "aten":  # ATen's entry points here convolve one group
+                k = own()
+            self._kern = k
         return k
 
     @property
@@ -159,7 +217,8 @@ class Conv(HaloLayer):
             # kernel-padded: the local block itself, when the kernel's padding lands every output where it
             # belongs (:meth:`~lbannpy.halo.HaloPlan.kernel_padding_fits`); with a halo to exchange too
             # (windowless), unless the filters are split or the boundary is too large a share of the block
-            ok = (kern.pads and self.halo.kernel_padding_fits(pads)
+            ok = (kern.pads and self.padding_mode == "zeros" and self._segs is None
+                  and self.halo.kernel_padding_fits(pads)
                   and (self.halo.local or (self.cgroup is None
                                            and self.halo.ghost_fraction <= WINDOWLESS_MAX_BOUNDARY)))
             local = self.in_dists[0].local_shape(self.in_shapes[0], self.ctx.rank)
@@ -173,8 +232,38 @@ class Conv(HaloLayer):
         return cached
 
     def _conv(self, xwin, out=None, index=None):
-        return self.kern.conv_forward(xwin, self.w.value, None if self.b is None else self.b.value,
-                              self.stride, self.dilation, out=out)
+        b = None if self.b is None else self.b.value
+        if self._segs is not None:
+            return self._conv_segments(xwin, b, out)
+        return self.kern.conv_forward(xwin, self.w.value, b, self.stride, self.dilation, out=out)
+
+    # -- a filter split of a grouped convolution: the groups this rank's filters touch, one by one ------
+    def _conv_segments(self, xwin, b, out):
+        xp, kern, w = self.ctx.xp, self.kern, self.w.value
+        ys = [kern.conv_forward(xp.ascontiguousarray(xwin[:, cs]), w[fs], None if b is None else b[fs],
+                                self.stride, self.dilation) for fs, cs in self._segs]
+        y = ys[0] if len(ys) == 1 else xp.concatenate(ys, axis=1)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+
+    def _backward_params_segments(self, window, dy):
+        xp, kern, w = self.ctx.xp, self.kern, self.w.value
+        c = xp.ascontiguousarray
+        parts = [kern.conv_backward_params(c(window[:, cs]), c(dy[:, fs]), w[fs], self.b is not None,
+                                           self.stride, self.dilation) for fs, cs in self._segs]
+        dw = xp.concatenate([p[0] for p in parts], axis=0)
+        return dw, (xp.concatenate([p[1] for p in parts]) if self.b is not None else None)
+
+    def _backward_input_segments(self, dy, window):
+        xp, kern, w = self.ctx.xp, self.kern, self.w.value
+        dwin = xp.zeros(window.shape, dtype=dy.dtype)
+        for fs, cs in self._segs:
+            dwin[:, cs] += kern.conv_backward_input(xp.ascontiguousarray(dy[:, fs]), w[fs],
+                                                    xp.ascontiguousarray(window[:, cs]), self.stride,
+                                                    self.dilation)
+        return dwin
 
     def fp_compute(self, xs):
         (x,) = xs
@@ -313,8 +402,11 @@ class Conv(HaloLayer):
         padded = {} if pads is None else {"padding": pads}
 
         def weight_grads():
-            dw, db = self.kern.conv_backward_params(window, dy, self.w.value, self.b is not None, self.stride,
-                                                    self.dilation, **padded)
+            if self._segs is not None:
+                dw, db = self._backward_params_segments(window, dy)
+            else:
+                dw, db = self.kern.conv_backward_params(window, dy, self.w.value, self.b is not None,
+                                                        self.stride, self.dilation, **padded)
             self.w.accumulate(dw)
             if db is not None:
                 self.b.accumulate(db)
@@ -325,8 +417,11 @@ class Conv(HaloLayer):
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers,
         # unless the kernels allocate it anyway
         space = None if self.kern.allocates else ctx.workspace("conv window gradient", window.shape, dy.dtype)
-        dwin = self.kern.conv_backward_input(dy, self.w.value, window, self.stride, self.dilation,
-                                             out=space, **padded)
+        if self._segs is not None:
+            dwin = self._backward_input_segments(dy, window)
+        else:
+            dwin = self.kern.conv_backward_input(dy, self.w.value, window, self.stride, self.dilation,
+                                                 out=space, **padded)
         if self.cgroup is not None:  # partial sums over this rank's filters
             dwin = self.cgroup.allreduce(dwin)
         if pads is not None:  # already the input gradient
@@ -340,3 +435,22 @@ class Conv(HaloLayer):
 def _out(sl):
     """A halo plan's output slices (channel dimension: the input's) for the layer's output block."""
     return (sl[0], slice(None)) + tuple(sl[2:])
+
+
+def _group_segments(fbox, fg: int, cg: int, groups: int):
+    """For a rank holding filters ``fbox`` of a grouped convolution (``fg`` filters and ``cg`` input
+    channels per group): ``[(local filter slice, input channel slice), ...]``, whole groups in one
+    segment, a group the block begins or ends inside in one of its own; None where the kernels can take the
+    filters and the whole input at once (one group, or all filters)."""
+    f0, f1 = fbox
+    if groups == 1 or (f0, f1) == (0, fg * groups):
+        return None
+    segs, cur = [], f0
+    while cur < f1:
+        g = cur // fg
+        whole = (f1 - cur) // fg if cur % fg == 0 else 0
+        end = cur + whole * fg if whole else min((g + 1) * fg, f1)
+        ng = max(whole, 1)
+        segs.append((slice(cur - f0, end - f0), slice(g * cg, (g + ng) * cg)))
+        cur = end
+    return segs

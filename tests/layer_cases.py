@@ -120,8 +120,10 @@ def _apply(layer, ins, params):
         for lo, hi in reversed(pads):
             flat += [lo, hi]
         conv = F.conv2d if nsp == 2 else F.conv3d
-        return conv(F.pad(x, flat), params[f"{name}.weight"], params.get(f"{name}.bias"),
-                    stride=layer.get("stride", 1), dilation=dil)
+        mode = layer.get("padding_mode", "zeros")
+        padded = F.pad(x, flat) if mode == "zeros" else F.pad(x, flat, mode=mode)
+        return conv(padded, params[f"{name}.weight"], params.get(f"{name}.bias"),
+                    stride=layer.get("stride", 1), dilation=dil, groups=layer.get("groups", 1))
     if ltype == "pool":
         nsp = ins[0].dim() - 2
         k = layer.get("kernel", 2)
