@@ -35,7 +35,8 @@ DEFAULTS = {
 }
 
 LAYER_DEFAULTS = {
-    "conv": {"kernel": 3, "stride": 1, "padding": 0, "dilation": 1, "bias": True},
+    "conv": {"kernel": 3, "stride": 1, "padding": 0, "dilation": 1, "bias": True, "groups": 1,
+             "padding_mode": "zeros"},
     "pool": {"mode": "max", "kernel": 2, "stride": 2, "padding": 0, "global": False},
     "batchnorm": {"eps": 1e-5, "momentum": 0.1, "sync": "group"},
     "relu": {}, "leaky_relu": {"slope": 0.01}, "dropout": {"p": 0.5},
