@@ -1,4 +1,4 @@
-"""Apply a trained model to the samples of an HDF5 file and write class probabilities.
+"""Apply a trained model to the samples of an HDF5 file and write class probabilities (or its raw outputs).
 
 ``python -m lbannpy.predict CONFIG.h5 --checkpoint CKPT --data IN.h5 -o OUT.h5 [--png N]``, under
 ``mpiexec``/``srun`` with the rank layout the model was trained with (``parallel.*`` in the config; another
@@ -10,8 +10,10 @@ via ``--set``) or alone.
 * Every rank reads only its hyperslab of each mini-batch (samples and spatial box of the model input).
 * Output: rank 0 gathers each batch's logits (one batch, never the whole data set) and writes the softmax
   into ``OUT.h5``: ``probabilities`` ``(M, K)`` for classification or ``(M, K, *spatial_out)`` per-cell maps
-  for segmentation, and ``sample_ids`` ``(M,)`` (rows of ``IN.h5``). ``M`` need not be a multiple of the
-  batch size: the last batch is the last ``B`` samples, of which only the new ones are written.
+  for segmentation, and ``sample_ids`` ``(M,)`` (rows of ``IN.h5``). Per loss (:func:`output_map`): the
+  softmax over the classes for the cross-entropy losses and dice, the sigmoid for ``bce_with_logits``, and
+  for the regression losses (``mse``, ``l1``) the raw outputs, as ``outputs``. ``M`` need not be a multiple
+  of the batch size: the last batch is the last ``B`` samples, of which only the new ones are written.
 * When ``IN.h5`` holds labels, the metrics are computed exactly as the trainer's evaluation does (mean over
   the full mini-batches of each batch's loss, accuracy and IoU) and printed and stored as attributes.
 * ``--png N`` draws the first ``N`` samples (an input channel, the labels if present, the prediction side
@@ -149,7 +151,19 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def _open_data(cfg: dict, path: str, model):
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0, e) / (1.0 + e)
+
+
+def output_map(kind: str):
+    """``(dataset name, function)``: what predict writes of the model's outputs under loss ``kind``."""
+    if kind in ("mse", "l1"):  # regression: the outputs are the predictions
+        return "outputs", lambda z: z
+    return "probabilities", sigmoid if kind == "bce_with_logits" else softmax
+
+
+def _open_data(cfg: dict, path: str, model, loss):
     """``(num_samples, has_labels)``; the inputs checked against the model's input."""
     import h5py
 
@@ -169,7 +183,8 @@ def _open_data(cfg: dict, path: str, model):
     if has_labels:
         try:
             validate_dataset(path, train["inputs"], train["labels"], expected_channels=shape[1],
-                             expected_spatial=shape[2:])
+                             expected_spatial=shape[2:], label_shape=loss.label_shape,
+                             float_labels=loss.targets)
         except DataError as exc:
             raise UserError(str(exc)) from exc
     elif tuple(xs[1:]) != tuple(shape[1:]):
@@ -216,7 +231,7 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
     watchdog.progress("reading the checkpoint")
     ckpt_path, step = load_weights(args.checkpoint, model, rt.xp, world)
     model.set_train(False)
-    num, has_labels = _open_data(cfg, args.data, model)
+    num, has_labels = _open_data(cfg, args.data, model, loss)
     ids = select_ids(cfg, num, args.subset)
     bsz = model.input_shape[0]
     if len(ids) < bsz:
@@ -228,13 +243,14 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
     out_shape = tuple(model.output.out_shape)
     totals, n_full = {}, 0
     fout = None
+    out_name, out_fn = output_map(loss.kind)
     # written under a temporary name and renamed when complete: a failed run leaves no half file, and
     # never truncates an existing one
     part = f"{args.output}.tmp-{os.getpid()}"
     if world.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         fout = h5py.File(part, "w")
-        probs = fout.create_dataset("probabilities", shape=(len(ids),) + out_shape[1:], dtype=ctx.dtype,
+        probs = fout.create_dataset(out_name, shape=(len(ids),) + out_shape[1:], dtype=ctx.dtype,
                                     chunks=(1,) + out_shape[1:])
         fout.create_dataset("sample_ids", data=ids)
     row = 0
@@ -256,7 +272,7 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
                     n_full += 1
                 full = logits.gather(world, root=0)
                 if world.rank == 0:
-                    p = softmax(to_numpy(full).astype(np.float64))[first_new:]
+                    p = out_fn(to_numpy(full).astype(np.float64))[first_new:]
                     probs[row:row + len(p)] = p
                     row += len(p)
         metrics = {k: v / n_full for k, v in totals.items()} if n_full else {}
@@ -329,7 +345,8 @@ def resolution_line(out: str, cfg: dict) -> str:
 
 def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> None:
     """Rank 0: one row per sample: input channel, labels (if present), prediction (positive class
-    probability for two classes, else the argmax class; for classification the class probabilities)."""
+    probability for two classes, else the argmax class; for classification the class probabilities; raw
+    outputs and float targets: their first channel)."""
     import h5py
     import matplotlib
 
@@ -338,11 +355,17 @@ def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> No
 
     with h5py.File(out, "r") as fo:
         ids = fo["sample_ids"][:n]
-        probs = fo["probabilities"][:n]
+        raw = "outputs" in fo  # a regression model's raw outputs
+        probs = fo["outputs" if raw else "probabilities"][:n]
     with h5py.File(data, "r") as fi:
         x = np.stack([fi[names["inputs"]][int(i), channel] for i in ids])
         y = np.stack([fi[names["labels"]][int(i)] for i in ids]) if names["labels"] in fi else None
     seg = probs.ndim > 2
+    if y is not None and y.ndim == probs.ndim:  # float targets of the output's shape: the first channel
+        y = y[:, 0]
+    if seg and (raw or probs.shape[1] == 1):  # one map to draw: the first channel as it is
+        probs = probs[:, :1]
+    top = probs.shape[1] - 1
     cols = 3 if (seg and y is not None) else 2
     fig, axes = plt.subplots(len(ids), cols, figsize=(3.2 * cols, 3.0 * len(ids)), squeeze=False)
     for r, i in enumerate(ids):
@@ -352,21 +375,25 @@ def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> No
         ax[0].set_title(f"sample {int(i)}: input channel {channel}", fontsize=9)
         if seg:
             if y is not None:
-                ax[1].imshow(y[r] if y[r].ndim == 2 else y[r][y[r].shape[0] // 2], cmap="gray",
-                             vmin=0, vmax=max(1, probs.shape[1] - 1))
+                ax[1].imshow(y[r] if y[r].ndim == 2 else y[r][y[r].shape[0] // 2], cmap="viridis" if raw
+                             else "gray", vmin=None if raw else 0, vmax=None if raw else max(1, top))
                 ax[1].set_title("labels", fontsize=9)
             p = probs[r]
-            pm = p[1] if p.shape[0] == 2 else p.argmax(axis=0)
+            pm = p[1] if p.shape[0] == 2 else p[0] if p.shape[0] == 1 else p.argmax(axis=0)
             pm = pm if pm.ndim == 2 else pm[pm.shape[0] // 2]
-            im = ax[cols - 1].imshow(pm, cmap="gray", vmin=0, vmax=1 if p.shape[0] == 2 else p.shape[0] - 1)
-            ax[cols - 1].set_title("prediction: P(class 1)" if p.shape[0] == 2 else "prediction: class",
-                                   fontsize=9)
+            im = ax[cols - 1].imshow(pm, cmap="viridis" if raw else "gray", vmin=None if raw else 0,
+                                     vmax=None if raw else max(1, top))
+            title = ("prediction: output channel 0" if raw else "prediction: P(class 1)" if p.shape[0] <= 2
+                     else "prediction: class")
+            ax[cols - 1].set_title(title, fontsize=9)
             fig.colorbar(im, ax=ax[cols - 1], fraction=0.046)
         else:
             ax[1].bar(range(probs.shape[1]), probs[r])
-            lab = f", label {int(y[r])}" if y is not None else ""
-            ax[1].set_title(f"class probabilities (argmax {int(probs[r].argmax())}{lab})", fontsize=9)
-            ax[1].set_ylim(0, 1)
+            lab = f", label {y[r]:g}" if y is not None else ""
+            what = "output" if raw else f"class probabilities (argmax {int(probs[r].argmax())}"
+            ax[1].set_title(f"{what}{lab}{'' if raw else ')'}", fontsize=9)
+            if not raw:
+                ax[1].set_ylim(0, 1)
         for a in ax[:cols if seg else 1]:
             a.set_xticks([])
             a.set_yticks([])

@@ -252,31 +252,52 @@ def _check_dataset(path: str, file: str, names: dict, cfg: dict, base_dir, is_tr
     if n < 1:
         raise ConfigError(where, f"dataset {names['inputs']!r} in {full!r} holds no samples",
                           "use a non-empty dataset")
-    # the reader takes class indices only (no probabilities): what it refuses is refused here
-    soft = False
-    if model["loss"] == "pixel_cross_entropy":
-        ok_shape = yshape in ((n,) + spatial, (n, 1) + spatial)
-        want_y = f"(N, *spatial) = ({n}, {', '.join(map(str, spatial))})"
-    else:
-        ok_shape = yshape in ((n,), (n, 1))
-        want_y = f"({n},) class indices"
-    if not ok_shape:
-        raise ConfigError("data.train.labels", f"dataset {names['labels']!r} in {full!r} has shape {yshape}, "
-                                               f"{model['loss']} needs {want_y}",
-                          "make the labels match the inputs and the loss")
-    if ydtype.kind not in ("f" if soft else "iu"):
-        want_t = "probabilities must be floating point" if soft else "class labels must be integers"
-        raise ConfigError("data.train.labels",
-                          f"dataset {names['labels']!r} in {full!r} has dtype {ydtype}; {want_t}",
-                          "store labels as int64 class indices (the reader takes no probabilities)")
+    form = _label_form(cfg)
+    _check_labels(names["labels"], full, model["loss"], form, n, spatial, yshape, ydtype)
     try:  # the reader's own checks, the ones train's set-up makes, with its words
-        validate_dataset(full, names["inputs"], names["labels"], channels, spatial)
+        validate_dataset(full, names["inputs"], names["labels"], channels, spatial,
+                         None if form is None else form.shape, form is not None and form.floating)
     except DataError as e:
         raise ConfigError(where, str(e), "make the data match what the reader takes") from None
     if is_train and n < cfg["trainer"]["batch_size"]:
         raise ConfigError(where, f"{full!r} holds {n} samples, fewer than trainer.batch_size = "
                                  f"{cfg['trainer']['batch_size']}", "lower the batch size or add samples")
     return n
+
+
+def _label_form(cfg: dict):
+    """What the model's loss reads as labels where it is not a cross-entropy (their own rules below), from
+    the output shape of the model's graph; None for the cross-entropy losses."""
+    if cfg["model"]["loss"] in ("cross_entropy", "pixel_cross_entropy"):
+        return None
+    # late: the loss module loads the layer kernels, which loading a config must not
+    from lbannpy.layers.loss import label_form
+
+    out = tuple(check_graph(cfg).nodes[-1].out_shape)
+    return label_form(cfg["model"]["loss"], cfg["model"]["input"]["spatial"], out[1:])
+
+
+def _check_labels(name: str, full: str, loss: str, form, n: int, spatial: tuple, yshape: tuple,
+                  ydtype) -> None:
+    """The labels dataset's shape and type against what the loss reads (ConfigError at data.train.labels)."""
+    if form is not None:  # float targets or classes at the output's resolution
+        ok_shape, want_y = yshape == (n,) + form.shape, form.text.replace("(M,", f"({n},", 1)
+    elif loss == "pixel_cross_entropy":  # the reader takes class indices only (no probabilities)
+        ok_shape = yshape in ((n,) + spatial, (n, 1) + spatial)
+        want_y = f"(N, *spatial) = ({n}, {', '.join(map(str, spatial))})"
+    else:
+        ok_shape = yshape in ((n,), (n, 1))
+        want_y = f"({n},) class indices"
+    if not ok_shape:
+        raise ConfigError("data.train.labels", f"dataset {name!r} in {full!r} has shape {yshape}, "
+                                               f"{loss} needs {want_y}",
+                          "make the labels match the inputs and the loss")
+    floating = form is not None and form.floating
+    if ydtype.kind not in ("f" if floating else "iu"):
+        want_t = f"{loss} targets must be floating point" if floating else "class labels must be integers"
+        raise ConfigError("data.train.labels", f"dataset {name!r} in {full!r} has dtype {ydtype}; {want_t}",
+                          "store targets as float32/float64" if floating else
+                          "store labels as int64 class indices (the reader takes no probabilities)")
 
 
 def check_memory(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir: str | None = None,

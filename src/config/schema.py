@@ -128,7 +128,8 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         )),
         Key("layers", LayerList(), REQUIRED, "the layers; parents default to the previous layer"),
         Key("loss", Registered("loss", loss_specs), "cross_entropy",
-            "cross_entropy (one label per sample) or pixel_cross_entropy (one label per pixel)"),
+            "cross_entropy (one label per sample), pixel_cross_entropy (one label per pixel), mse, l1 or "
+            "bce_with_logits (float targets of the output's shape), dice (one label per output pixel)"),
         Key("init", Str(), UNSET, "initial weights: an lbannpy checkpoint or a safetensors file from "
                                   "python -m lbannpy.export (PyTorch names)"),
     )),

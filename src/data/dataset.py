@@ -113,12 +113,15 @@ def _check_virtual_sources(path: str, dset, role: str) -> None:
 
 def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
                      expected_channels: int | None = None,
-                     expected_spatial: Sequence[int] | None = None) -> DatasetInfo:
+                     expected_spatial: Sequence[int] | None = None, label_shape: Sequence[int] | None = None,
+                     float_labels: bool = False) -> DatasetInfo:
     """Check that ``path`` holds a usable input/label pair; read only metadata.
 
     Inputs must be floating point ``(M, C, *spatial)`` with 0 to 3 spatial dimensions; labels integer,
     either ``(M,)`` (one class per sample) or ``(M, *spatial)`` (one class per pixel, at input resolution).
     ``expected_channels``/``expected_spatial`` (from the model's input spec) are compared when given.
+    A loss that reads other labels says so: ``label_shape``, the per-sample shape they must have (e.g. the
+    model output's), and ``float_labels`` for float targets instead of integer classes.
     Raises :class:`DataError` naming the file, the dataset and the expected and found shapes.
     """
     import h5py
@@ -161,13 +164,17 @@ def validate_dataset(path: str, inputs: str = "inputs", labels: str = "labels",
             raise DataError(f"{path}: dataset '{inputs}' has shape {shape_str(xs)}, spatial {xs[2:]}; the "
                             f"model expects spatial {want} (expected shape "
                             f"(M, C, {', '.join(map(str, want))}), found {xs})")
-    if ydt.kind not in "iu":
-        raise DataError(f"{path}: dataset '{labels}' has dtype {ydt}; expected integer class labels")
+    if ydt.kind not in ("f" if float_labels else "iu"):
+        want = "floating point targets" if float_labels else "integer class labels"
+        raise DataError(f"{path}: dataset '{labels}' has dtype {ydt}; expected {want}")
     if ys[:1] != xs[:1]:
         raise DataError(f"{path}: dataset '{labels}' has shape {shape_str(ys)} but '{inputs}' has "
                         f"{xs[0]} samples; expected labels of shape ({xs[0]},) or ({xs[0]}, "
                         f"{', '.join(map(str, xs[2:]))})")
-    if len(ys) > 1 and ys[1:] != xs[2:]:
+    if label_shape is not None and ys[1:] != tuple(int(s) for s in label_shape):
+        raise DataError(f"{path}: dataset '{labels}' has shape {shape_str(ys)}; the loss needs labels of "
+                        f"shape ({xs[0]}, {', '.join(map(str, label_shape))})")
+    if label_shape is None and len(ys) > 1 and ys[1:] != xs[2:]:
         raise DataError(f"{path}: dataset '{labels}' has shape {shape_str(ys)}; per-pixel labels must match "
                         f"the input's spatial shape: expected ({xs[0]}, {', '.join(map(str, xs[2:]))}), "
                         f"found {ys}")

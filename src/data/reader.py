@@ -4,9 +4,9 @@ A mini-batch of ``B`` samples is a tensor of global shape ``(B, C, *spatial)`` l
 :class:`~lbannpy.dist.Distribution`. Rank ``r`` owns the box ``dist.box((B, C, *spatial), r)``: a range of
 positions in the batch, a range of channels and a spatial block. The reader maps batch positions to the
 file's sample ids through a shuffled order and reads ``inputs[id, c0:c1, h0:h1, w0:w1]`` for each (no
-rank-0 read and scatter). Per-pixel labels ``(M, *spatial)`` are read with
-the spatial box of ``label_dist`` (the distribution of the layer the loss sees; default ``dist``);
-class labels ``(M,)`` take only the batch range of ``label_dist``.
+rank-0 read and scatter). Per-pixel labels ``(M, *spatial)`` are read with the spatial box of
+``label_dist`` (the distribution of the layer the loss sees; default ``dist``); class labels ``(M,)`` take
+only its batch range; float targets ``(M, K, *spatial)`` (regression losses) its whole box, like inputs.
 
 Order and position
 ------------------
@@ -108,6 +108,8 @@ class HDF5Reader:
         reduced labels (``prod(label_factors)`` times smaller). Each rank's label box must start on a
         cell boundary. Default: labels at the file's resolution.
     preload : ``auto``, ``always`` or ``never``: keep this rank's part of the set in memory (see Preload).
+    label_shape, targets : the labels' per-sample shape where the loss reads others than the default, and
+        whether they are float targets of the tensor ``label_dist`` lays out (its whole box; no class check).
 
     The file's identity (size, modification time, inode, device) is recorded when it is opened and compared
     with a fresh ``os.stat`` at the first read of every epoch and after a failed read: a file truncated or
@@ -120,10 +122,12 @@ class HDF5Reader:
                  label_dist: Distribution | None = None, depth: int = 2, comm=None,
                  expected_channels: int | None = None, expected_spatial: Sequence[int] | None = None,
                  piece_bytes: int = PIECE_BYTES, num_classes: int | None = None, name: str = "",
-                 preload: str = "never", label_factors: Sequence[int] = (), metadata_only: bool = False):
+                 preload: str = "never", label_factors: Sequence[int] = (), metadata_only: bool = False,
+                 label_shape: Sequence[int] | None = None, targets: bool = False):
         self.path = str(path)
         self.name = name or self.path
-        self.num_classes = None if num_classes is None else int(num_classes)
+        self.num_classes = None if num_classes is None or targets else int(num_classes)
+        self.targets = bool(targets)
         self._identity: FileIdentity | None = None
         self._checked_epoch: int | None = None
         self.rank = int(rank)
@@ -148,7 +152,8 @@ class HDF5Reader:
         self._class_labels = None
         error = None
         try:
-            self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial)
+            self.info = validate_dataset(self.path, inputs, labels, expected_channels, expected_spatial,
+                                         label_shape, self.targets)
             if not metadata_only:  # a reader that reads no batch (the scale benchmark) needs no samples
                 check_complete(self.path, (inputs, labels))  # storage never written reads as zeros
             self._setup(dist, label_dist, indices, label_factors)
@@ -182,9 +187,7 @@ class HDF5Reader:
         self.dist.check_shape(self.global_shape, f"input mini-batch of {self.path}:{info.inputs}")
         self.box = self.dist.box(self.global_shape, self.rank)
         self.local_shape = tuple(hi - lo for lo, hi in self.box)
-
         lshape = self._setup_labels(label_dist, ndim, label_factors)
-
         m = info.num_samples
         if indices is None:
             self.indices = np.arange(m, dtype=np.int64)
@@ -213,10 +216,9 @@ class HDF5Reader:
         need += self.store_bytes if self.preloaded else 0
         avail = host_memory_bytes()
         if avail and need > avail and self.preloaded:
-            raise DataError(
-                f"rank {self.rank}: preloading its part of {self.path} takes "
-                f"{self.store_bytes / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
-                f"set data.preload: never (or auto)")
+            raise DataError(f"rank {self.rank}: preloading its part of {self.path} takes "
+                            f"{self.store_bytes / 2**30:.2f} GiB but the node has {avail / 2**30:.2f} GiB; "
+                            f"set data.preload: never (or auto)")
         if avail and need > avail:
             raise DataError(
                 f"rank {self.rank}: a block of the mini-batch from {self.path} is {block / 2**30:.2f} GiB "
@@ -233,7 +235,11 @@ class HDF5Reader:
             raise DataError(f"rank {self.rank} outside the {self.label_dist.ranks} ranks of label "
                             f"distribution {self.label_dist}")
         ld = self.label_dist
-        if info.per_pixel:
+        if self.targets:  # float targets: blocked like the tensor label_dist lays out, channels included
+            lshape = (self.batch_size,) + info.label_shape
+            ld.check_shape(lshape, f"targets of {self.path}:{info.labels}")
+            self.label_box = ld.box(lshape, self.rank)
+        elif info.per_pixel:
             if ld.ndim != ndim:
                 raise DataError(f"{self.path}: per-pixel labels '{info.labels}' need a label distribution "
                                 f"over (n, c, {', '.join(ld.dim_names[2:]) or 'spatial'}) with {ndim} "
@@ -275,9 +281,9 @@ class HDF5Reader:
 
     def _decide_preload(self, label_shape) -> None:
         """Preload or not: decided on the largest rank's part, so every rank decides the same."""
-        info = self.info
+        info, cut = self.info, 2 - self.targets  # per sample: targets keep their channel dimension
         big = max_local_shape(self.global_shape, self.dist)
-        big_labels = max_local_shape(label_shape, self.label_dist)[2:] if info.per_pixel else ()
+        big_labels = max_local_shape(label_shape, self.label_dist)[cut:] if info.per_pixel else ()
         if self.label_factors:
             big_labels = tuple(-(-n // f) for n, f in zip(big_labels, self.label_factors))
         self.store_bytes = store_bytes(len(self.indices), big[1:], info.input_dtype.itemsize, big_labels,

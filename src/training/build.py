@@ -120,7 +120,8 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     batch_size, seed = int(tr["batch_size"]), int(tr.get("seed", 0))
     in_shape = model.input_shape
     info = validate_dataset(train["path"], train["inputs"], train["labels"],
-                            expected_channels=in_shape[1], expected_spatial=in_shape[2:])
+                            expected_channels=in_shape[1], expected_spatial=in_shape[2:],
+                            label_shape=loss.label_shape, float_labels=loss.targets)
     # train/validation split: a fraction of the file (same on every rank), or a file of its own
     val = data.get("validation") or {}
     if val.get("fraction"):
@@ -133,8 +134,9 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     common = dict(inputs=train["inputs"], labels=train["labels"], dist=model.input_dist,
                   rank=world.rank, batch_size=batch_size, label_dist=loss.label_dist,
                   comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:],
-                  num_classes=loss.num_classes, preload=data.get("preload", "auto"),
-                  label_factors=loss.factors)  # per-pixel labels reduced to prediction cells once, as read
+                  num_classes=loss.label_classes, preload=data.get("preload", "auto"),
+                  label_factors=loss.factors,  # per-pixel labels reduced to prediction cells once, as read
+                  label_shape=loss.label_shape, targets=loss.targets)  # float targets, dice labels
     depth = int(data.get("prefetch", 2))
     reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
                         prefetch=depth > 0, depth=max(depth, 1), name=f"data.train ({train['path']})",
