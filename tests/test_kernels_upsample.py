@@ -1,0 +1,119 @@
+"""The upsampling kernels (layers/kernels/upsample.py) on one process: against ``F.interpolate`` and its
+gradient (float64 to 1e-12, float32 to float32 round-off), on whole tensors and on any box of the output
+computed from an input array that covers only the box's source (what a split layer hands them), 1-D to 3-D,
+nearest and linear with ``align_corners`` either way, scales 1 to 3 and per dimension."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lbannpy.layers.kernels import upsample as U
+from lbannpy.layers.kernels._geometry import KernelShapeError
+
+MODES = [("nearest", False), ("linear", False), ("linear", True)]
+SHAPES = [(2, 3, 7), (2, 3, 5, 6), (1, 2, 3, 4, 5), (1, 1, 1, 2)]
+
+
+def _torch(x, scale, mode, corners, dy=None):
+    nsp = x.ndim - 2
+    sf = tuple(float(s) for s in (scale if isinstance(scale, (list, tuple)) else [scale] * nsp))
+    xt = torch.tensor(x, requires_grad=True)
+    if mode == "nearest":
+        y = F.interpolate(xt, scale_factor=sf, mode="nearest")
+    else:
+        y = F.interpolate(xt, scale_factor=sf, mode=("linear", "bilinear", "trilinear")[nsp - 1],
+                          align_corners=corners)
+    if dy is None:
+        return y.detach().numpy()
+    y.backward(torch.tensor(dy))
+    return y.detach().numpy(), xt.grad.numpy()
+
+
+def _scales(shape):
+    nsp = len(shape) - 2
+    return [1, 2, 3, [3, 1, 2][:nsp] if nsp > 1 else 2]
+
+
+@pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_whole_tensor_matches_interpolate_and_its_gradient(shape, mode, corners):
+    rng = np.random.default_rng(1)
+    for scale in _scales(shape):
+        x = rng.standard_normal(shape)
+        y = U.upsample(x, scale, mode, corners)
+        dy = rng.standard_normal(y.shape)
+        ty, tdx = _torch(x, scale, mode, corners, dy)
+        dx = U.upsample_backward(dy, shape, scale, mode, corners)
+        assert np.abs(y - ty).max() <= 1e-12 * np.abs(ty).max(), scale
+        assert np.abs(dx - tdx).max() <= 1e-12 * np.abs(tdx).max(), scale
+        assert dx is not dy and dx.shape == shape
+
+
+@pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_any_box_from_its_source_alone(shape, mode, corners):
+    """A box of the output from an input array holding only the box's source (at its global origin), and
+    the box's gradient, added into the whole input, equal to the whole tensor's."""
+    rng = np.random.default_rng(2)
+    for scale in _scales(shape)[1:]:
+        x = rng.standard_normal(shape)
+        full = _torch(x, scale, mode, corners)
+        axes = U._axes(shape, scale, mode, corners)
+        for _ in range(6):
+            box = []
+            for a in axes:
+                o0 = int(rng.integers(0, a.out))
+                box.append((o0, int(rng.integers(o0 + 1, a.out + 1))))
+            probe = U.Plan(axes, box, (0,) * len(axes))
+            src = x[probe.source_slices]
+            plan = U.Plan(axes, box, [lo for lo, _ in probe.source])
+            sl = (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box)
+            out = np.full(full.shape, np.nan)
+            plan.forward(src, out=out[sl])
+            assert np.abs(out[sl] - full[sl]).max() <= 1e-12
+            g = rng.standard_normal(out[sl].shape)
+            gx = np.zeros(shape)
+            gx[probe.source_slices] += plan.backward(g)
+            big = np.zeros(full.shape)
+            big[sl] = g
+            assert np.abs(gx - U.upsample_backward(big, shape, scale, mode, corners)).max() <= 1e-12
+
+
+@pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
+def test_float32(mode, corners):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
+    y = U.upsample(x, 2, mode, corners)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    ty, tdx = _torch(x, 2, mode, corners, dy)
+    dx = U.upsample_backward(dy, x.shape, 2, mode, corners)
+    assert y.dtype == dx.dtype == np.float32
+    assert np.abs(y - ty).max() <= 1e-5 and np.abs(dx - tdx).max() <= 1e-5
+
+
+def test_source_ranges_are_monotone_and_cover_every_tap():
+    for mode, corners in MODES:
+        for n, s in ((1, 2), (5, 2), (7, 3), (4, 1)):
+            ax = U.Axis(n, s, mode, corners)
+            last = (0, 0)
+            for o in range(ax.out):
+                lo, hi = ax.source(o, o + 1)
+                i0, i1, lam = ax.taps(o)
+                assert lo <= i0 <= i1 < hi <= n and 0.0 <= lam < 1.0
+                assert lo >= last[0] and hi >= last[1]
+                last = (lo, hi)
+
+
+def test_refusals():
+    with pytest.raises(KernelShapeError, match="mode"):
+        U.Axis(4, 2, "cubic")
+    axes = U._axes((1, 1, 8), 2, "linear", False)
+    plan = U.Plan(axes, [(4, 10)], (0,))
+    with pytest.raises(KernelShapeError, match="does not cover"):
+        plan.forward(np.zeros((1, 1, 3)))
+    with pytest.raises(KernelShapeError, match="outside"):
+        U.Plan(axes, [(0, 17)], (0,))
+    with pytest.raises(KernelShapeError, match="per spatial dimension"):
+        U.upsample(np.zeros((1, 1, 2, 2)), [2, 2, 2])
