@@ -7,7 +7,8 @@ Each case runs this file under ``mpiexec -n P`` (see ``conftest.launch``): on th
 
 - every case of tests/mpi/test_layers.py (tests/layer_cases.py) on CuPy arrays and an NCCL communicator
   equals PyTorch CPU (float64, 1e-10) at 1, 2 and 4 ranks;
-- row 1: the loss's metrics on CuPy logits (CuPy refuses ``numpy.asarray`` of a device array);
+- row 1 (every loss: cross-entropy per sample and per pixel, mse, l1, bce_with_logits, dice): the loss's
+  metrics on CuPy logits (CuPy refuses ``numpy.asarray`` of a device array);
 - row 2: the loss statistics are reduced by NCCL on the device (NCCL refuses host arrays) and equal the
   NumPy path's;
 - row 8: the loss (forward statistics and backward), batch norm and max/avg pooling forward and backward
@@ -146,6 +147,10 @@ def _logits_and_labels(kind, comm, xp, ctx):
         par = {"default": {"h": comm.size}}
         shape = (4, 3, 8, 6)
         labels = rng.integers(0, 2, size=(4, 8, 6))
+        if kind in ("mse", "l1", "bce_with_logits"):  # float targets of the output's shape (4, 2, 4, 3)
+            labels = rng.random((4, 2, 4, 3))
+        elif kind == "dice":  # classes at the output's resolution
+            labels = rng.integers(0, 2, size=(4, 4, 3))
     model = Model(spec, shape[0], ctx, par)
     x = DistTensor.scatter(xp.asarray(rng.standard_normal(shape)), model.input_dist, comm)
     return model, model.forward(x), labels
@@ -160,7 +165,7 @@ def _case_loss(comm, host, cupy, out):
     probe = _sync_probe(cupy)
 
     out["kinds"] = {}
-    for kind in ("cross_entropy", "pixel_cross_entropy"):
+    for kind in ("cross_entropy", "pixel_cross_entropy", "mse", "l1", "bce_with_logits", "dice"):
         r = {"error": None}
         out["kinds"][kind] = r
         try:
