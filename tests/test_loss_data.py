@@ -106,3 +106,14 @@ def test_predict_writes_what_each_loss_output_means():
     for kind in ("dice", "cross_entropy", "pixel_cross_entropy"):
         name, fn = output_map(kind)
         assert name == "probabilities" and np.allclose(fn(z).sum(axis=1), 1.0)
+
+
+def test_config_names_no_generator_for_targets(tmp_path):
+    """A missing data file: the hint names no ``lbannpy.data`` generator for a loss none of them fits."""
+    from lbannpy.config import ConfigError, load_config, validate
+
+    for loss in ("mse", "dice"):
+        with pytest.raises(ConfigError) as err:
+            validate(load_config(str(_spec(tmp_path, loss))), base_dir=str(tmp_path))
+        msg = str(err.value)
+        assert "does not exist" in msg and "python -m lbannpy.data" not in msg, msg

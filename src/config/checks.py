@@ -196,8 +196,10 @@ def _data_hint(cfg: dict, file: str) -> str:
     last = model["layers"][-1] if model.get("layers") else {}
     classes = int(last.get("units", last.get("filters", 0)) or 0)
     batch = int((cfg.get("trainer") or {}).get("batch_size") or 1)
-    cmd = data_command(int(model["input"]["channels"]), model["input"]["spatial"], classes,
-                       model.get("loss", "cross_entropy"), file, 4 * batch)
+    loss = model.get("loss", "cross_entropy")
+    # the generators write class labels at the input's resolution: none of them fits another loss
+    cmd = data_command(int(model["input"]["channels"]), model["input"]["spatial"], classes, loss, file,
+                       4 * batch) if loss in ("cross_entropy", "pixel_cross_entropy") else None
     return f" with the shape this model reads: {cmd}" if cmd else " in the shape the model reads"
 
 
