@@ -390,3 +390,40 @@ def test_a_global_reduction_splits_its_input(monkeypatch):
     assert cost.reduced_dims(node, d) == (2, 3) and filter_reason(node, d, 0.25) is None
     assert cost.compute_times(node, d, m)[0] == pytest.approx(math.prod(shape) / 4 * m.gamma_s_per_flop)
     assert "empty blocks" in filter_reason(node, Distribution.make(4, 32, h=32), 0.25)
+
+
+# the shipped types of the U-Net/ResNet family: each gives the cost model the facts its pricing needs
+_FAMILY = {
+    "conv_transpose": {"filters": 4, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1},
+    "upsample": {"mode": "linear"},
+    "pad": {"padding": 1, "mode": "circular"},
+    "instancenorm": {}, "groupnorm": {"groups": 2}, "layernorm": {}, "global_pool": {},
+    "sigmoid": {}, "tanh": {}, "gelu": {}, "silu": {}, "elu": {}, "prelu": {}, "softmax": {}, "identity": {},
+}
+
+
+@pytest.mark.parametrize("typ", list(_FAMILY))
+def test_the_new_types_declare_what_they_are_priced_by(typ):
+    from lbannpy.layers.registry import layer_specs
+    if typ not in layer_specs():
+        pytest.skip(f"{typ} is not registered in this build")
+    spec = layer_specs()[typ]
+    m = _ab_machine()
+    node = _graph([{"name": "a", "type": typ, **_FAMILY[typ]}], spatial=(16, 16), channels=4, batch=2)["a"]
+    h2 = Distribution.make(4, 2, h=2)
+    if typ in ("conv_transpose", "upsample", "pad"):  # a halo under a height split, none between samples
+        assert cost.halo_time(node, h2, m) > 0 and cost.halo_time(node, Distribution.make(4, 2, n=2), m) == 0
+        assert node.halo == {"conv_transpose": "adjoint", "pad": "periodic"}.get(typ, "window")
+    if typ in ("instancenorm", "groupnorm", "layernorm", "global_pool"):  # statistics over the split space
+        assert spec.statistics is not None and cost.internal_comm_time(node, h2, m) > 0
+        assert cost.internal_comm_time(node, Distribution.make(4, 2, n=2), m) == 0
+    if typ == "layernorm":
+        assert spec.weights_spatial and cost.gradient_sync_group(node, h2) == 1
+    if typ == "global_pool":
+        assert cost.reduced_dims(node, h2) == (2,)
+    if typ in ("sigmoid", "tanh", "gelu", "silu", "elu", "prelu", "softmax"):  # elementwise, memory-bound
+        assert spec.pointwise and node.stencil is None and node.flops_fwd > 0
+        f, bd, bw = cost.compute_times(node, h2, m)
+        assert f > m.kernel_overhead_s and bd == f and bw == 0
+    if typ == "identity":
+        assert cost.compute_times(node, h2, m) == (0.0, 0.0, 0.0)
