@@ -185,7 +185,7 @@ def _sample_blocks(x):
 _GPU = {
     "sigmoid": ("T x", "T y", "y = (T)1 / ((T)1 + exp(-x));"),
     "sigmoid_bwd": ("T dy, T y", "T dx", "dx = dy * (((T)1 - y) * y);"),
-    "tanh_bwd": ("T dy, T y", "T dx", "dx = dy * ((T)1 - y * y);"),
+    "tanh_bwd": ("T dy, T y", "T dx", "dx = dy * (((T)1 - y) * ((T)1 + y));"),
     "silu": ("T x", "T y", "y = x / ((T)1 + exp(-x));"),
     "silu_bwd": ("T dy, T x", "T dx",
                  "T s = (T)1 / ((T)1 + exp(-x)); dx = dy * (s + x * s * ((T)1 - s));"),
@@ -201,7 +201,7 @@ _GPU = {
                       f"T k = (T){_SQRT_2_PI!r} * ((T)1 + (T){3 * _GELU_CUBIC!r} * x * x);"
                       "dx = dy * ((T)0.5 * ((T)1 + t) + (T)0.5 * x * ((T)1 - t * t) * k);"),
     "elu": ("T x, T alpha", "T y", "y = x > (T)0 ? x : alpha * expm1(x);"),
-    "elu_bwd": ("T dy, T y, T alpha", "T dx", "dx = y > (T)0 ? dy : dy * (y + alpha);"),
+    "elu_bwd": ("T dy, T y, T alpha", "T dx", "dx = y <= (T)0 ? dy * (y + alpha) : dy;"),
     "prelu": ("T x, T w", "T y", "y = x > (T)0 ? x : w * x;"),
     "prelu_bwd": ("T dy, T x, T w", "T dx, T dw",
                   "dx = x > (T)0 ? dy : w * dy; dw = x > (T)0 ? (T)0 : x * dy;"),
@@ -247,17 +247,18 @@ def tanh_forward(x):
     return array_module(x).tanh(x)
 
 
-def _tanh_bwd_body(dy, y, dx):
+def _tanh_bwd_body(dy, y, dx, s):
     xp = array_module(y)
-    xp.multiply(y, y, out=dx)
-    xp.subtract(1, dx, out=dx)
+    xp.subtract(1, y, out=dx)
+    xp.add(1, y, out=s)
+    dx *= s
     dx *= dy
 
 
 def tanh_backward(dy, y):
-    """``dy * (1 - y**2)`` from the output ``y``."""
+    """``dy * (1 - y) * (1 + y)`` from the output ``y`` (``1 - y**2`` would lose the tails' digits)."""
     k = _kernels(y)
-    return k["tanh_bwd"](dy, y) if k is not None else _blockwise(_tanh_bwd_body, [dy, y], 1)[0]
+    return k["tanh_bwd"](dy, y) if k is not None else _blockwise(_tanh_bwd_body, [dy, y], 1, 1)[0]
 
 
 # -- SiLU and GELU: the forward keeps what the backward multiplies by ---------------------------------------
@@ -273,9 +274,9 @@ def _silu_body(grad):
             return
         xp.divide(1, s, out=s)       # sigmoid(x)
         xp.multiply(x, s, out=y)
-        xp.subtract(1, y, out=d)
-        d *= s
-        d += y                       # silu'(x) = s + x s (1 - s) = s (1 - y) + y
+        xp.subtract(1, s, out=d)
+        d *= y
+        d += s                       # silu'(x) = s + x s (1 - s) = s + y (1 - s), exact where s is 1
     return body
 
 
@@ -301,22 +302,21 @@ def _gelu_body(grad, coef):
         d, (a, u, p) = (rest[0], rest[1:]) if grad else (None, rest)
         xp = array_module(x)
         xp.abs(x, out=a)
-        xp.subtract(_TAIL_KAPPA, a, out=u)
         a += _TAIL_KAPPA
-        u /= a                       # u = (4 - |x|) / (4 + |x|)
+        xp.divide(2 * _TAIL_KAPPA, a, out=a)   # 1 + u = 8 / (4 + |x|): 0 at infinity
+        xp.subtract(a, 1, out=u)
         xp.multiply(u, c[0], out=p)
         for ck in c[1:-1]:
             p += ck
             p *= u
-        p += c[-1]                   # P(u)
+        p += c[-1]
+        p *= a                       # (1 + u) P(u)
         xp.multiply(x, x, out=a)
         a *= -0.5
         xp.exp(a, out=a)
         a *= _INV_SQRT_2PI           # phi(x)
-        u += 1
-        u *= p
-        u *= a                       # the tail q(|x|)
-        xp.subtract(0.5, u, out=u)
+        p *= a                       # the tail q(|x|)
+        xp.subtract(0.5, p, out=u)
         xp.copysign(u, x, out=u)
         u += 0.5                     # Phi(x): q(|x|) below 0, 1 - q(|x|) above
         xp.multiply(x, u, out=y)
@@ -393,14 +393,18 @@ def elu_forward(x, alpha=1.0):
 
 
 def _elu_bwd_body(alpha):
-    def body(dy, y, dx, s, b):
+    def body(dy, y, dx, *scratch):
         xp = array_module(y)
-        xp.less_equal(y, 0, out=b)
-        s[...] = b                   # 1 where x <= 0 (y <= 0 exactly there when alpha >= 0), else 0
-        xp.minimum(y, 0, out=dx)
-        dx += alpha - 1.0
-        dx *= s
-        dx += 1                      # 1 above 0, y + alpha = alpha exp(x) else (inf-safe: min(y, 0))
+        xp.fmin(y, 0, out=dx)        # y where x <= 0 (y <= 0 exactly there), 0 above 0 and at NaN
+        if alpha == 1.0:
+            dx += 1                  # y + 1 = exp(x) where x <= 0, 1 else
+        else:
+            s, b = scratch
+            xp.less_equal(y, 0, out=b)
+            s[...] = b
+            dx += alpha - 1.0
+            dx *= s
+            dx += 1                  # y + alpha = alpha exp(x) where x <= 0, 1 else (NaN: 1, as PyTorch)
         dx *= dy
     return body
 
@@ -411,7 +415,8 @@ def elu_backward(dy, y, alpha=1.0):
     k = _kernels(y)
     if k is not None:
         return k["elu_bwd"](dy, y, y.dtype.type(alpha))
-    return _blockwise(_elu_bwd_body(float(alpha)), [dy, y], 1, 1, 1)[0]
+    one = float(alpha) == 1.0
+    return _blockwise(_elu_bwd_body(float(alpha)), [dy, y], 1, 0 if one else 1, 0 if one else 1)[0]
 
 
 # -- PReLU ---------------------------------------------------------------------------------------------------
