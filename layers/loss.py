@@ -79,10 +79,11 @@ register_loss(LossSpec("dice", "soft Dice (MONAI) of softmax(output) against one
 
 @dataclass(frozen=True)
 class LabelForm:
-    """What a loss reads from the data file's ``labels`` dataset, per sample: the config check, ``data
-    check``, the reader and ``predict`` ask it, so all four say the same."""
+    """What a loss reads from the data file's ``labels`` dataset, per sample, before any model is built:
+    the config's data check and ``data check`` ask it (the trainer's reader and ``predict`` take the same
+    from the built loss: :attr:`Loss.label_shape`, :attr:`Loss.targets`)."""
 
-    shape: tuple | None   # per-sample shape; None: the cross-entropy losses' own rule (see the reader)
+    shape: tuple          # per-sample shape
     floating: bool        # float targets (else integer class labels)
     classes: int | None   # integer labels lie in [0, classes)
     text: str             # how messages name it
@@ -130,7 +131,9 @@ class Loss:
     labels each rank reads), :attr:`factors` (per-pixel labels reduced to prediction cells as read),
     :attr:`targets` (float targets blocked like the output, channels included), :attr:`label_shape`
     (the labels' per-sample shape where it is not the reader's default) and :attr:`label_classes` (the
-    range integer labels are checked against)."""
+    range integer labels are checked against). Each kind's class lays the output out for its
+    computation (``_layout``: the distribution it computes under, after checking the output's shape) and
+    defines ``form`` (its :class:`LabelForm`), ``forward_stats`` and ``metrics``."""
 
     targets = False
     label_shape: tuple | None = None
@@ -150,10 +153,6 @@ class Loss:
         self.group = ctx.block_comm(self.dist)
         self.num_classes = self.logits_shape[1]
         self._grad = None
-
-    def _layout(self, logits_dist: Distribution, label_shape) -> Distribution:
-        """The distribution the loss computes under (checks the output's shape)."""
-        raise NotImplementedError
 
     @property
     def label_dist(self) -> Distribution:
