@@ -119,15 +119,16 @@ def load_checkpoint(path: str) -> tuple[str, dict]:
     return found, checkpoint.load(found)
 
 
-def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """PyTorch ``state_dict`` tensors of a checkpoint's parameters and batch-norm statistics."""
-    out = {}
+def state_dict(data: dict, dtype: str = "float32", model: dict | None = None) -> dict[str, np.ndarray]:
+    """PyTorch ``state_dict`` tensors of a checkpoint's parameters and batch-norm statistics. With ``model``
+    (the spec's model section) holding ``origin`` (a spec from :mod:`lbannpy.from_torch`), the names are
+    the imported module's own ``state_dict`` keys, every one of them (:func:`_origin_names`)."""
+    out, stats = {}, {}
     for key, arr in data["tensors"].items():
         if not key.startswith("params/"):
             continue
         layer, _, pname = key[len("params/"):].rpartition(".")
-        pname = {"scale": "weight"}.get(pname, pname)  # batch norm's gamma is torch's weight
-        out[f"{attr_name(layer)}.{pname}"] = np.asarray(arr, dtype=dtype)
+        out[(layer, pname)] = np.asarray(arr, dtype=dtype)
     stats = {layer: st for layer, st in (data["meta"].get("layers") or {}).items() if "running_mean" in st}
     for key, arr in data["tensors"].items():  # version 2: (sample groups, C) rows; torch has one set
         if key.startswith("state/") and key.endswith("/running_mean"):
@@ -136,12 +137,36 @@ def state_dict(data: dict, dtype: str = "float32") -> dict[str, np.ndarray]:
             stats[layer] = {"running_mean": np.asarray(arr).reshape(-1, arr.shape[-1]).mean(axis=0),
                             "running_var": np.asarray(var).reshape(-1, var.shape[-1]).mean(axis=0)}
     for layer, st in stats.items():
-        a = attr_name(layer)
-        out[f"{a}.running_mean"] = np.asarray(st["running_mean"], dtype=dtype)
-        out[f"{a}.running_var"] = np.asarray(st["running_var"], dtype=dtype)
+        out[(layer, "running_mean")] = np.asarray(st["running_mean"], dtype=dtype)
+        out[(layer, "running_var")] = np.asarray(st["running_var"], dtype=dtype)
         # torch counts training-mode forward passes: one per optimizer step here
-        out[f"{a}.num_batches_tracked"] = np.asarray(int(data["step"]), dtype=np.int64)
+        out[(layer, "num_batches_tracked")] = np.asarray(int(data["step"]), dtype=np.int64)
+    if model and model.get("origin"):
+        return _origin_names(out, model, int(data["step"]))
+    return {f"{attr_name(layer)}.{ {'scale': 'weight'}.get(t, t) }": v for (layer, t), v in out.items()}
+
+
+def _origin_names(tensors: dict, model: dict, step: int) -> dict[str, np.ndarray]:
+    """``tensors`` ((layer, tensor) -> array) under the ``state_dict`` keys ``model.origin`` records. Only
+    batch norm counts its forward passes (``num_batches_tracked``: the steps trained); instance norm's
+    counter stays 0 as torch leaves it. A recorded key the checkpoint cannot fill is an error."""
+    types = {layer["name"]: layer["type"] for layer in model["layers"]}
+    out = {}
+    for layer, keys in model["origin"].items():
+        for t, key in keys.items():
+            if t == "num_batches_tracked":
+                out[key] = np.asarray(step if types.get(layer) == "batchnorm" else 0, dtype=np.int64)
+            elif (layer, t) in tensors:
+                out[key] = tensors[(layer, t)]
+            else:
+                raise ExportError(f"model.origin: the checkpoint has no {t} of layer {layer!r} for {key!r}")
     return out
+
+
+def model_of(data: dict) -> dict | None:
+    """The model section a checkpoint recorded (its computation record), or None."""
+    comp = (data.get("meta") or {}).get("computation")
+    return comp.get("model") if isinstance(comp, dict) else None
 
 
 def init_from(path: str, model, xp) -> None:
@@ -161,9 +186,14 @@ def init_from(path: str, model, xp) -> None:
     if not os.path.isfile(path):
         raise ExportError(f"model.init {path}: no such file")
     tensors, _ = read_safetensors(path)
+    origin = (getattr(model, "spec", None) or {}).get("origin") or {}
+
+    def key_of(layer: str, t: str) -> str:  # the imported module's own key, else this module's naming
+        return origin.get(layer, {}).get(t) or f"{attr_name(layer)}.{ {'scale': 'weight'}.get(t, t) }"
+
     for p in model.params:
         layer, _, pname = p.name.rpartition(".")
-        key = f"{attr_name(layer)}.{ {'scale': 'weight'}.get(pname, pname) }"
+        key = key_of(layer, pname)
         if key not in tensors:
             raise ExportError(f"model.init {path}: no tensor {key!r} for parameter {p.name}; the file has "
                               f"{sorted(tensors)[:8]}{' ...' if len(tensors) > 8 else ''}")
@@ -173,14 +203,13 @@ def init_from(path: str, model, xp) -> None:
                               f"{p.name} needs {tuple(p.global_shape)}")
         p.value[...] = xp.asarray(arr[tuple(slice(a, b) for a, b in p.box)], dtype=p.value.dtype)
     for layer in model.layers:
-        a = attr_name(layer.name)
-        if f"{a}.running_mean" in tensors and hasattr(layer, "running_mean"):
+        if key_of(layer.name, "running_mean") in tensors and hasattr(layer, "running_mean"):
             # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.checkpoint import StateReader
 
             # torch keeps one set of statistics: one sample group, which every group of this run takes
-            rows = {k: tensors[f"{a}.{k}"].astype(np.float64).reshape(1, -1) for k in ("running_mean",
-                                                                                      "running_var")}
+            rows = {k: tensors[key_of(layer.name, k)].astype(np.float64).reshape(1, -1)
+                    for k in ("running_mean", "running_var")}
             layer.load_state({k: StateReader(k, v.shape, lambda key, box: rows[key][
                 tuple(slice(lo, hi) for lo, hi in box)]) for k, v in rows.items()})
 
@@ -300,10 +329,10 @@ def main(argv=None) -> int:
         if args.torch_module and not args.config:
             raise ExportError("--torch-module needs --config (the checkpoint holds weights, not the model)")
         path, data = load_checkpoint(args.checkpoint)
-        tensors = state_dict(data, args.dtype)
+        spec = load_config(args.config)["model"] if args.config else model_of(data)
+        tensors = state_dict(data, args.dtype, spec)
         source = None
         if args.torch_module:
-            spec = load_config(args.config)["model"]
             source = torch_module_source(spec, f" (exported from {os.path.basename(path)})")
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         write_safetensors(args.output, tensors, {"format": "pt", "lbannpy_checkpoint": os.path.abspath(path),

@@ -132,6 +132,9 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             "bce_with_logits (float targets of the output's shape), dice (one label per output pixel)"),
         Key("init", Str(), UNSET, "initial weights: an lbannpy checkpoint or a safetensors file from "
                                   "python -m lbannpy.export (PyTorch names)"),
+        Key("origin", MapOf(MapOf(Str())), UNSET,
+            "where each layer's tensors came from: {layer: {weight|bias|scale|running_mean|...: state_dict "
+            "key}}, written by python -m lbannpy.from_torch; export writes those keys back"),
     )),
     Section("data", "training and validation data (HDF5)", (
         Section("train", "the training set", (
