@@ -288,17 +288,15 @@ class LayerNorm(_SampleNorm):
         self._check_block(x)
         mean, var = self._statistics(x)
         gamma, beta = (None, None) if not self.affine else (self.gamma.value, self.beta.value)
-        y, xhat = K.layer_forward(x, mean, var, gamma, beta, self.eps)
-        self._saved = (xhat, var)
-        return y
+        self._saved = (x, mean, var)
+        return K.layer_forward(x, mean, var, gamma, beta, self.eps)
 
     def bp_compute(self, dy):
-        xhat, var = self._saved
+        x, mean, var = self._saved
         self._saved = None
-        if self.affine:
-            g, tot = K.layer_backward(dy, xhat, self.gamma.value, self.gamma.grad, self.beta.grad)
-        else:
-            g, tot = K.layer_backward(dy, xhat, None, None, None)
+        gamma = None if not self.affine else self.gamma.value
+        grads = (None, None) if not self.affine else (self.gamma.grad, self.beta.grad)
+        tot, work = K.layer_backward(dy, x, mean, var, self.eps, gamma, *grads)
         if self.grad_comm.size > 1:
             tot = self.grad_comm.allreduce(tot)
-        return [K.layer_backward_data(g, xhat, var, self.eps, tot, self.count)]
+        return [K.layer_backward_data(dy, x, mean, var, self.eps, gamma, tot, self.count, work)]

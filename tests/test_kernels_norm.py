@@ -1,5 +1,5 @@
 """Instance, group and layer norm's local pieces against torch.nn.functional (float64 to 1e-10), on the
-compiled path (batch-norm's ``_cbn`` rows) and the array path, with the block cut along a spatial dimension
+compiled path (``_cnorm``) and the array path, with the block cut along a spatial dimension
 as split ranks would cut it (the partial sums added in place of the allreduce); float32 keeps its precision
 far from zero; the layers refuse what they cannot build; on the CUDA stand-in they make no host sync."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(params=["compiled", "array"])
 def path(request, monkeypatch):
     if request.param == "compiled":
-        require_built(K._cbn, "_cbn")
+        require_built(K._cnorm, "_cnorm")
     monkeypatch.setattr(K, "USE_COMPILED", request.param == "compiled")
     return request.param
 
@@ -85,7 +85,8 @@ def test_group_and_instance_norm_match_pytorch(path, shape, groups, pieces, affi
             assert_close(ours, ref)
 
 
-def test_a_zero_scale_in_a_group_takes_the_array_path(path):
+def test_a_zero_scale_in_a_group(path):
+    """A channel whose scale is 0 still passes the gradient of its group's statistics to its input."""
     shape = (3, 6, 9, 11)
     x, dy, gamma, beta = _data(shape, 6, zero_scale=True)
     want = _torch(lambda a, w, b: F.group_norm(a, 3, w, b), x, dy, gamma, beta)
@@ -112,21 +113,40 @@ def test_layer_norm_matches_pytorch(path, affine, pieces):
     gs = _pieces(gamma[None], pieces) if affine else [None] * pieces
     bs = _pieces(beta[None], pieces) if affine else [None] * pieces
     count = float(np.prod(shape[1:]))
-    tot = sum(K.group_totals(np.ascontiguousarray(xb), 1) for xb in xs)
+    xs, dys = [np.ascontiguousarray(b) for b in xs], [np.ascontiguousarray(b) for b in dys]
+    gs = [None if g is None else np.ascontiguousarray(g[0]) for g in gs]
+    bs = [None if b is None else np.ascontiguousarray(b[0]) for b in bs]
+    tot = sum(K.group_totals(xb, 1) for xb in xs)
     mean, var = K.moments(tot, count)
-    outs = [K.layer_forward(np.ascontiguousarray(xb), mean, var, None if g is None else g[0],
-                            None if b is None else b[0], 1e-5) for xb, g, b in zip(xs, gs, bs)]
-    ggs = [None if g is None else np.zeros_like(g[0]) for g in gs]
-    gbs = [None if g is None else np.zeros_like(g[0]) for g in gs]
-    back = [K.layer_backward(np.ascontiguousarray(d), xhat, None if g is None else g[0], gg, gb)
-            for d, (_, xhat), g, gg, gb in zip(dys, outs, gs, ggs, gbs)]
-    btot = sum(t for _, t in back)
-    dxs = [K.layer_backward_data(g, xhat, var, 1e-5, btot, count) for (g, _), (_, xhat) in zip(back, outs)]
-    assert_close(np.concatenate([y for y, _ in outs], 2), want[0])
+    ys = [K.layer_forward(xb, mean, var, g, b, 1e-5) for xb, g, b in zip(xs, gs, bs)]
+    ggs = [None if g is None else np.zeros_like(g) for g in gs]
+    gbs = [None if g is None else np.zeros_like(g) for g in gs]
+    back = [K.layer_backward(d, xb, mean, var, 1e-5, g, gg, gb)
+            for d, xb, g, gg, gb in zip(dys, xs, gs, ggs, gbs)]
+    btot = sum(t for t, _ in back)
+    dxs = [K.layer_backward_data(d, xb, mean, var, 1e-5, g, btot, count, work)
+           for d, xb, g, (_, work) in zip(dys, xs, gs, back)]
+    assert_close(np.concatenate(ys, 2), want[0])
     assert_close(np.concatenate(dxs, 2), want[1])
     if affine:
         assert_close(np.concatenate(ggs, 1), want[2])
         assert_close(np.concatenate(gbs, 1), want[3])
+
+
+def test_layer_norm_float32_far_from_zero(path):
+    shape = (2, 4, 32, 24)
+    x, dy, gamma, beta = _data(shape, shape[1:], offset=1000.0)
+    want = _torch(lambda a, w, b: F.layer_norm(a, shape[1:], w, b), x, dy, gamma, beta)
+    f = np.float32
+    x32, dy32, g32, b32 = x.astype(f), dy.astype(f), gamma.astype(f), beta.astype(f)
+    count = float(np.prod(shape[1:]))
+    mean, var = K.moments(K.group_totals(x32, 1), count)
+    y = K.layer_forward(x32, mean, var, g32, b32, 1e-5)
+    gg, gb = np.zeros_like(g32), np.zeros_like(g32)
+    tot, work = K.layer_backward(dy32, x32, mean, var, 1e-5, g32, gg, gb)
+    dx = K.layer_backward_data(dy32, x32, mean, var, 1e-5, g32, tot, count, work)
+    for ours, ref in zip((y, dx, gg, gb), want):
+        assert_close(ours, ref, rtol=2e-3)
 
 
 def test_running_update_is_pytorchs():

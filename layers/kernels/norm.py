@@ -15,11 +15,12 @@ formed about a value of the row itself (the compiled path: its first element; th
 so ``var = E[x^2] - E[x]^2`` of the combined rows loses only ``log10(mean^2 / var)`` of float64's digits;
 backward sums are taken about the statistic's mean. Rows are combined in float64.
 
-Compiled path (NumPy float32/float64 C-contiguous blocks, with batch-norm's ``_cbn`` extension built; set
-``LBANNPY_NORM_KERNEL=numpy`` to force the array path): the rows are batch-norm's channels of a ``(1, N*C,
-P)`` block, so each pass is one of its one-pass kernels with per-row coefficients. Every other array (CuPy
-included) takes array expressions in the array module of the arguments, which keep the statistics on the
-device: nothing here reads a value back to the host.
+Compiled path (NumPy float32/float64 C-contiguous blocks, where the ``_cnorm`` extension is built; set
+``LBANNPY_NORM_KERNEL=numpy`` to force the array path): every pass over the block is one call, the small
+per-row coefficients are formed here in float64; layer norm recomputes ``xhat`` from the input inside its
+backward passes rather than keeping it. Every other array (CuPy included) takes array expressions in the
+array module of the arguments, which keep the statistics on the device: nothing here reads a value back to
+the host.
 """
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ import numpy
 
 from lbannpy.backend import array_module
 
-try:  # batch-norm's compiled kernels serve these rows; no compiler, no extension
-    from . import _cbn
+try:  # the compiled kernels are optional: no compiler, no extension
+    from . import _cnorm
 except ImportError:  # pragma: no cover - depends on the build
-    _cbn = None
+    _cnorm = None
 
-USE_COMPILED = _cbn is not None and os.environ.get("LBANNPY_NORM_KERNEL", "") != "numpy"
+USE_COMPILED = _cnorm is not None and os.environ.get("LBANNPY_NORM_KERNEL", "") != "numpy"
 _FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
 F64 = numpy.float64
 
@@ -84,7 +85,7 @@ def row_sums(x):
     r = x.shape[0] * x.shape[1]
     if _compiled(x):
         out = numpy.empty(2 * r)
-        _cbn.stats(x.dtype.itemsize, x, 1, r, x.size // r, out)
+        _cnorm.row_stats(x.dtype.itemsize, x, r, x.size // r, out)
         return out.reshape(2, r)
     xp = array_module(x)
     xf = _rows(x)
@@ -125,23 +126,26 @@ def running_update(mean, var, count: float, momentum: float, running_mean, runni
     running_var[...] = (1.0 - m) * running_var + m * unbiased.mean(axis=0)
 
 
-def group_forward(x, mean, var, gamma, beta, eps: float):
-    """``gamma_c * (x - mean) / sqrt(var + eps) + beta_c``: ``mean``, ``var`` per (sample, group) ``(N, G)``,
-    ``gamma``, ``beta`` per channel ``(C,)`` or None (no scale, no shift)."""
-    n, c = x.shape[0], x.shape[1]
-    xp = array_module(x)
-    if _compiled(x):
-        r = n * c
-        y = numpy.empty_like(x)
-        _cbn.forward(x.dtype.itemsize, x, 1, r, x.size // r, _f64(_expand(mean, n, c)),
-                     _f64(_expand(var, n, c)), _f64(_channels(gamma, n, c, xp)),
-                     None if beta is None else _f64(_channels(beta, n, c, xp)), float(eps), 0, y)
-        return y
+def _scale_shift(mean, var, gamma, beta, eps: float, n: int, c: int):
+    """The forward's per-row ``(N, C)`` float64 coefficients: ``y = x * scale + shift``."""
+    xp = array_module(mean)
     inv = 1.0 / xp.sqrt(var + eps)
     scale = _expand(inv, n, c) * _channels(gamma, n, c, xp)
     shift = -_expand(mean, n, c) * scale
     if beta is not None:
         shift = shift + _channels(beta, n, c, xp)
+    return scale, shift
+
+
+def group_forward(x, mean, var, gamma, beta, eps: float):
+    """``gamma_c * (x - mean) / sqrt(var + eps) + beta_c``: ``mean``, ``var`` per (sample, group) ``(N, G)``,
+    ``gamma``, ``beta`` per channel ``(C,)`` or None (no scale, no shift)."""
+    n, c = x.shape[0], x.shape[1]
+    scale, shift = _scale_shift(mean, var, gamma, beta, eps, n, c)
+    if _compiled(x):
+        y = numpy.empty_like(x)
+        _cnorm.row_affine(x.dtype.itemsize, x, n * c, x.size // (n * c), _f64(scale), _f64(shift), y)
+        return y
     y = x * _per_row(scale.astype(x.dtype), x)
     y += _per_row(shift.astype(x.dtype), x)
     return y
@@ -154,18 +158,18 @@ def group_backward_sums(dy, x, mean, var, eps: float):
     gradients of the shift and the scale)."""
     n, c = x.shape[0], x.shape[1]
     r = n * c
+    xp = array_module(x)
+    inv = 1.0 / xp.sqrt(_expand(var, n, c).reshape(r) + eps)
     if _compiled(dy, x):
         out = numpy.empty(2 * r)
-        _cbn.bwd_sums(x.dtype.itemsize, dy, x, None, 1, r, x.size // r, _f64(_expand(mean, n, c)),
-                      _f64(_expand(var, n, c)), float(eps), out)
+        _cnorm.row_bwd_sums(x.dtype.itemsize, dy, x, r, x.size // r, _f64(_expand(mean, n, c)), out)
+        out[r:] *= inv
         return out.reshape(2, n, c)
-    xp = array_module(x)
     dyf, xf = _rows(dy), _rows(x)
     sum_dy = dyf.sum(axis=1).astype(F64)
     # sum dy * (x - mean) in x's dtype (centred, so no cancellation), pairwise along rows
     centred = xf - _expand(mean, n, c).reshape(r, 1).astype(x.dtype)
     centred *= dyf
-    inv = 1.0 / xp.sqrt(_expand(var, n, c).reshape(r) + eps)
     return xp.stack((sum_dy, centred.sum(axis=1).astype(F64) * inv)).reshape(2, n, c)
 
 
@@ -188,31 +192,23 @@ def group_backward_data(dy, x, mean, var, gamma, eps: float, tot, count: float):
     n, c = x.shape[0], x.shape[1]
     groups = mean.shape[1]
     xp = array_module(x)
-    one_channel = groups == c
-    # the compiled data gradient takes the totals per channel, divided by gamma_c: a zero scale takes the
-    # array path (instance norm's totals are per channel already and need no division)
-    if _compiled(dy, x) and (one_channel or gamma is None or bool((gamma != 0).all())):
-        r = n * c
-        per = tot if one_channel else _expand(tot.reshape(2 * n, groups), 2 * n, c).reshape(2, n, c)
-        if not one_channel and gamma is not None:
-            per = per / gamma.astype(F64).reshape(1, 1, c)
-        dx = numpy.empty_like(x)
-        _cbn.bwd_data(x.dtype.itemsize, dy, x, None, 1, r, x.size // r, _f64(_expand(mean, n, c)),
-                      _f64(_expand(var, n, c)), _f64(_channels(gamma, n, c, xp)), float(eps),
-                      _f64(per.reshape(2 * r)), float(count), dx)
-        return dx
     inv = 1.0 / xp.sqrt(var + eps)
     gam = _channels(gamma, n, c, xp)
-    if one_channel:  # the per-channel totals, weighted by the scale
+    if groups == c:  # one channel per group: the per-channel totals, weighted by the scale
         s1, s2 = tot[0] * gam, tot[1] * gam
     else:
         s1, s2 = tot[0], tot[1]
     b = -inv * inv * s2 / count
     cc = -inv * s1 / count - b * mean
     a = _expand(inv, n, c) * gam
+    b, cc = _expand(b, n, c), _expand(cc, n, c)
+    if _compiled(dy, x):
+        dx = numpy.empty_like(x)
+        _cnorm.row_axpbyc(x.dtype.itemsize, dy, x, n * c, x.size // (n * c), _f64(a), _f64(b), _f64(cc), dx)
+        return dx
     dx = dy * _per_row(a.astype(x.dtype), x)
-    dx += x * _per_row(_expand(b, n, c).astype(x.dtype), x)
-    dx += _per_row(_expand(cc, n, c).astype(x.dtype), x)
+    dx += x * _per_row(b.astype(x.dtype), x)
+    dx += _per_row(cc.astype(x.dtype), x)
     return dx
 
 
@@ -227,44 +223,65 @@ def add_param_grads(sums, gamma_grad, beta_grad) -> None:
 
 # ---------------------------------------------------------------------------------------------- layer norm
 def layer_forward(x, mean, var, gamma, beta, eps: float):
-    """Layer norm of the block: ``(y, xhat)`` with ``xhat = (x - mean) / sqrt(var + eps)`` per sample
-    (``mean``, ``var``: ``(N, 1)``) and ``y = xhat * gamma + beta`` element-wise (``gamma``, ``beta``: the
-    block's ``(C, *spatial)`` piece, or None: ``y`` is ``xhat``)."""
-    xhat = group_forward(x, mean, var, None, None, eps)
-    if gamma is None:
-        return xhat, xhat
-    y = xhat * gamma
-    y += beta
-    return y, xhat
+    """Layer norm of the block: ``(x - mean) / sqrt(var + eps) * gamma + beta`` with per-sample ``mean``,
+    ``var`` (``(N, 1)``) and the element-wise ``gamma``, ``beta`` of the block's ``(C, *spatial)`` piece (or
+    None: no scale, no shift)."""
+    n = x.shape[0]
+    xp = array_module(x)
+    inv = 1.0 / xp.sqrt(var + eps)
+    if _compiled(x, gamma, beta):
+        y = numpy.empty_like(x)
+        _cnorm.ln_fwd(x.dtype.itemsize, x, n, x.size // max(n, 1), _f64(inv), _f64(-mean * inv), gamma, beta,
+                      y)
+        return y
+    y = group_forward(x, mean, var, None, None, eps)
+    if gamma is not None:
+        y *= gamma
+        y += beta
+    return y
 
 
-def layer_backward(dy, xhat, gamma, gamma_grad, beta_grad):
+def layer_backward(dy, x, mean, var, eps: float, gamma, gamma_grad, beta_grad):
     """The parameter gradients (added to ``gamma_grad``, ``beta_grad``: the sums over this block's samples of
-    ``dy * xhat`` and ``dy``), ``g = dy * gamma`` and the per-sample partial sums ``(2, N, 1)`` float64 of
-    ``g`` and ``g * xhat`` that the backward's allreduce carries: ``(g, totals)``."""
-    n = dy.shape[0]
+    ``dy * xhat`` and ``dy``) and the per-sample partial sums ``(2, N, 1)`` float64 of ``g = dy * gamma`` and
+    ``g * xhat`` that the backward's allreduce carries: ``(totals, work)``, ``work`` what
+    :func:`layer_backward_data` reuses (None on the compiled path, which recomputes ``xhat`` as it goes)."""
+    n = x.shape[0]
+    xp = array_module(x)
+    inv = 1.0 / xp.sqrt(var + eps)
+    if _compiled(dy, x, gamma, gamma_grad, beta_grad):
+        out = numpy.empty(2 * n)
+        _cnorm.ln_bwd_sums(x.dtype.itemsize, dy, x, n, x.size // max(n, 1), _f64(inv), _f64(-mean * inv),
+                           gamma, gamma_grad, beta_grad, out)
+        return out.reshape(2, n, 1), None
+    xhat = group_forward(x, mean, var, None, None, eps)
     if gamma is not None:
         beta_grad += dy.sum(axis=0)
-        t = dy * xhat
-        gamma_grad += t.sum(axis=0)
-        g = numpy.multiply(dy, gamma, out=t) if type(t) is numpy.ndarray else dy * gamma
+        g = dy * xhat
+        gamma_grad += g.sum(axis=0)
+        xp.multiply(dy, gamma, out=g)
     else:
         g = dy
-    xp = array_module(dy)
-    # the sums about mean 0 with sigma 1 (no eps): sum g and sum g * xhat themselves
     rows = group_backward_sums(g, xhat, xp.zeros((n, 1), dtype=F64), xp.ones((n, 1), dtype=F64), 0.0)
-    return g, rows.sum(axis=2, keepdims=True)
+    return rows.sum(axis=2, keepdims=True), (g, xhat)
 
 
-def layer_backward_data(g, xhat, var, eps: float, tot, count: float):
-    """``dx = (g - S1 / count - xhat * S2 / count) / sqrt(var + eps)`` per sample from the reduced totals."""
-    xp = array_module(g)
+def layer_backward_data(dy, x, mean, var, eps: float, gamma, tot, count: float, work):
+    """``dx = (g - S1 / count - xhat * S2 / count) / sqrt(var + eps)`` per sample (``g = dy * gamma``) from
+    the reduced totals of :func:`layer_backward`, as ``a * gamma * dy + b * x + c``."""
+    n = x.shape[0]
+    xp = array_module(x)
     inv = 1.0 / xp.sqrt(var + eps)
     s1, s2 = tot[0], tot[1]
-    a = inv
-    b = -inv * s2 / count
-    c = -inv * s1 / count
-    dx = g * _per_row(a.astype(g.dtype), g)
-    dx += xhat * _per_row(b.astype(g.dtype), g)
-    dx += _per_row(c.astype(g.dtype), g)
+    if work is None and _compiled(dy, x, gamma):
+        b = -inv * inv * s2 / count
+        c = -inv * s1 / count - b * mean
+        dx = numpy.empty_like(x)
+        _cnorm.ln_bwd_data(x.dtype.itemsize, dy, x, n, x.size // max(n, 1), _f64(inv), _f64(b), _f64(c),
+                           gamma, dx)
+        return dx
+    g, xhat = work
+    dx = g * _per_row(inv.astype(x.dtype), x)
+    dx += xhat * _per_row((-inv * s2 / count).astype(x.dtype), x)
+    dx += _per_row((-inv * s1 / count).astype(x.dtype), x)
     return dx
