@@ -228,3 +228,38 @@ def test_no_host_sync_in_forward_and_backward_on_the_cuda_standin():
     rows = [line.split(" ", 2) for line in out.stdout.splitlines()]
     assert [r[0] for r in rows] == ["instancenorm", "groupnorm", "layernorm"], out.stdout
     assert all(r[1] == "0" for r in rows), out.stdout
+
+
+def test_evaluation_with_running_statistics_back_propagates_as_pytorch(path):
+    """In evaluation a tracking instance norm is a per-channel affine map of the running statistics: its
+    output, input gradient and parameter gradients equal ``InstanceNorm2d.eval()``'s."""
+    from lbannpy.comm.single import SingleCommunicator
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    comm = SingleCommunicator()
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((3, 4, 6, 5)) * 2 + 1, rng.standard_normal((3, 4, 6, 5))
+    ctx = LayerContext(comm, np, "float64", seed=1)
+    layer = {"name": "i", "type": "instancenorm", "affine": True, "track_running_stats": True}
+    model = Model({"input": {"channels": 4, "spatial": [6, 5]}, "layers": [layer]}, 3, ctx, {})
+    lay = model.layers[0]
+    lay.gamma.value[...], lay.beta.value[...] = rng.standard_normal(4), rng.standard_normal(4)
+    model.forward(DistTensor.scatter(x, model.input_dist, comm))
+    model.set_train(False)
+    y = model.forward(DistTensor.scatter(x * 0.5, model.input_dist, comm)).local
+    dx = model.backward(DistTensor.scatter(dy, model.output.out_dist, comm), input_grad=True)
+    ref = torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(lay.gamma.value))
+        ref.bias.copy_(torch.tensor(lay.beta.value))
+    ref(torch.tensor(x))
+    ref.eval()
+    xt = torch.tensor(x * 0.5, requires_grad=True)
+    yt = ref(xt)
+    yt.backward(torch.tensor(dy))
+    assert_close(y, yt.detach().numpy())
+    assert_close(dx.local, xt.grad.numpy())
+    assert_close(lay.gamma.grad, ref.weight.grad.numpy())
+    assert_close(lay.beta.grad, ref.bias.grad.numpy())
