@@ -10,7 +10,8 @@ from lbannpy import zoo
 from lbannpy.strategy.graph import build_graph
 from lbannpy.zoo import generate
 
-EXPECTED = {"lenet5", "alexnet", "vgg16", "resnet50", "inception_v3", "mesh1k", "mesh2k", "mesh_tiny"}
+EXPECTED = {"lenet5", "alexnet", "vgg16", "resnet50", "inception_v3", "mesh1k", "mesh2k", "mesh_tiny",
+            "mesh_unet", "unet3d"}
 
 
 def test_names():
@@ -51,6 +52,38 @@ def test_mesh_structure_follows_dryden():
     assert zoo.get_spec("mesh2k")["model"]["input"]["spatial"] == [2048, 2048]
 
 
+@pytest.mark.parametrize("name,channels,spatial", [("mesh_unet", 18, [1024, 1024]),
+                                                    ("unet3d", 14, [128, 128, 128])])
+def test_unets_predict_at_the_input_resolution(name, channels, spatial):
+    spec = zoo.get_spec(name)
+    g = build_graph(spec["model"], 1)
+    assert g.input_shape[1:] == (channels, *spatial) and g.loss == "pixel_cross_entropy"
+    assert g.nodes[-1].out_shape == (1, 2, *spatial)
+    ups = [n for n in g if n.type == "conv_transpose"]
+    assert [n.name for n in ups] == ["up3", "up2", "up1"]
+    assert all(n.stencil.dims[2].kernel == 2 and n.stencil.dims[2].stride == 2 for n in ups)
+    cats = {n.name: list(n.parents) for n in g if n.type == "concat"}
+    assert cats == {f"cat{i}": [f"up{i}", f"enc{i}_2_relu"] for i in (3, 2, 1)}
+    assert sum(n.type == "pool" for n in g) == 3
+    assert zoo.spec_data_command(spec).startswith(
+        f"python -m lbannpy.data {'mesh3d' if len(spatial) == 3 else 'mesh'} --size {spatial[-1]} ")
+    small = build_graph(zoo.get_spec(name, input_size=8)["model"], 1)   # sides divisible by 8
+    assert small.nodes[-1].out_shape == (1, 2) + (8,) * len(spatial)
+
+
+@pytest.mark.parametrize("name", ["mesh_unet", "unet3d"])
+def test_strategy_auto_plans_the_unets_from_4_to_4096_ranks(name):
+    """Every layer gets a distribution over all ranks, found by the complete search (not cut short by the
+    planner's time budget), from 4 to 4096 ranks."""
+    from lbannpy.strategy.planner import plan
+
+    for ranks in (4, 64, 4096):
+        p = plan(zoo.get_spec(name), ranks, compare=False)
+        assert p.result.complete, (name, ranks, p.messages)
+        assert set(p.choice) == {n.name for n in p.graph}
+        assert all(d.ranks == ranks for d in p.choice.values()), (name, ranks)
+
+
 def test_options():
     s = zoo.get_spec("mesh_tiny", batch_size=3, input_size=128)
     assert s["trainer"]["batch_size"] == 3 and s["model"]["input"]["spatial"] == [128, 128]
@@ -81,7 +114,8 @@ class TorchCase:
 
 TORCH_CASES = [TorchCase("lenet5", 32), TorchCase("alexnet", 96), TorchCase("vgg16", 32),
                TorchCase("resnet50", 64), TorchCase("inception_v3", 75), TorchCase("mesh_tiny", 64),
-               TorchCase("mesh_tiny", 128, 1), TorchCase("mesh1k", 64, 1), TorchCase("mesh2k", 64, 1)]
+               TorchCase("mesh_tiny", 128, 1), TorchCase("mesh1k", 64, 1), TorchCase("mesh2k", 64, 1),
+               TorchCase("mesh_unet", 64), TorchCase("mesh_unet", 1024, 1), TorchCase("unet3d", 16, 1)]
 
 
 def _pads(padding, kernel, nsp):
@@ -113,18 +147,22 @@ def torch_forward(spec: dict, batch: int):
                 k = lay.get("kernel", 3)
                 pads = _pads(lay.get("padding", 0), k, nsp)
                 flat = [v for lo_hi in reversed(pads) for v in lo_hi]
-                mod = nn.Conv2d(a.shape[1], lay["filters"], k, stride=lay.get("stride", 1),
-                                bias=lay.get("bias", True), device="meta")
+                mod = getattr(nn, f"Conv{nsp}d")(a.shape[1], lay["filters"], k, stride=lay.get("stride", 1),
+                                                 bias=lay.get("bias", True), device="meta")
                 y = mod(F.pad(a, flat))
+            elif t == "conv_transpose":
+                mod = getattr(nn, f"ConvTranspose{nsp}d")(a.shape[1], lay["filters"], lay.get("kernel", 3),
+                                                          stride=lay.get("stride", 1), device="meta")
+                y = mod(a)
             elif t == "pool":
                 if lay.get("global"):
                     y = F.adaptive_avg_pool2d(a, 1) if lay["mode"] == "avg" else F.adaptive_max_pool2d(a, 1)
                 else:
                     k, s, p = lay["kernel"], lay.get("stride", lay["kernel"]), lay.get("padding", 0)
-                    y = (F.max_pool2d(a, k, s, p) if lay["mode"] == "max"
+                    y = (getattr(F, f"max_pool{nsp}d")(a, k, s, p) if lay["mode"] == "max"
                          else F.avg_pool2d(a, k, s, p, count_include_pad=False))
             elif t == "batchnorm":
-                mod = nn.BatchNorm2d(a.shape[1], device="meta").eval()
+                mod = getattr(nn, f"BatchNorm{nsp}d")(a.shape[1], device="meta").eval()
                 y = mod(a)
             elif t in ("relu", "dropout"):
                 y = F.relu(a) if t == "relu" else a

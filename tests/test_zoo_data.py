@@ -18,7 +18,7 @@ from lbannpy import zoo
 PY = sys.executable
 # the smallest input each network's strides and pooling take (inception_v3's stem needs 75 pixels)
 SMALL = {"lenet5": 32, "alexnet": 64, "vgg16": 32, "resnet50": 32, "inception_v3": 75, "mesh1k": 64,
-         "mesh2k": 64, "mesh_tiny": 64}
+         "mesh2k": 64, "mesh_tiny": 64, "mesh_unet": 8, "unet3d": 8}
 
 
 def documented_command(name: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .zoo import spec_data_command
+from .zoo import MESH3D_CHANNELS, spec_data_command
 
 HERE = Path(__file__).resolve().parent
 
@@ -276,6 +276,46 @@ def mesh_tiny() -> dict:
     return _mesh("mesh_tiny", 64, 2, filters=(8, 16, 32), batch=8)
 
 
+def _unet(name: str, channels: int, spatial: list[int], filters, batch: int, data: str) -> dict:
+    """U-Net (Ronneberger et al. 2015; 3-D: Cicek et al. 2016) with padded convolutions, so the output has
+    the input's resolution: at each level two conv-BN-ReLU (3x3 or 3x3x3), a 2x max-pool down to the next;
+    up again by a transposed conv (kernel 2, stride 2) to the level's filters, concatenated with the skip of
+    the same level, two conv-BN-ReLU; a 1x1 prediction conv (2 classes per pixel or voxel). The input's
+    sides must divide by 2 ** (levels - 1)."""
+    n = _Net()
+    skips = []
+    x = "x"
+    for lvl, f in enumerate(filters, start=1):
+        if lvl > 1:
+            x = n.add(f"pool{lvl - 1}", "pool", [x], mode="max", kernel=2, stride=2)
+        x = n.cbr(f"enc{lvl}_1", x, f, 3, padding=1)
+        x = n.cbr(f"enc{lvl}_2", x, f, 3, padding=1)
+        skips.append(x)
+    for lvl in range(len(filters) - 1, 0, -1):
+        f = filters[lvl - 1]
+        up = n.add(f"up{lvl}", "conv_transpose", [x], filters=f, kernel=2, stride=2)
+        x = n.add(f"cat{lvl}", "concat", [up, skips[lvl - 1]])
+        x = n.cbr(f"dec{lvl}_1", x, f, 3, padding=1)
+        x = n.cbr(f"dec{lvl}_2", x, f, 3, padding=1)
+    n.add("predict", "conv", [x], filters=2, kernel=1)
+    return _spec(name, channels, spatial, n.layers, "pixel_cross_entropy", batch, data)
+
+
+# the U-Nets' filters per level: modest, so that a step at mesh1k's size trains in seconds on a GPU and the
+# per-rank memory of a 1024² sample fits a laptop when split
+UNET_FILTERS = (16, 32, 64, 128)
+
+
+def mesh_unet() -> dict:
+    """The mesh-tangling task at full resolution: 18 channels of 1024² in, a 2-class map of 1024² out."""
+    return _unet("mesh_unet", 18, [1024, 1024], UNET_FILTERS, 2, "mesh_unet.h5")
+
+
+def unet3d() -> dict:
+    """The 3-D mesh-tangling task (``lbannpy.data mesh3d``): 14 channels of 128³ in, per-voxel classes."""
+    return _unet("unet3d", MESH3D_CHANNELS, [128, 128, 128], UNET_FILTERS, 1, "unet3d.h5")
+
+
 BUILDERS: dict[str, Callable[[], dict]] = {
     "lenet5": lenet5,
     "alexnet": alexnet,
@@ -285,6 +325,8 @@ BUILDERS: dict[str, Callable[[], dict]] = {
     "mesh1k": mesh1k,
     "mesh2k": mesh2k,
     "mesh_tiny": mesh_tiny,
+    "mesh_unet": mesh_unet,
+    "unet3d": unet3d,
 }
 
 _HEADER = {
@@ -301,6 +343,13 @@ _HEADER = {
               "six blocks of five conv-BN-ReLU (3x3, stride 2 first), final prediction conv. Too large for a "
               "16 GiB GPU even at one sample: needs spatial parallelism.",
     "mesh_tiny": "A small mesh-tangling model for laptops and CI: 64x64 input (128 and 256 also work).",
+    "mesh_unet": "Mesh-tangling segmentation at full resolution: a 2-D U-Net (Ronneberger et al. 2015), 18 "
+                 "channels, 1024x1024 in, 2 classes per pixel out at 1024x1024; four levels of two "
+                 "conv-BN-ReLU (16-32-64-128 filters), max-pool down, transposed conv up, skip concats. "
+                 "Sides must divide by 8 (64 trains in seconds on a laptop).",
+    "unet3d": "3-D U-Net (Cicek et al. 2016) on mesh-tangling volumes (lbannpy.data mesh3d): 14 channels, "
+              "128x128x128 in, 2 classes per voxel out at 128x128x128; four levels (16-32-64-128 filters), "
+              "transposed conv up, skip concats. Sides must divide by 8.",
 }
 
 
