@@ -166,8 +166,9 @@ class InstanceNorm(_SampleNorm):
                 for k in ("running_mean", "running_var")}
 
     def load_state(self, state: dict) -> None:
-        """The channel block's running statistics, whatever distribution wrote them; checked before any
-        is written."""
+        """The channel block's running statistics, whatever distribution wrote them. New arrays are
+        assigned (the dry run on a shallow copy leaves the live layer as it was); a run resumes before its
+        steps are captured, so no captured graph holds the old ones."""
         if not self.tracks:
             return
         c = self.in_shapes[0][1]
@@ -176,9 +177,9 @@ class InstanceNorm(_SampleNorm):
                 got = None if k not in state else tuple(state[k].global_shape)
                 raise LayerError(f"layer '{self.name}' (instancenorm): checkpoint {k} has shape {got}, the "
                                  f"model ({c},)")
-        for k in ("running_mean", "running_var"):
-            vals = state[k].read((self.cbox,))
-            getattr(self, k)[...] = self.ctx.xp.asarray(np.ascontiguousarray(vals), dtype=np.float64)
+        vals = {k: state[k].read((self.cbox,)) for k in ("running_mean", "running_var")}
+        for k, v in vals.items():
+            setattr(self, k, self.ctx.xp.asarray(np.ascontiguousarray(v), dtype=np.float64))
 
     def _params(self):
         return (None, None) if not self.affine else (self.gamma.value, self.beta.value)
