@@ -207,9 +207,12 @@ def init_from(path: str, model, xp) -> None:
             # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.checkpoint import StateReader
 
-            # torch keeps one set of statistics: one sample group, which every group of this run takes
-            rows = {k: tensors[key_of(layer.name, k)].astype(np.float64).reshape(1, -1)
-                    for k in ("running_mean", "running_var")}
+            # torch keeps one set of statistics: one sample group (batch norm's rows), which every group
+            # of this run takes; a layer whose state is one row (instance norm) takes it as it is
+            shapes = {k: st.global_shape for k, st in layer.state().items()}
+            rows = {k: tensors[key_of(layer.name, k)].astype(np.float64).reshape(
+                (1, -1) if len(shapes.get(k, (1, 1))) == 2 else (-1,))
+                for k in ("running_mean", "running_var")}
             layer.load_state({k: StateReader(k, v.shape, lambda key, box: rows[key][
                 tuple(slice(lo, hi) for lo, hi in box)]) for k, v in rows.items()})
 
@@ -252,6 +255,15 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
             pads = _pads(layer)
             xin = f"F.pad({x}, {pads})" if any(pads) else x
             fwd.append(f"{v} = self.{a}({xin})")
+        elif layer.spec.name == "conv_transpose":  # the U-Nets' up-sampling (weight laid out as torch's)
+            hp = layer.hparams
+            per = {k: tuple(hp[k]) if isinstance(hp[k], (list, tuple)) else hp[k]
+                   for k in ("padding", "output_padding")}
+            init.append(f"self.{a} = nn.ConvTranspose{nd}d({layer.in_shapes[0][1]}, {layer.out_shape[1]}, "
+                        f"kernel_size={layer.kernel}, stride={layer.stride}, padding={per['padding']}, "
+                        f"output_padding={per['output_padding']}, groups={layer.groups}, "
+                        f"dilation={layer.dilation}, bias={bool(hp['bias'])})")
+            fwd.append(f"{v} = self.{a}({x})")
         elif t is BatchNorm:
             init.append(f"self.{a} = nn.BatchNorm{nd}d({layer.in_shapes[0][1]}, eps={layer.eps!r}, "
                         f"momentum={layer.momentum!r})")

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import torch_nets as T  # noqa: E402
-from lbannpy.export import read_safetensors  # noqa: E402
+from lbannpy.export import main as export_main, read_safetensors  # noqa: E402
 from lbannpy.from_torch import Refused, import_module  # noqa: E402
 from train_util import ENV, PY, sh  # noqa: E402
 
@@ -112,8 +112,7 @@ def _run_config(spec: Path, work: Path) -> Path:
                                                       if layer["type"] == "global_pool"}}
     cfg["checkpoint"] = {"dir": str(work / "ckpt")}
     cfg["output"] = {"dir": str(work / "run")}
-    save_config(cfg, str(work / "run.yaml"))
-    sh([PY, "-m", "lbannpy.config", "build", work / "run.yaml", "-o", work / "config.h5"])
+    save_config(cfg, str(work / "config.h5"))  # HDF5: model.origin goes through the config file's round trip
     return work / "config.h5"
 
 
@@ -129,11 +128,14 @@ def test_one_step_on_two_ranks_equals_pytorch_and_exports_the_state_dict(tmp_pat
     config = _run_config(spec, tmp_path)
     sh([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.train", config, "--quiet", "--init",
         tmp_path / "w.safetensors"], timeout=300)
-    sh([PY, "-m", "lbannpy.export", tmp_path / "ckpt", "-o", tmp_path / "out.safetensors", "--config", config,
-        "--dtype", "float64"])
+    assert export_main([str(tmp_path / "ckpt"), "-o", str(tmp_path / "out.safetensors"), "--config",
+                        str(config), "--dtype", "float64"]) == 0
     ref = _torch_step(copy.deepcopy(net), x, y).state_dict()
     out, _ = read_safetensors(str(tmp_path / "out.safetensors"))
     assert sorted(out) == sorted(ref), "the export writes exactly the module's state_dict keys"
+    # without --config the checkpoint's own record of the model names the keys
+    assert export_main([str(tmp_path / "ckpt"), "-o", str(tmp_path / "bare.safetensors")]) == 0
+    assert sorted(read_safetensors(str(tmp_path / "bare.safetensors"))[0]) == sorted(ref)
     for k, want in ref.items():
         got, want = out[k], want.numpy()
         assert got.shape == want.shape and got.dtype == want.dtype, k
@@ -141,6 +143,42 @@ def test_one_step_on_two_ranks_equals_pytorch_and_exports_the_state_dict(tmp_pat
         assert err <= 1e-8, f"{case.id}: {k} differs from PyTorch's step by {err:.3g} relative"
     fresh = case.make().double()
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in out.items()}, strict=True)
+
+
+# ---------------------------------------------------------------------------------- the rest of the table
+def _lbannpy_forward(imported, x: np.ndarray, weights: Path) -> np.ndarray:
+    """The imported model's training-mode forward on one rank, from the importer's weights file."""
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.export import init_from
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.model import Model
+    from lbannpy.tensor import DistTensor
+
+    imported.write(str(weights.with_suffix(".yaml")), str(weights))
+    ctx = LayerContext(SingleCommunicator(), np, "float64", 0)
+    model = Model(imported.config["model"], x.shape[0], ctx, {})
+    init_from(str(weights), model, np)
+    model.set_train(True)
+    return model.forward(DistTensor(x, model.input_shape, model.input_dist, 0)).local
+
+
+@pytest.mark.parametrize("make,shape", [(T.Sink2d, (2, 2, 8, 8)), (T.Sink3d, (2, 2, 4, 4, 4))],
+                         ids=["2d", "3d"])
+def test_every_other_operator_computes_what_pytorch_computes(tmp_path, make, shape):
+    """Reflect/replicate/circular padding folded into conv, pad, groups, dilation, instance/layer/group norm,
+    GELU, SiLU, ELU, PReLU, leaky ReLU, sigmoid, tanh, mul, average and max pooling, transposed conv with
+    output padding, nearest/bilinear/trilinear upsampling, softmax, global max and mean into a linear head."""
+    torch.manual_seed(0)
+    net = T.perturb(make().double())
+    x = torch.randn(shape, dtype=torch.float64)
+    imported = import_module(net, x)
+    types = {layer["type"] for layer in imported.config["model"]["layers"]}
+    assert {"conv", "upsample", "mul"} <= types
+    got = _lbannpy_forward(imported, x.numpy(), tmp_path / "w.safetensors")
+    with torch.no_grad():
+        want = net.train()(x).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10 * np.abs(want).max())
 
 
 # ------------------------------------------------------------------------------------------------ refusals

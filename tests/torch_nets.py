@@ -188,3 +188,53 @@ def perturb(module: nn.Module, seed: int = 0) -> nn.Module:
                 if name.endswith("running_var"):
                     t.abs_().add_(0.5)
     return module
+
+
+# ------------------------------------------------------------------------------------------------ the rest
+class Sink2d(nn.Module):
+    """Every other operator of the importer's table once (no training: a forward check on one rank)."""
+
+    def __init__(self, c: int = 4, k: int = 3, size: int = 8):
+        super().__init__()
+        self.reflect = nn.Conv2d(2, c, 3, padding=1, padding_mode="reflect")
+        self.inorm = nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+        self.circular = nn.Conv2d(c, c, 3, padding=(1, 2), dilation=(1, 2), padding_mode="circular", groups=2)
+        self.ln = nn.LayerNorm([c, size, size])
+        self.replicate = nn.Conv2d(c, c, 3, bias=False)
+        self.act = nn.LeakyReLU(0.2)
+        self.prelu = nn.PReLU(c)
+        self.down = nn.AvgPool2d(2)
+        self.up = nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.gate = nn.Conv2d(c, c, 1)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Conv2d(c, k, 1)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        y = F.gelu(self.inorm(self.reflect(x)), approximate="tanh")
+        y = F.silu(self.ln(self.circular(y)))
+        y = self.replicate(F.pad(y, (1, 1, 1, 1), mode="replicate"))
+        y = self.act(y)
+        y = F.elu(self.prelu(y), 0.5) + torch.sigmoid(y) * torch.tanh(self.gate(y))
+        z = self.up(self.down(y)) + F.interpolate(self.pool(y), scale_factor=2, mode="nearest")
+        z = F.interpolate(F.avg_pool2d(z, 2), scale_factor=2, mode="bilinear", align_corners=True)
+        z = F.pad(F.relu(self.drop(z)), (1, 1, 0, 0), value=0.5)
+        return F.softmax(self.head(z), dim=1)
+
+
+class Sink3d(nn.Module):
+    """3-D: group norm, trilinear and nearest upsampling, the max over space into a linear head."""
+
+    def __init__(self, c: int = 4, k: int = 3):
+        super().__init__()
+        self.conv = nn.Conv3d(2, c, 3, padding=1, padding_mode="replicate")
+        self.gn = nn.GroupNorm(2, c)
+        self.down = nn.Conv3d(c, c, 2, stride=2)
+        self.fc = nn.Linear(2 * c, k)
+
+    def forward(self, x):
+        y = F.relu(self.gn(self.conv(x)))
+        z = F.interpolate(self.down(y), scale_factor=2, mode="trilinear") * F.interpolate(
+            F.max_pool3d(y, 2), scale_factor=2, mode="nearest")
+        feats = torch.cat([z.amax((2, 3, 4)), y.mean((-3, -2, -1))], dim=1)
+        return self.fc(feats)
