@@ -102,3 +102,4 @@ def test_docs_tutorial_runs_as_written(tmp_path):
     assert (tmp_path / "mesh-pred.png").is_file() and (tmp_path / "mesh1k-4n.sbatch").is_file()
     rows = (tmp_path / "mesh-run" / "metrics.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(1, 13)], rows  # stopped, resumed
+    assert "UNet and lbannpy agree to" in p.stdout, p.stdout[-3000:]  # a PyTorch model in and back out
