@@ -226,6 +226,31 @@ def _pads(layer) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _conv_transpose_init(layer, a: str, nd: int) -> str:
+    """The ``__init__`` line of a transposed convolution layer's ``nn.ConvTranspose``."""
+    hp = layer.hparams
+    per = {k: tuple(hp[k]) if isinstance(hp[k], (list, tuple)) else hp[k]
+           for k in ("padding", "output_padding")}
+    return (f"self.{a} = nn.ConvTranspose{nd}d({layer.in_shapes[0][1]}, {layer.out_shape[1]}, "
+            f"kernel_size={layer.kernel}, stride={layer.stride}, padding={per['padding']}, "
+            f"output_padding={per['output_padding']}, groups={layer.groups}, dilation={layer.dilation}, "
+            f"bias={bool(hp['bias'])})")
+
+
+def _module_head(name: str, title: str, sample: tuple) -> list[str]:
+    """The generated module's lines up to ``Net.__init__``'s body."""
+    return [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
+            "The weights come from ``python -m lbannpy.export CKPT -o model.safetensors``; load them with",
+            "(``safetensors.torch.load_file`` works as well where that package is installed)::", "",
+            "    from lbannpy.export import read_safetensors",
+            "    tensors, _ = read_safetensors('model.safetensors')   # NumPy arrays by state_dict name",
+            "    net = Net()",
+            "    net.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})", "",
+            f"The input is {sample} per sample (N, C, H, W order).", '"""',
+            "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
+            "class Net(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+
+
 def torch_module_source(model_spec: dict, title: str = "") -> str:
     """Source of a ``torch.nn.Module`` ``Net`` computing what the lbannpy model computes (evaluation and
     training mode alike; batch norm statistics are per batch in training as in lbannpy's ``sync: global``)."""
@@ -256,13 +281,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
             xin = f"F.pad({x}, {pads})" if any(pads) else x
             fwd.append(f"{v} = self.{a}({xin})")
         elif layer.spec.name == "conv_transpose":  # the U-Nets' up-sampling (weight laid out as torch's)
-            hp = layer.hparams
-            per = {k: tuple(hp[k]) if isinstance(hp[k], (list, tuple)) else hp[k]
-                   for k in ("padding", "output_padding")}
-            init.append(f"self.{a} = nn.ConvTranspose{nd}d({layer.in_shapes[0][1]}, {layer.out_shape[1]}, "
-                        f"kernel_size={layer.kernel}, stride={layer.stride}, padding={per['padding']}, "
-                        f"output_padding={per['output_padding']}, groups={layer.groups}, "
-                        f"dilation={layer.dilation}, bias={bool(hp['bias'])})")
+            init.append(_conv_transpose_init(layer, a, nd))
             fwd.append(f"{v} = self.{a}({x})")
         elif t is BatchNorm:
             init.append(f"self.{a} = nn.BatchNorm{nd}d({layer.in_shapes[0][1]}, eps={layer.eps!r}, "
@@ -300,17 +319,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
             raise ExportError(f"layer '{layer.name}': type {layer.spec.name!r} has no torch.nn translation "
                               f"here; export the weights only (without --torch-module)")
         var[layer.name] = v
-    name = model_spec.get("name", "model")
-    lines = [f'"""PyTorch equivalent of the lbannpy model {name!r}{title}.', "",
-             "The weights come from ``python -m lbannpy.export CKPT -o model.safetensors``; load them with",
-             "(``safetensors.torch.load_file`` works as well where that package is installed)::", "",
-             "    from lbannpy.export import read_safetensors",
-             "    tensors, _ = read_safetensors('model.safetensors')   # NumPy arrays by state_dict name",
-             "    net = Net()",
-             "    net.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})", "",
-             f"The input is {tuple(model.input_shape[1:])} per sample (N, C, H, W order).", '"""',
-             "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
-             "class Net(nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    lines = _module_head(model_spec.get("name", "model"), title, tuple(model.input_shape[1:]))
     lines += [f"        {s}" for s in init] or ["        pass"]
     lines += ["", "    def forward(self, x):"] + [f"        {s}" for s in fwd]
     lines += [f"        return {var[model.output.name]}", ""]
