@@ -94,7 +94,8 @@ def test_steps_replaces_epochs_default():
 def test_registry_lists_the_layer_types():
     assert layer_types() == ["conv", "pool", "batchnorm", "relu", "leaky_relu", "dropout", "sum", "concat",
                              "fc", "flatten"]
-    assert list(layer_params("conv")) == ["filters", "kernel", "stride", "padding", "dilation", "bias"]
+    assert list(layer_params("conv")) == ["filters", "kernel", "stride", "padding", "dilation", "bias",
+                                          "groups", "padding_mode"]
     assert [k.name for k in COMMON_LAYER_KEYS] == ["name", "type", "parents"]
     assert layer_type("sum").min_parents == 2 and layer_type("sum").max_parents is None
     with pytest.raises(ConfigError, match="did you mean 'conv'"):
