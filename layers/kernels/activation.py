@@ -108,8 +108,8 @@ def dropout_backward(dy, mask):
 # ---------------------------------------------------------------------------------------------------------
 # smooth activations, PReLU, softmax over channels, product of inputs
 #
-# On NumPy a kernel runs its passes block by block (``_BLOCK`` elements of every operand; a block's scratch
-# stays in the core's L2 cache), so a formula of several ufunc passes reads and writes the whole arrays
+# On NumPy a kernel runs its passes block by block (a block of every operand and the scratch stay in the
+# core's L2 cache), so a formula of several ufunc passes reads and writes the whole arrays
 # about once, as a fused kernel does, and every pass writes into an existing array (``out=``). Where the
 # backward needs more than the output (SiLU, GELU), the training forward computes the derivative ``f'(x)``
 # in the same blocks and keeps it instead of the input (one array either way): the backward is then one
@@ -118,8 +118,12 @@ def dropout_backward(dy, mask):
 # array module has no ElementwiseKernel, the NumPy path's array expressions run on the whole arrays.
 # Nothing reads a value back to the host, and the constants (alpha, the GELU form) are fixed at set-up.
 
-#: elements of each operand per block on NumPy: 2**15 (256 KiB in float64) keeps a block's operands and
-#: scratch in the L2 cache while each pass still amortises NumPy's call overhead
+#: bytes a block's operands and scratch take together on NumPy: the passes over a block then run in the
+#: core's caches (L2 and its share of L3), while a block stays long enough (2**12 to 2**20 elements) for a
+#: ufunc call's overhead (about a microsecond) to be small beside its pass; 1 to 4 MiB measured best for
+#: every kernel here on a 1 MiB-L2 core, 256 KiB a third slower
+_CACHE_BYTES = 1 << 21
+#: elements per block of the kernels that work on whole samples (PReLU, softmax)
 _BLOCK = 1 << 15
 
 _SQRT1_2 = 0.7071067811865476        # 1/sqrt(2)
@@ -153,15 +157,20 @@ def _flat(a):
 def _blockwise(body, ins, nout, nscratch=0, nbool=0):
     """Run ``body(*in_blocks, *out_blocks, *scratch)`` over flat blocks of ``ins`` (one shape) and return
     the ``nout`` outputs (new arrays of the first input's shape and dtype); ``nbool`` of the scratch arrays
-    are boolean. NumPy: ``_BLOCK`` elements at a time, floating-point warnings off (exp overflows to inf
-    where the formulas want it, as in PyTorch's kernels); other array modules: the whole arrays at once."""
+    are boolean. NumPy: blocks of ``_CACHE_BYTES`` over all operands, floating-point warnings off (exp
+    overflows to inf where the formulas want it, as in PyTorch's kernels); other array modules: the whole
+    arrays at once."""
     x = ins[0]
     xp = array_module(x)
     flat = [_flat(a) for a in ins]
     outs = [xp.empty(x.shape, dtype=x.dtype) for _ in range(nout)]
     oflat = [o.reshape(-1) for o in outs]
     n = flat[0].size
-    step = _BLOCK if xp is numpy else max(n, 1)
+    if xp is numpy:
+        per = _CACHE_BYTES // ((len(ins) + nout + nscratch) * x.dtype.itemsize + nbool)
+        step = 1 << max(12, min(20, per.bit_length() - 1))
+    else:
+        step = max(n, 1)
     m = min(n, step)
     scratch = [xp.empty(m, dtype=x.dtype) for _ in range(nscratch)]
     scratch += [xp.empty(m, dtype=bool) for _ in range(nbool)]
@@ -485,7 +494,9 @@ def softmax_forward(x):
             xb, yb = x[sl], y[sl]
             xp.subtract(xb, xb.max(axis=1, keepdims=True), out=yb)
             xp.exp(yb, out=yb)
-            yb /= yb.sum(axis=1, keepdims=True)
+            s = yb.sum(axis=1, keepdims=True)
+            xp.divide(1, s, out=s)
+            yb *= s                  # one division per position, a product per element
     return y
 
 
