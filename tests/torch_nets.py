@@ -201,6 +201,7 @@ class Sink2d(nn.Module):
         self.circular = nn.Conv2d(c, c, 3, padding=(1, 2), dilation=(1, 2), padding_mode="circular", groups=2)
         self.ln = nn.LayerNorm([c, size, size])
         self.replicate = nn.Conv2d(c, c, 3, bias=False)
+        self.wide = nn.Conv2d(c, c, 5, padding=1)
         self.act = nn.LeakyReLU(0.2)
         self.prelu = nn.PReLU(c)
         self.down = nn.AvgPool2d(2)
@@ -214,7 +215,7 @@ class Sink2d(nn.Module):
         y = F.gelu(self.inorm(self.reflect(x)), approximate="tanh")
         y = F.silu(self.ln(self.circular(y)))
         y = self.replicate(F.pad(y, (1, 1, 1, 1), mode="replicate"))
-        y = self.act(y)
+        y = self.act(self.wide(F.pad(y, (1, 1, 1, 1), mode="reflect")))  # a pad layer: wide pads too
         y = F.elu(self.prelu(y), 0.5) + torch.sigmoid(y) * torch.tanh(self.gate(y))
         z = self.up(self.down(y)) + F.interpolate(self.pool(y), scale_factor=2, mode="nearest")
         z = F.interpolate(F.avg_pool2d(z, 2), scale_factor=2, mode="bilinear", align_corners=True)

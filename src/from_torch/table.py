@@ -61,10 +61,11 @@ def _convolution(b, node, a):
         b.refuse(node, "output_padding on a forward convolution", "output_padding 0")
     padding = [[int(p), int(p)] for p in a["padding"]]
     mode, src = "zeros", x
-    pending = b.pending_pad.get(x)
+    pending = b.pending_pad.pop(x, None)
     if pending is not None and not any(p for pair in padding for p in pair):
         src, padding, mode = pending
-        b.pending_pad.pop(x)
+    elif pending is not None:  # the convolution pads too: the pad stays a layer of its own
+        _emit_pad(b, x, pending[0], pending[1], pending[2], 0.0)
     params = {"filters": wshape[0], "kernel": _short(wshape[2:]), "stride": _short(a["stride"]),
               "padding": padding[0][0] if all(p == padding[0] for p in padding) and padding[0][0] ==
               padding[0][1] else [list(p) if p[0] != p[1] else p[0] for p in padding],
@@ -100,7 +101,11 @@ def _pad(b, node, a):
             and not users[0].args[6]):
         b.pending_pad[node] = (x, per_dim, PAD_MODES[mode])  # the convolution takes it as its padding
         return
-    params = {"padding": [p if p[0] != p[1] else p[0] for p in per_dim], "mode": PAD_MODES[mode]}
+    _emit_pad(b, node, x, per_dim, PAD_MODES[mode], value)
+
+
+def _emit_pad(b, node, x, per_dim, mode: str, value: float):
+    params = {"padding": [p if p[0] != p[1] else p[0] for p in per_dim], "mode": mode}
     if value:
         params["value"] = value
     b.emit(node, "pad", params, [b.input(node, x)])
