@@ -30,7 +30,9 @@ from lbannpy.stencil import Stencil
 
 from .base import LayerError
 from .halo_layer import HaloLayer
+from .kernels import aten
 from .kernels import conv as K
+from .kernels.select import own
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
 
 #: the cost model prices this layer's halo as its adjoint's (a convolution's on the output), where the
@@ -151,11 +153,33 @@ class ConvTranspose(HaloLayer):
         # ghost rows, every row written): the common stride = kernel case on one rank
         self._exact = h.local and h.window_shape == h.local_shape and h.owned_box == h.input_box
         self._split = not h.local and box_size(h.interior_box) > 0 and bool(h.boundary_slices)
+        # space not split (one rank, samples split) and the crop symmetric (no output padding, which crops
+        # less at the end): the kernels pad and crop themselves, as PyTorch's do, so no window is filled
+        # from dL/dY or cropped into the output
+        sp_pads = tuple(w.pad_lo for w in sp)
+        self._pads = (sp_pads if not self._exact and all(p == 1 for p in dist.parts[2:]) and any(sp_pads)
+                      and all(w.pad_lo == w.pad_hi for w in sp) else None)
+
+    @property
+    def kern(self):
+        """The convolution kernels the adjoint convolution runs on: as :attr:`Conv.kern` (the set a
+        calibration chose for this layer's local shapes, else the run's ``runtime.kernels``, else lbannpy's
+        own), except that grouped filters take lbannpy's own (the ATen set convolves one group)."""
+        k = self.__dict__.get("_kern")
+        if k is None:
+            ctx, rank = self.ctx, self.ctx.rank
+            key = ("conv_transpose", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
+                   tuple(self.out_dist.local_shape(self.out_shape, rank)))
+            k = ctx.conv_kernel_table.get(key) or ctx.conv_kernels
+            k = self._kern = own() if k is None or self.groups > 1 else k
+        return k
 
     # -- forward ---------------------------------------------------------------------------------------
-    def _scatter(self, x, shape, out=None):
-        """The adjoint convolution's data gradient of ``x``: the window of ``Y`` of ``shape`` it writes."""
-        return K.conv_backward_data(x, self.w.value, shape, self.stride, self.dilation, out=out)
+    def _scatter(self, x, shape, out=None, padding=0):
+        """The adjoint convolution's data gradient of ``x``: the window of ``Y`` of ``shape`` it writes
+        (into ``out`` when given), or with ``padding`` the block of that shape inside it."""
+        by_shape = aten.conv_backward_data if self.kern.name == "aten" else K.conv_backward_data
+        return by_shape(x, self.w.value, shape, self.stride, self.dilation, out=out, padding=padding)
 
     def _add_bias(self, y):
         if self.b is not None:
@@ -166,6 +190,8 @@ class ConvTranspose(HaloLayer):
         (x,) = xs
         self._x = x if self.train else None
         ctx, h = self.ctx, self.halo
+        if self._pads is not None:
+            return self._add_bias(self._scatter(x, h.local_shape, padding=self._pads))
         if self._exact:
             return self._add_bias(self._scatter(x, h.window_shape))
         if h.local:
@@ -205,7 +231,7 @@ class ConvTranspose(HaloLayer):
     # -- backward --------------------------------------------------------------------------------------
     def _gather(self, dywin, out=None):
         """The adjoint convolution of a window of ``dL/dY``: ``dL/dX`` of the block it covers."""
-        return K.conv_forward(dywin, self.w.value, None, self.stride, self.dilation, out=out)
+        return self.kern.conv_forward(dywin, self.w.value, None, self.stride, self.dilation, out=out)
 
     def _window_and_dx(self, dy, want_dx: bool):
         """``(window of dL/dY, dL/dX or None)``: the exchange in flight while the interior of ``dL/dX`` is
@@ -213,6 +239,9 @@ class ConvTranspose(HaloLayer):
         ctx, h = self.ctx, self.halo
         if self._exact:
             return dy, (self._gather(dy) if want_dx else None)
+        if self._pads is not None:  # the kernels pad dL/dY themselves
+            return dy, (self.kern.conv_forward(dy, self.w.value, None, self.stride, self.dilation,
+                                               padding=self._pads) if want_dx else None)
         space = ctx.workspace("conv_transpose window", h.window_shape, dy.dtype)
         if h.local:
             win = h.local_window(dy, space)
@@ -247,7 +276,18 @@ class ConvTranspose(HaloLayer):
     def bp_compute(self, dy):
         x, self._x = self._x, None
         win, dx = self._window_and_dx(dy, self.needs_input_grad)
-        self.w.accumulate(K.conv_backward_filter(win, x, self.w.value.shape, self.stride, self.dilation))
+        padded = {} if self._pads is None else {"padding": self._pads}
+        dw, _ = self.kern.conv_backward_params(win, x, self.w.value, False, self.stride, self.dilation,
+                                               **padded)
+        self.w.accumulate(dw)
         if self.b is not None:
-            self.b.accumulate(K.conv_backward_bias(dy))
+            self.b.accumulate(_channel_sums(dy))
         return [dx]
+
+
+def _channel_sums(a):
+    """``a`` summed over every dimension but the channels: over the contiguous spatial rows first (one
+    vectorised pass), then the samples."""
+    if a.flags.c_contiguous:
+        return a.reshape(a.shape[0], a.shape[1], -1).sum(axis=2).sum(axis=0)
+    return K.conv_backward_bias(a)

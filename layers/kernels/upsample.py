@@ -182,13 +182,17 @@ class _Step:
         self.partial = [(_sl(dim, slice(*r)), _sl(dim, slice(q - lo, q + 1 - lo))) for r, q in part]
         n0, n1 = o0 // s - lo, (o1 - 1) // s + 1 - lo
         self.unread = [_sl(dim, r) for r in (slice(0, n0), slice(n1, hi - lo)) if r.stop > r.start]
-        self.diffs = []
+        # linear: per phase, runs of copies (clamped edges, f = 0) and of x[q] + f * d[q + shift]; the
+        # forward writes each output once from them, the backward sums the x[q] terms as nearest's
+        self.copies, self.diffs = [], []
         if axis.mode == "linear":
             for a, f, q0, q1 in _phases(axis, o0, o1):
                 for qa_, qb_, shift in _pieces(axis, f, q0, q1):
-                    if shift is not None:
-                        self.diffs.append((_sl(dim, _strided(o0, s, a, qa_, qb_)),
-                                           _sl(dim, slice(qa_ + shift - lo, qb_ + shift - lo)), f))
+                    ysl, xsl = _sl(dim, _strided(o0, s, a, qa_, qb_)), _sl(dim, slice(qa_ - lo, qb_ - lo))
+                    if shift is None:
+                        self.copies.append((ysl, xsl))
+                    else:
+                        self.diffs.append((ysl, xsl, _sl(dim, slice(qa_ + shift - lo, qb_ + shift - lo)), f))
 
     def out_shape(self, shape) -> tuple:
         return tuple(shape[:self.dim]) + (self.o1 - self.o0,) + tuple(shape[self.dim + 1:])
@@ -212,21 +216,23 @@ class _Step:
             y1 *= self.lam
             xp.add(y0, y1, out=out)
             return out
-        if self.groups is not None:
-            ysl, xsl, m = self.groups
-            self._split(xp, out[ysl], m)[...] = xp.expand_dims(x[xsl], dim + 1)
-        for ysl, xsl in self.partial:
+        if self.axis.mode == "nearest":
+            if self.groups is not None:
+                ysl, xsl, m = self.groups
+                self._split(xp, out[ysl], m)[...] = xp.expand_dims(x[xsl], dim + 1)
+            for ysl, xsl in self.partial:
+                out[ysl] = x[xsl]
+            return out
+        for ysl, xsl in self.copies:
             out[ysl] = x[xsl]
         if self.diffs:
             n = x.shape[dim]
-            d = _temp(xp, "upsample differences", self.in_shape(x.shape)[:dim] + (n - 1,) + x.shape[dim + 1:],
-                      x.dtype)
+            d = _temp(xp, "upsample differences", x.shape[:dim] + (n - 1,) + x.shape[dim + 1:], x.dtype)
             xp.subtract(x[_sl(dim, slice(1, n))], x[_sl(dim, slice(0, n - 1))], out=d)
-            for ysl, dsl, f in self.diffs:
+            for ysl, xsl, dsl, f in self.diffs:
                 yv = out[ysl]
-                t = _temp(xp, "upsample product", yv.shape, x.dtype)
-                xp.multiply(d[dsl], f, out=t)
-                yv += t
+                xp.multiply(d[dsl], f, out=yv)
+                yv += x[xsl]
         return out
 
     def backward(self, g, out=None):
@@ -264,7 +270,7 @@ class _Step:
             n = shape[dim]
             dd = _temp(xp, "upsample differences", shape[:dim] + (n - 1,) + shape[dim + 1:], g.dtype)
             dd[...] = 0
-            for ysl, dsl, f in self.diffs:
+            for ysl, _, dsl, f in self.diffs:
                 gv = g[ysl]
                 t = _temp(xp, "upsample product", gv.shape, g.dtype)
                 xp.multiply(gv, f, out=t)
