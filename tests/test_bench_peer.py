@@ -18,7 +18,8 @@ from lbannpy.bench import peer  # noqa: E402
 SMALL = [peer.Case("lenet5", "lenet5", 32, 4), peer.Case("mesh_tiny", "mesh_tiny", 32, 2)]
 
 
-@pytest.mark.parametrize("case", SMALL + [peer.Case("alexnet", "alexnet", 128, 2)])
+@pytest.mark.parametrize("case", SMALL + [peer.Case("alexnet", "alexnet", 128, 2),
+                                          peer.Case("mesh_unet", "mesh_unet", 32, 2)])
 def test_the_pytorch_network_has_lbannpys_parameter_count(case):
     from lbannpy.export import torch_module_source
 
@@ -98,7 +99,27 @@ def test_small_networks_run_more_steps_on_both_sides(monkeypatch, tmp_path):
     assert {c[2] for c in calls[2:] if c[1] == "big"} == {3}
     assert [r.ratios() for r in tables[0][1]] == [[1.0], [1.0]]
     scales = {c.name: c.steps_scale for c in peer.CASES}
-    assert scales == {"lenet5": 5, "mesh_tiny": 5, "alexnet": 1, "mesh1k": 1}
+    assert scales == {"lenet5": 5, "mesh_tiny": 5, "alexnet": 1, "mesh1k": 1, "mesh_unet": 1}
+
+
+def test_mesh_unet_is_compared_on_one_process_and_splitting_the_height(monkeypatch, tmp_path):
+    """The full-resolution U-Net is a default case, in the 1-process table and in the 2-rank height split
+    against 1-process PyTorch (and its labels are per pixel at the input's resolution)."""
+    (case,) = [c for c in peer.CASES if c.zoo == "mesh_unet"]
+    spec, _, out_shape = peer.network(peer.Case("u", "mesh_unet", 16, 2))
+    assert out_shape == (2, 2, 16, 16)
+    runs = []
+    monkeypatch.setattr(peer, "network", lambda c: ({}, 10, (c.batch, 2, c.size, c.size)))
+    monkeypatch.setattr(peer, "write_data", lambda *a: None)
+    monkeypatch.setattr(peer, "lbannpy_step", lambda work, c, spec, data, ranks, split, steps, tag, t:
+                        runs.append((ranks, split)) or 0.02)
+    monkeypatch.setattr(peer, "torch_step", lambda work, c, ranks, layout, steps, params, t: 0.01)
+    monkeypatch.setattr(peer, "launcher", lambda ranks: [])
+    tables = dict(peer.compare((case,), rounds=1, steps=2, two_ranks=True, work=str(tmp_path), timeout=1))
+    assert runs == [(1, "n"), (2, "n"), (2, "h")]
+    split = tables["2 ranks splitting each sample's height: lbannpy / 1-process PyTorch"]
+    assert [r.what for r in split] == [case.label] and split[0].ratios() == [2.0]
+    assert tables["1 process: lbannpy / PyTorch (best of NCHW and channels-last)"][0].ratios() == [2.0]
 
 
 def test_gpu_comparison_without_a_gpu_says_why_in_one_line():

@@ -72,7 +72,8 @@ class Case:
 
 # the networks of the performance table (1 process), and the 2-rank comparisons
 CASES = (Case("lenet5", "lenet5", 32, 32, 5), Case("mesh_tiny", "mesh_tiny", 64, 8, 5),
-         Case("alexnet", "alexnet", 128, 32), Case("mesh1k", "mesh1k", 256, 2))
+         Case("alexnet", "alexnet", 128, 32), Case("mesh1k", "mesh1k", 256, 2),
+         Case("mesh_unet", "mesh_unet", 256, 2))
 BIG = Case("mesh1k-1024", "mesh1k", 1024, 1)
 QUICK = (Case("lenet5", "lenet5", 32, 8), Case("mesh_tiny", "mesh_tiny", 32, 2))
 
@@ -406,8 +407,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.bench peer",
         description="lbannpy's training step against PyTorch's on the same networks (lenet5, mesh_tiny, "
-                    "alexnet, mesh1k), interleaved rounds, one BLAS thread per process; ratios below 1 mean "
-                    "lbannpy is faster.",
+                    "alexnet, mesh1k, mesh_unet), interleaved rounds, one BLAS thread per process; ratios "
+                    "below 1 mean lbannpy is faster.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--models", nargs="+", default=[c.name for c in CASES],
                     help=f"which networks ({', '.join(c.name for c in CASES + (BIG,))})")
