@@ -1,7 +1,8 @@
-"""End to end with a regression loss: ``python -m lbannpy.train`` of a small conv net with ``mse`` on
+"""End to end with the new losses: ``python -m lbannpy.train`` of a small conv net with ``mse`` on
 per-pixel float targets at the output's (stride-2) resolution, on 2 ranks splitting the height (uneven
-blocks), ends with the weights of the single-rank run (float64, 1e-10); ``predict`` writes the raw outputs;
-``config validate`` and ``data check`` take the targets and refuse wrong ones with one line."""
+blocks), ends with the weights of the single-rank run (float64, 1e-10), and so do ``bce_with_logits``
+(targets in [0, 1]) and ``dice`` (classes at the output's resolution); ``predict`` writes the raw outputs
+of the mse model; ``config validate`` and ``data check`` take the targets and refuse wrong ones."""
 from __future__ import annotations
 
 import shutil
@@ -23,20 +24,24 @@ LAYERS = [
 ]
 
 
-def _data(path: Path, targets_shape=(2, OUT, OUT), dtype=np.float32, n=16) -> Path:
+def _data(path: Path, targets_shape=(2, OUT, OUT), dtype=np.float32, n=16, loss="mse") -> Path:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, 3, SIZE, SIZE)).astype(np.float32)
     # a learnable field: each target channel a smoothed, subsampled mix of the input channels
     y = np.stack([x[:, :2, ::2, ::2].mean(axis=1), x[:, 1:, ::2, ::2].sum(axis=1)], axis=1)
     y = np.resize(y, (n,) + tuple(targets_shape)).astype(dtype)
+    if loss == "bce_with_logits":
+        y = 1 / (1 + np.exp(-y))
+    elif loss == "dice":
+        y = y.argmax(axis=1)
     with h5py.File(path, "w") as f:
         f["inputs"], f["labels"] = x, y
     return path
 
 
-def _spec(work: Path, tag: str, parallel: dict, data: Path, steps: int = 3) -> dict:
+def _spec(work: Path, tag: str, parallel: dict, data: Path, steps: int = 3, loss: str = "mse") -> dict:
     return {"model": {"name": "field", "input": {"channels": 3, "spatial": [SIZE, SIZE]}, "layers": LAYERS,
-                      "loss": "mse"},
+                      "loss": loss},
             "data": {"train": {"path": str(data)}},
             "trainer": {"batch_size": 4, "steps": steps, "seed": 3, "dtype": "float64"},
             "optimizer": {"type": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -45,18 +50,22 @@ def _spec(work: Path, tag: str, parallel: dict, data: Path, steps: int = 3) -> d
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_mse_per_pixel_on_two_ranks_splitting_h_equals_one_rank(tmp_path):
-    data = _data(tmp_path / "field.h5")
-    ref = build_config(tmp_path, "ref", _spec(tmp_path, "ref", {}, data))
-    split = build_config(tmp_path, "h2", _spec(tmp_path, "h2", {"default": {"h": 2}}, data))
+@pytest.mark.parametrize("loss,column", [("mse", None), ("bce_with_logits", "accuracy"), ("dice", "dice")])
+def test_two_ranks_splitting_h_equal_one_rank(tmp_path, loss, column):
+    data = _data(tmp_path / "field.h5", loss=loss)
+    ref = build_config(tmp_path, "ref", _spec(tmp_path, "ref", {}, data, loss=loss))
+    split = build_config(tmp_path, "h2", _spec(tmp_path, "h2", {"default": {"h": 2}}, data, loss=loss))
     sh([MPIEXEC, "-n", "1", PY, "-m", "lbannpy.train", ref, "--quiet"])
     sh([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.train", split, "--quiet"])
     assert_same_weights(final_params(tmp_path / "h2" / "ckpt"), final_params(tmp_path / "ref" / "ckpt"),
-                        1e-10, "mse, h split on 2 ranks")
+                        1e-10, f"{loss}, h split on 2 ranks")
     rows, rows_ref = metrics(tmp_path / "h2" / "out"), metrics(tmp_path / "ref" / "out")
-    assert len(rows) == 3 and "loss" in rows[0] and "accuracy" not in rows[0]
+    assert len(rows) == 3 and "loss" in rows[0]
+    assert {"accuracy", "dice"} & set(rows[0]) == ({column} if column else set()), rows[0]
     for a, b in zip(rows, rows_ref):
         assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-10 * abs(float(b["loss"]))
+    if loss != "mse":
+        return
     out = tmp_path / "pred.h5"
     p = sh([MPIEXEC, "-n", "2", PY, "-m", "lbannpy.predict", split, "--checkpoint", tmp_path / "h2" / "ckpt",
             "--data", data, "-o", out])
