@@ -84,6 +84,22 @@ def test_strategy_auto_plans_the_unets_from_4_to_4096_ranks(name):
         assert all(d.ranks == ranks for d in p.choice.values()), (name, ranks)
 
 
+def test_strategy_and_validate_commands_plan_mesh_unet(tmp_path):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(zoo.get_spec("mesh_unet", batch_size=1), sort_keys=False))
+    p = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "4096"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "up1 " in p.stdout and "predicted step" in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "lbannpy.config", "validate", str(spec), "--ranks", "4",
+                        "--no-data", "--set", "parallel.strategy=auto"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and "ok on 4 ranks" in p.stdout, p.stdout + p.stderr
+    assert "strategy auto: the planner's choice" in p.stdout, p.stdout
+
+
 def test_options():
     s = zoo.get_spec("mesh_tiny", batch_size=3, input_size=128)
     assert s["trainer"]["batch_size"] == 3 and s["model"]["input"]["spatial"] == [128, 128]
