@@ -318,12 +318,16 @@ def test_an_unknown_loss_and_shared_weights_are_refused():
 
     with pytest.raises(Refused, match=r"conv -> aten.convolution.*shared weights"):
         import_module(Shared(), torch.zeros(2, 2, 8, 8))
+    frozen = Shared()
+    frozen.conv.bias.requires_grad_(False)
+    with pytest.raises(Refused, match=r"conv.bias -> \(requires_grad=False\)"):
+        import_module(frozen, torch.zeros(2, 2, 8, 8))
 
 
 def test_the_module_is_left_as_it_was():
-    net = T.perturb(T.ResNet18(3, 5, width=2)).eval()
+    net = T.perturb(T.PReLUNet(2, 3, width=2)).eval()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    import_module(net, torch.zeros(2, 3, 32, 32))
+    import_module(net, torch.zeros(2, 2, 8, 8))
     assert not net.training
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k

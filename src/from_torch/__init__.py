@@ -81,6 +81,10 @@ def import_module(module, example_input, *, loss: str | None = None, name: str |
     if not 3 <= len(shape) <= 5:
         raise Refused(f"{what} -> (input): an input of shape {shape} is not supported; supported: (N, C, W), "
                       f"(N, C, H, W) or (N, C, D, H, W)")
+    frozen = [k for k, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise Refused(f"{frozen[0]} -> (requires_grad=False): a frozen parameter is not supported (lbannpy "
+                      f"trains every parameter); supported: modules whose parameters all train")
     tensors = _arrays(module)
     ep = capture.export(module, example_input, what)
     b, out = capture.convert(ep, list(tensors))
