@@ -1,6 +1,8 @@
 """lbannpy.data: synthetic data sets and the distributed HDF5 reader.
 
 * :mod:`lbannpy.data.mesh` — mesh-tangling segmentation data (``python -m lbannpy.data mesh``)
+* :mod:`lbannpy.data.mesh3d` — its 3-D counterpart, volumes with per-voxel labels (``python -m lbannpy.data
+  mesh3d``)
 * :mod:`lbannpy.data.blobs` — small classification images for trainer tests (``python -m lbannpy.data blobs``)
 * :mod:`lbannpy.data.reader` — :class:`HDF5Reader` (each rank reads its own hyperslab of each shuffled
   mini-batch, with prefetch (:mod:`lbannpy.data.prefetch`) and exact resume)
