@@ -34,6 +34,11 @@ def cases(size: int) -> list:
         for par in _splits(size, ("n", "d", "h", "w")):
             out.append(Case(f"padding-conv3d-{mode}", (_conv(kernel=3, padding=1, padding_mode=mode),), vol,
                             {"default": par}))
+        # a convolution that does not read the model input rebuilds its window in the backward (refill)
+        for par in _splits(size, ("h", "w")):
+            relu_conv = ({"name": "r", "type": "relu"},
+                         _conv(kernel=3, stride=2, padding=1, padding_mode=mode))
+            out.append(Case(f"padding-relu-conv-{mode}", relu_conv, img, {"default": par}))
     # groups: 2 groups of 2 channels and 3 filters; depthwise with a reflect boundary
     for par in _splits(size, ("n", "c", "h", "w")):
         out.append(Case("padding-conv-groups2", (_conv(filters=6, groups=2, kernel=3, padding=1),),
