@@ -30,7 +30,6 @@ from lbannpy.stencil import Stencil
 
 from .base import LayerError
 from .halo_layer import HaloLayer
-from .kernels import aten
 from .kernels import conv as K
 from .kernels.select import own
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
@@ -178,8 +177,14 @@ class ConvTranspose(HaloLayer):
     def _scatter(self, x, shape, out=None, padding=0):
         """The adjoint convolution's data gradient of ``x``: the window of ``Y`` of ``shape`` it writes
         (into ``out`` when given), or with ``padding`` the block of that shape inside it."""
-        by_shape = aten.conv_backward_data if self.kern.name == "aten" else K.conv_backward_data
-        return by_shape(x, self.w.value, shape, self.stride, self.dilation, out=out, padding=padding)
+        if self.kern.name == "own":  # lbannpy's kernels read the window's shape only
+            return K.conv_backward_data(x, self.w.value, shape, self.stride, self.dilation, out=out,
+                                        padding=padding)
+        # others lay their computation out after the window's strides (ATen: a stride-0 stand-in is slower):
+        # an array of the shape, never written unless it is ``out``
+        like = self.ctx.xp.empty(shape, dtype=x.dtype) if out is None else out
+        return self.kern.conv_backward_input(x, self.w.value, like, self.stride, self.dilation, out=out,
+                                             padding=padding)
 
     def _add_bias(self, y):
         if self.b is not None:
