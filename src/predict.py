@@ -1,8 +1,9 @@
 """Apply a trained model to the samples of an HDF5 file and write class probabilities (or its raw outputs).
 
 ``python -m lbannpy.predict CONFIG.h5 --checkpoint CKPT --data IN.h5 -o OUT.h5 [--png N]``, under
-``mpiexec``/``srun`` with the rank layout the model was trained with (``parallel.*`` in the config; another
-via ``--set``) or alone.
+``mpiexec``/``srun`` on any number of ranks, or alone: the training split (``parallel.*`` in the config,
+another via ``--set``) is used where it runs on the ranks, else :func:`choose_split` picks one that does
+(the checkpoint reads on any split).
 
 * The model and loss come from the trainer's set-up (:func:`lbannpy.training.build.build_model`); no
   optimizer and no gradient engine are built. Weights and layer state (batch-norm running statistics) come
@@ -112,6 +113,56 @@ def _refuse_overwriting_inputs(args) -> None:
                 raise UserError(f"{oname} {out} lies inside {iname} {src}; choose another output file")
 
 
+def split_candidates(ndim: int, ranks: int) -> list[dict]:
+    """Degrees to try on ``ranks`` ranks when the training split does not fit them: the height (what
+    splits a huge image), the samples, then every two-way mix of samples and height, and last every rank
+    holding the whole model (replicas)."""
+    cands = [{"h": ranks}, {"n": ranks}]
+    if ndim > 3:
+        cands.append({"w": ranks})
+    cands += [{"n": a, "h": ranks // a} for a in range(2, ranks) if ranks % a == 0]
+    return cands + [{"r": ranks}]
+
+
+def choose_split(cfg: dict, ranks: int) -> tuple[dict, str]:
+    """``(cfg, note)``: the config with a split that runs on ``ranks`` ranks. The training split
+    (``parallel.*``) is the default; when it does not fit the rank count (or leaves a block empty), the
+    first of :func:`split_candidates` that does replaces it (``note`` says which). Any checkpoint reads on
+    any split, as ``--resume`` does."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    import copy
+
+    from lbannpy.config import ConfigError, validate
+
+    try:
+        return validate(cfg, ranks=ranks, data=False, memory=False), ""
+    except ConfigError as exc:
+        if not str(exc.path).startswith("parallel"):
+            raise
+        why = str(exc)
+    from lbannpy.config import check_graph
+    from lbannpy.dist import DIM_NAMES
+
+    graph = check_graph(cfg)
+    ndim = len(graph.input_shape)
+    shapes = [graph.input_shape] + [tuple(n.out_shape) for n in graph if len(n.out_shape) == ndim]
+    for degrees in split_candidates(ndim, ranks):
+        # a spatial split must cut every map evenly: per-cell labels are read under the prediction's cells
+        if any(s[DIM_NAMES[ndim].index(d)] % k for d, k in degrees.items() if d not in ("n", "r")
+               for s in shapes):
+            continue
+        trial = copy.deepcopy(cfg)
+        trial["parallel"].update(default=dict(degrees), layers={}, strategy="manual")
+        try:
+            trial = validate(trial, ranks=ranks, data=False, memory=False)
+        except ConfigError:
+            continue
+        shown = "·".join(f"{k}{v}" for k, v in degrees.items()) if ranks > 1 else "(no split)"
+        return trial, (f"the training split does not run on {ranks} rank(s) ({why}); predicting with "
+                       f"parallel.default {shown} instead (--set parallel.default.KEY=V chooses another)")
+    raise UserError(f"no split of the model runs on {ranks} rank(s): {why}")
+
+
 def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
     """Sorted sample ids of ``--data`` to predict (the trainer's split for ``train``/``validation``)."""
     # late: loaded when the command runs, so its --help and argument errors come without it
@@ -202,7 +253,11 @@ def predict(cfg: dict, rt, args) -> dict:
 
     world = rt.world
     _refuse_overwriting_inputs(args)
-    cfg = validate(cfg, ranks=world.size, memory=False)  # the estimate prices training
+    cfg = validate(cfg, memory=False)  # the estimate prices training
+    cfg, note = choose_split(cfg, world.size)
+    if note and world.rank == 0:
+        sys.stdout.write(f"lbannpy.predict: {note}\n")
+        sys.stdout.flush()
     tr = cfg["trainer"]
     # as in training: a rank that makes no progress (a peer gone, a file system stuck) aborts every rank
     watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
@@ -327,7 +382,7 @@ def resolution_line(out: str, cfg: dict) -> str:
     import h5py
 
     with h5py.File(out, "r") as fo:
-        shape = fo["probabilities"].shape
+        shape = fo["outputs" if "outputs" in fo else "probabilities"].shape  # regression: raw outputs
     ins = [int(s) for s in cfg["model"]["input"]["spatial"]]
     if len(shape) == 2:
         return f"prediction per sample ({shape[1]} classes) for inputs of {'×'.join(map(str, ins))}"

@@ -5,6 +5,7 @@
   reported for its validation; the command prints the same value;
 * the same samples predicted on 1 rank with another batch size (and a tail batch) get the same
   probabilities, and every sample of the file is written once, in order;
+* trained on 2 ranks with h=2, predicted on 1 and on 3 ranks (predict chooses its split): equal;
 * a file without labels is predicted (no metrics); a wrong input shape is refused with a message;
 * ``--png`` writes an image.
 """
@@ -106,6 +107,35 @@ def test_predict_other_layout_batch_and_tail_agree(demo):
     assert allids.tolist() == list(range(16))
     np.testing.assert_allclose(allp[valids], valp, atol=1e-5)
     assert np.abs(allp[valids] - allp[(valids + 1) % 16]).max() > 1e-3  # the comparison can fail
+
+
+def test_predict_on_any_rank_count_equals_the_training_ranks(demo):
+    """Trained on 2 ranks splitting the height (the demo): predicted on 1 and on 3 ranks with no --set, the
+    probabilities equal the 2-rank prediction; the command says which split it chose instead."""
+    d, _ = demo
+    got = {}
+    for n in (2, 1, 3):
+        p = sh([MPIEXEC, "-n", str(n), PY, "-m", "lbannpy.predict", "d/config.h5", "--checkpoint", "d/ckpt",
+                "--data", "d/mesh64.h5", "-o", f"p/ranks{n}.h5"], cwd=d)
+        assert (n == 2) == ("training split does not run" not in p.stdout), p.stdout
+        with h5py.File(d / "p" / f"ranks{n}.h5") as f:
+            got[n] = f["probabilities"][()]
+            assert f["sample_ids"][()].tolist() == list(range(16))
+    assert "predicting with parallel.default n3" in p.stdout, p.stdout
+    for n in (1, 3):
+        np.testing.assert_allclose(got[n], got[2], atol=1e-5)
+    assert np.abs(got[2] - np.roll(got[2], 1, axis=0)).max() > 1e-3  # the comparison can fail
+
+
+def test_resolution_line_of_a_regression_model(tmp_path):
+    """mse/l1 models write ``outputs`` instead of ``probabilities``: --png's line reads either."""
+    from lbannpy.predict import resolution_line
+
+    out = tmp_path / "pred.h5"
+    with h5py.File(out, "w") as f:
+        f.create_dataset("outputs", shape=(2, 1, 64, 64), dtype=np.float32)
+    assert resolution_line(str(out), {"model": {"input": {"spatial": [64, 64]}}}) == \
+        "prediction 64×64 per pixel at the input's resolution 64×64"
 
 
 def test_predict_unlabelled_and_wrong_shape(demo):
