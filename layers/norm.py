@@ -65,6 +65,9 @@ class _SampleNorm(Layer):
 
     _spans_channels = False
     tracks = False
+    # the backward reads the input and the statistics, never the output: a ReLU that alone reads it may
+    # overwrite it in place
+    output_kept = False
 
     def _groups(self, channels: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError

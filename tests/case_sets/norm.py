@@ -53,7 +53,11 @@ def cases(size):
                                     ("groupnorm", ({**grp, "groups": 2},), SHAPE3)):
             dims = {"c": 2, "w": 2} if name != "groupnorm" else {"d": 2, "w": 2}
             out.append(Case(name, layers, shape, {"default": dims}))
-    # a convolution before each, so the input gradient flows through a layer that needs it
+    # a convolution before, so the input gradient flows through a layer that needs it; a ReLU after, which
+    # overwrites the norm's output in place (the norms' backward never reads it)
     conv = {"name": "cv", "type": "conv", "filters": C, "kernel": 3, "padding": 1}
-    add("conv-groupnorm", (conv, {**grp, "parents": ["cv"]}), SHAPE, ("n", "h", "w"))
+    relu = {"name": "r", "type": "relu"}
+    add("conv-groupnorm-relu", (conv, {**grp, "parents": ["cv"]}, relu), SHAPE, ("n", "h", "w"))
+    add("instancenorm-relu", ({**inst, "affine": True}, relu), SHAPE, ("n", "c", "h", "w"))
+    add("layernorm-relu", (ln, relu), SHAPE, ("n", "c", "h", "w"))
     return out
