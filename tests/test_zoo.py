@@ -85,12 +85,13 @@ def test_strategy_auto_plans_the_unets_from_4_to_4096_ranks(name):
 
 
 def test_strategy_and_validate_commands_plan_mesh_unet(tmp_path):
+    """The two commands a user runs before a job (4096 ranks: the planner test above)."""
     import subprocess
     import sys
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(zoo.get_spec("mesh_unet", batch_size=1), sort_keys=False))
-    p = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "4096"],
+    p = subprocess.run([sys.executable, "-m", "lbannpy.strategy", str(spec), "--ranks", "16"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "up1 " in p.stdout and "predicted step" in p.stdout, p.stdout + p.stderr
     p = subprocess.run([sys.executable, "-m", "lbannpy.config", "validate", str(spec), "--ranks", "4",
