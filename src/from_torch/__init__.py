@@ -49,7 +49,7 @@ class Imported:
 
 def _arrays(module) -> dict:
     """``module.state_dict()`` as NumPy arrays, refused for a dtype the safetensors writer has no code for."""
-    from lbannpy.export import DTYPES
+    from lbannpy.export import DTYPES  # late: this package's import loads nothing but the table's names
 
     out = {}
     for key, value in module.state_dict().items():
@@ -71,9 +71,10 @@ def import_module(module, example_input, *, loss: str | None = None, name: str |
     becomes ``trainer.batch_size``, float64 input makes a float64 run). ``loss``: a registered loss (default
     ``pixel_cross_entropy`` for an (N, K, spatial...) output, ``cross_entropy`` for (N, K)); ``weights``: the
     path written into ``model.init``; ``data``: ``data.train.path``. Raises :class:`Refused`."""
+    # late: importing the package (its table, for the docs and --help) loads neither the config, the layer
+    # families nor the capture module, whose callers need torch
     from lbannpy.config import ConfigError, check_graph, parse_spec
     from lbannpy.layers.registry import loss_specs
-
     from . import capture
 
     shape = tuple(int(d) for d in example_input.shape)

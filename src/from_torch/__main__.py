@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         _paths(args)
         import torch  # the one command that needs it
 
-        from . import import_module
+        from . import import_module  # late: --help and argument errors come without the importer's modules
 
         dtype = getattr(torch, args.dtype)
         with torch.no_grad():
