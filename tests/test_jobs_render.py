@@ -133,6 +133,48 @@ def test_sbatch_lines_follow_the_spec():
     assert "module load" not in render(JobSpec.for_site("resnet50", site="h100-cluster", env_setup=""))
 
 
+def test_env_setup_replaces_only_the_environment_and_keeps_communication_settings(tmp_path):
+    for site in SITES.values():
+        text = render(JobSpec.for_site("mesh1k", site=site.name, env_setup=("module load mine",)))
+        lines = text.splitlines()
+        assert "module load mine" in lines
+        assert not set(site.env_setup) & set(lines)           # the environment lines are replaced
+        assert all(c in lines for c in site.comm_setup)       # NCCL/UCX settings are kept
+    assert any("NCCL" in c for c in SITES["h100-cluster"].comm_setup)
+    p = run([sys.executable, "-m", "lbannpy.jobs", "render", "mesh1k", "--site", "h100-cluster",
+             "--nodes", "2", "--env-setup", "source venv/bin/activate", "-o", str(tmp_path / "j.sbatch")])
+    assert p.returncode == 0, p.stderr
+    assert "replaced site h100-cluster's environment lines (module load gcc cuda;" in p.stderr, p.stderr
+    assert "communication settings stay (export NCCL_DEBUG" in p.stderr, p.stderr
+
+
+def test_sites_are_files_and_a_new_site_is_a_copied_file(tmp_path):
+    from lbannpy.jobs.sites import SITE_DIR, SiteError, load_site
+
+    for site in SITES.values():  # the built-in sites are the files in SITE_DIR
+        assert load_site(SITE_DIR / f"{site.name}.yaml") == site
+    tree = yaml.safe_load((SITE_DIR / "gpu-cluster.yaml").read_text())
+    tree.update(name="mine", gpus_per_node=2, tasks_per_node=2, partition="a100", env_setup=["module load x"])
+    site_file = tmp_path / "mine.yaml"
+    site_file.write_text(yaml.safe_dump(tree))
+    out = tmp_path / "mine.sbatch"
+    p = run([sys.executable, "-m", "lbannpy.jobs", "render", "resnet50", "--site-file", str(site_file),
+             "--nodes", "3", "-o", str(out)])
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    opts = sbatch_options(text)
+    assert (opts["gpus-per-node"], opts["ntasks-per-node"], opts["partition"], opts["nodes"]) == (
+        "2", "2", "a100", "3")
+    assert "module load x" in text.splitlines() and f"the site in\n#   {site_file};" in text
+    assert run(["bash", "-n", str(out)]).returncode == 0
+    tree["colour"] = "red"
+    site_file.write_text(yaml.safe_dump(tree))
+    with pytest.raises(SiteError, match="unknown key.*colour"):
+        load_site(site_file)
+    p = run([sys.executable, "-m", "lbannpy.jobs", "render", "resnet50", "--site-file", str(site_file)])
+    assert p.returncode == 2 and "colour" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
 def test_site_defaults_fill_unset_fields():
     for site in SITES.values():
         spec = JobSpec.for_site("mesh1k", site=site.name)

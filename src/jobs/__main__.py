@@ -1,8 +1,8 @@
 """python -m lbannpy.jobs: render SLURM batch scripts, and the helper steps those scripts run.
 
-  render TEMPLATE [--site S --nodes N --tasks-per-node T --gpus-per-node G --cpus-per-task C --time T
-                   --partition P --account A --env-setup LINES --config PATH --run-dir DIR
-                   --drop-points] [-o FILE]
+  render TEMPLATE [--site S | --site-file SITE.yaml] [--nodes N --tasks-per-node T --gpus-per-node G
+                   --cpus-per-task C --time T --partition P --account A --env-setup LINES --config PATH
+                   --run-dir DIR --drop-points] [-o FILE]
   render-all [--dir jobs] [--check]     the committed jobs/*.sbatch (local site)
   list                                  templates and sites
   adapt-spec ZOO.yaml -o SPEC.yaml [--size N --data F.h5 --samples M --steps S --batch-size B]
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import helpers
 from .render import JobSpec, JobSpecError, render, render_all
-from .sites import SITES
+from .sites import SITE_DIR, SITES, SiteError, load_site
 from .templates import TEMPLATES
 
 
@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("render", help="render one batch script")
     r.add_argument("template", choices=sorted(TEMPLATES))
     r.add_argument("--site", default="local", help=f"one of {', '.join(SITES)} (default local)")
+    r.add_argument("--site-file", metavar="SITE.yaml",
+                   help="a site described in a file (copy a built-in site: src/jobs/sites/*.yaml, "
+                        "`python -m lbannpy.jobs list` prints where they are installed)")
     r.add_argument("--nodes", type=int)
     r.add_argument("--tasks-per-node", type=int)
     r.add_argument("--gpus-per-node", type=int)
@@ -38,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--partition")
     r.add_argument("--account")
     r.add_argument("--env-setup", help="shell lines that set up the environment (newline-separated), in "
-                                       "place of the site's (module load, conda activate); '' for none")
+                                       "place of the site's env_setup (module load, conda activate); '' "
+                                       "for none. The site's comm_setup (NCCL, UCX variables) stays")
     r.add_argument("--config", help="default config path baked in (the script's first argument still wins)")
     r.add_argument("--run-dir", help="where the job's run directory DIR/TEMPLATE-JOBID goes (default: run/ "
                                      "in the submit directory; LBANNPY_RUN_DIR at submit time wins)")
@@ -78,16 +82,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _say_env_replaced(spec: JobSpec) -> None:
+    """One line on stderr: which of the site's lines --env-setup replaced, and which it kept."""
+    from .render import site_of
+
+    site = site_of(spec)
+    replaced = "; ".join(site.env_setup) or "none"
+    kept = "; ".join(site.comm_setup) or "none"
+    print(f"--env-setup replaced site {site.name}'s environment lines ({replaced}); its communication "
+          f"settings stay ({kept})", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "render":
+            site = load_site(args.site_file) if args.site_file else args.site
             spec = JobSpec.for_site(
-                args.template, site=args.site, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                args.template, site=site, nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                 gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
                 partition=args.partition, account=args.account, env_setup=args.env_setup, config=args.config,
                 run_dir=args.run_dir, drop_points=args.drop_points)
             text = render(spec)
+            if args.env_setup is not None:
+                _say_env_replaced(spec)
             if args.output:
                 out = Path(args.output)
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in SITES.values():
                 print(f"site     {s.name:<13} gpus/node={s.gpus_per_node} mpi={s.mpi} "
                       f"partition={s.partition or '(default)'}: {s.description}")
+            print(f"sites are files: {SITE_DIR}/*.yaml; copy one for a new cluster and render with "
+                  f"--site-file SITE.yaml")
         elif args.cmd == "adapt-spec":
             helpers.adapt_spec(Path(args.src), Path(args.output), size=args.size, data=args.data,
                                samples=args.samples, steps=args.steps, batch_size=args.batch_size)
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 plot_scaling(rows, str(Path(args.output).with_suffix(".png")))
             sys.stdout.write(table)
-    except (JobSpecError, helpers.JobHelperError) as exc:
+    except (JobSpecError, SiteError, helpers.JobHelperError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

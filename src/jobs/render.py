@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .sites import SITES, Site
+from .sites import SITE_DIR, SITES, Site
 from .templates import BODIES, BUILDERS, CONFIG_ARG, PREAMBLE, TEMPLATES, USAGE
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
@@ -33,7 +33,7 @@ class JobSpec:
     """Everything a rendered batch script depends on. Build with :meth:`for_site` to get site defaults."""
 
     template: str
-    site: str
+    site: str | Site                   # a built-in site's name, or a Site (from a site file)
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
@@ -49,16 +49,16 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
             raise JobSpecError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
-        if self.site not in SITES:
+        if not isinstance(self.site, Site) and self.site not in SITES:
             raise JobSpecError(f"unknown site {self.site!r}; choose one of {', '.join(SITES)} "
-                               f"(add a site to src/jobs/sites.py)")
+                               f"(or --site-file SITE.yaml: copy one of {SITE_DIR}/*.yaml)")
         for name, low in (("nodes", 1), ("tasks_per_node", 1), ("gpus_per_node", 0), ("cpus_per_task", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise JobSpecError(f"{name} must be an integer, got {value!r}")
             if value < low:
                 raise JobSpecError(f"{name} must be >= {low}, got {value}")
-        site = SITES[self.site]
+        site = site_of(self)
         if self.gpus_per_node > site.gpus_per_node:
             raise JobSpecError(f"gpus_per_node={self.gpus_per_node} but site {site.name!r} has "
                                f"{site.gpus_per_node} GPU(s) per node; use --gpus-per-node "
@@ -98,16 +98,18 @@ class JobSpec:
             raise JobSpecError(f"run_dir must be a non-empty one-line path, got {self.run_dir!r}")
 
     @classmethod
-    def for_site(cls, template: str, site: str = "local", **overrides) -> "JobSpec":
-        """A JobSpec whose unset fields come from the site table. ``None`` values count as unset."""
-        if site not in SITES:
-            raise JobSpecError(f"unknown site {site!r}; choose one of {', '.join(SITES)}")
+    def for_site(cls, template: str, site: str | Site = "local", **overrides) -> "JobSpec":
+        """A JobSpec whose unset fields come from the site (a built-in's name or a :class:`Site`, e.g.
+        from :func:`lbannpy.jobs.sites.load_site`). ``None`` values count as unset."""
+        if not isinstance(site, Site) and site not in SITES:
+            raise JobSpecError(f"unknown site {site!r}; choose one of {', '.join(SITES)} (or --site-file "
+                               f"SITE.yaml: copy one of {SITE_DIR}/*.yaml)")
         known = {f.name for f in fields(cls)} - {"template", "site"}
         unknown = set(overrides) - known
         if unknown:
             raise JobSpecError(f"unknown job parameter(s) {', '.join(sorted(unknown))}; "
                                f"known: {', '.join(sorted(known))}")
-        s: Site = SITES[site]
+        s: Site = site if isinstance(site, Site) else SITES[site]
         values = dict(nodes=1, tasks_per_node=s.tasks_per_node, gpus_per_node=s.gpus_per_node,
                       cpus_per_task=s.cpus_per_task, time=s.time, partition=s.partition)
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -117,6 +119,11 @@ class JobSpec:
             env = values["env_setup"]
             values["env_setup"] = tuple(env.splitlines() if isinstance(env, str) else env)
         return cls(template=template, site=site, **values)
+
+
+def site_of(spec: JobSpec) -> Site:
+    """The :class:`Site` a spec renders for."""
+    return spec.site if isinstance(spec.site, Site) else SITES[spec.site]
 
 
 def _fill(text: str, subs: dict[str, str]) -> str:
@@ -164,7 +171,7 @@ def _sweep_ranks(spec: JobSpec, tpl) -> tuple[str, str]:
 def render(spec: JobSpec) -> str:
     """The batch script for ``spec`` (a complete bash file)."""
     tpl = TEMPLATES[spec.template]
-    site = SITES[spec.site]
+    site = site_of(spec)
     subs = {
         "TEMPLATE": tpl.name,
         "MODEL": tpl.model,
@@ -207,8 +214,9 @@ def render(spec: JobSpec) -> str:
         "#",
         f"# lbannpy job '{tpl.name}': {tpl.description}.",
         f"# Site '{site.name}': {site.description}.",
-        "# Rendered by `python -m lbannpy.jobs render` from src/jobs/{templates,sites}.py; do not edit, "
-        "re-render",
+        "# Rendered by `python -m lbannpy.jobs render` from src/jobs/templates.py and the site in",
+        "#   " + (f"{site.file}" if spec.site is site else f"src/jobs/sites/{site.name}.yaml")
+        + "; do not edit, re-render",
         "# (jobs/*.sbatch: `python -m lbannpy.jobs render-all`).",
         "#",
     ]
@@ -225,6 +233,9 @@ def render(spec: JobSpec) -> str:
     origin = "site" if spec.env_setup is None else "replaced with --env-setup"
     subs["SITE_ENV"] = (f"# environment set-up ({origin})\n" + "\n".join(env_lines) + "\n"
                         if env_lines else "")
+    if site.comm_setup:  # communication settings stay whatever --env-setup says
+        subs["SITE_ENV"] += ("# communication settings (site; --env-setup keeps them)\n"
+                             + "\n".join(site.comm_setup) + "\n")
     if tpl.kind == "sweep":
         subs["RANKS"], subs["RANK_NOTE"] = _sweep_ranks(spec, tpl)
     text = "\n".join(lines) + "\n" + _fill(PREAMBLE, subs)
