@@ -238,6 +238,15 @@ class Branchy(nn.Module):
         return y
 
 
+class Rolled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return torch.roll(self.conv(x), 1, 2)
+
+
 class Masked(nn.Module):
     def __init__(self):
         super().__init__()
@@ -250,6 +259,7 @@ class Masked(nn.Module):
 
 REFUSALS = [
     ("GridNet", "decoder.up2 -> aten.grid_sampler_2d", "supported: ops "),
+    ("Rolled", "(top level) -> aten.roll (nets.py:", "supported: ops "),  # not a piece of its decomposition
     ("FractionalUp", "up -> aten.upsample_nearest2d.vec", "supported: integer scale factors"),
     ("Branchy", "data-dependent control flow", "Branchy at nets.py:"),
     ("Masked", "dynamic shape", "supported: static shapes"),

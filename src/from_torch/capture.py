@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import operator
+import os
 import re
 import warnings
 
@@ -41,8 +42,9 @@ def module_of(node) -> tuple[str, str]:
 def source_of(node) -> str:
     """``file:line`` of the user's code that made a node, when ``torch.export`` recorded it."""
     found = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    found = [f for f in found if "/torch/" not in f[0]] or found  # the user's line, not torch.nn's
-    return f"{found[-1][0].rsplit('/', 1)[-1]}:{found[-1][1]}" if found else ""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lbannpy's calls into torch.export
+    found = [f for f in found if "/torch/" not in f[0] and not os.path.abspath(f[0]).startswith(own + os.sep)]
+    return f"{found[-1][0].rsplit('/', 1)[-1]}:{found[-1][1]}" if found else ""  # the user's line, if any
 
 
 def bind(node) -> dict:
@@ -100,13 +102,13 @@ class Builder:
     def is_tensor(x) -> bool:
         return hasattr(x, "op")
 
-    def where(self, node) -> str:
+    def where(self, node, op: str = "") -> str:
         path = module_of(node)[0] or "(top level)"
         src = source_of(node)
-        return f"{path} -> {self.opname(node)}" + (f" ({src})" if src else "")
+        return f"{path} -> {op or self.opname(node)}" + (f" ({src})" if src else "")
 
-    def refuse(self, node, what: str, supported: str):
-        raise Refused(f"{self.where(node)}: {what} is not supported; supported: {supported}")
+    def refuse(self, node, what: str, supported: str, op: str = ""):
+        raise Refused(f"{self.where(node, op)}: {what} is not supported; supported: {supported}")
 
     # -------------------------------------------------------------------------------------- values
     def input(self, node, x) -> str:
@@ -287,8 +289,10 @@ def convert(ep, state_keys) -> tuple[Builder, str]:
         if node.op != "call_function":
             b.refuse(node, f"a {node.op} node", "ATen operator calls")
         op = BY_NAME.get(op_name(node))
-        if op is None:
-            b.refuse(node, "this operator", supported_text())
+        if op is None:  # named as the user called it, not as the piece of its decomposition met first
+            orig = str(node.meta.get("original_aten") or op_name(node))
+            orig = orig[:-len(".default")] if orig.endswith(".default") else orig
+            b.refuse(node, "this operator", supported_text(), op=orig)
         op.convert(b, node, bind(node))
     out = by_name[outputs[0]]
     if b.env.get(out, INPUT_NAMES[0]) in INPUT_NAMES:
