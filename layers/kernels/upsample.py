@@ -209,12 +209,16 @@ class _Step:
 
     def forward(self, x, out):
         xp, dim = array_module(x), self.dim
-        if self.gather:
-            y0 = xp.take(x, self.i0, axis=dim)
-            y1 = xp.take(x, self.i1, axis=dim)
-            y1 -= y0
-            y1 *= self.lam
-            xp.add(y0, y1, out=out)
+        if self.gather:  # x[i0] + lam * d[i0], d[j] = x[j+1] - x[j] (0 past the end, where lam is 0)
+            n = x.shape[dim]
+            d = _temp(xp, "upsample differences", x.shape, x.dtype)
+            xp.subtract(x[_sl(dim, slice(1, n))], x[_sl(dim, slice(0, n - 1))],
+                        out=d[_sl(dim, slice(0, n - 1))])
+            d[_sl(dim, slice(n - 1, n))] = 0
+            _take(xp, x, self.i0, dim, out)
+            t = _take(xp, d, self.i0, dim, _temp(xp, "upsample product", out.shape, x.dtype))
+            t *= self.lam
+            out += t
             return out
         if self.axis.mode == "nearest":
             if self.groups is not None:
@@ -238,15 +242,14 @@ class _Step:
     def backward(self, g, out=None):
         """The adjoint: the gradient of the inputs ``[lo, hi)`` from that of the outputs ``g``."""
         xp, dim = array_module(g), self.dim
-        if self.gather:
-            dx = out
-            for idx, w in zip(self.idx, self.w):
-                t = xp.take(g, idx, axis=dim)
+        if self.gather:  # each input from the run of outputs that read it: a few weighted gathers
+            shape = self.in_shape(g.shape)
+            dx = _take(xp, g, self.idx[0], dim, xp.empty(shape, dtype=g.dtype) if out is None else out)
+            dx *= self.w[0]
+            for idx, w in zip(self.idx[1:], self.w[1:]):
+                t = _take(xp, g, idx, dim, _temp(xp, "upsample product", shape, g.dtype))
                 t *= w
-                if dx is None:
-                    dx = t
-                else:
-                    dx += t
+                dx += t
             return dx
         shape = self.in_shape(g.shape)
         dx = xp.empty(shape, dtype=g.dtype) if out is None else out
@@ -278,6 +281,13 @@ class _Step:
             dx[_sl(dim, slice(1, n))] += dd
             dx[_sl(dim, slice(0, n - 1))] -= dd
         return dx
+
+
+def _take(xp, a, idx, axis: int, out):
+    """``a`` gathered at ``idx`` along ``axis`` into ``out`` (NumPy: unbuffered, the indices are valid)."""
+    if xp is np:
+        return np.take(a, idx, axis=axis, out=out, mode="clip")
+    return xp.take(a, idx, axis=axis, out=out)
 
 
 def _temp(xp, slot: str, shape, dtype):
@@ -350,8 +360,7 @@ class Plan:
         for i, step in enumerate(reversed(self.steps)):
             last = i == len(self.steps) - 1
             shape = step.in_shape(g.shape)
-            g = step.backward(g, None if last or step.gather else
-                              _temp(xp, f"upsample pass {i % 2}", shape, dy.dtype))
+            g = step.backward(g, None if last else _temp(xp, f"upsample pass {i % 2}", shape, dy.dtype))
         return g
 
 
