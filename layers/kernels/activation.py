@@ -194,26 +194,26 @@ def _sample_blocks(x):
 #: (inputs, outputs, operation) of the GPU kernels; a backward recomputes from the input what the NumPy
 #: path keeps (on a GPU the pass is bound by memory traffic, not arithmetic)
 _GPU = {
-    "sigmoid": ("T x", "T y", "y = (T)1 / ((T)1 + exp(-x));"),
+    "sigmoid_fwd": ("T x", "T y", "y = (T)1 / ((T)1 + exp(-x));"),
     "sigmoid_bwd": ("T dy, T y", "T dx", "dx = dy * (((T)1 - y) * y);"),
     "tanh_bwd": ("T dy, T y", "T dx", "dx = dy * (((T)1 - y) * ((T)1 + y));"),
-    "silu": ("T x", "T y", "y = x / ((T)1 + exp(-x));"),
+    "silu_fwd": ("T x", "T y", "y = x / ((T)1 + exp(-x));"),
     "silu_bwd": ("T dy, T x", "T dx",
                  "T s = (T)1 / ((T)1 + exp(-x)); dx = dy * (s + x * s * ((T)1 - s));"),
-    "gelu": ("T x", "T y", f"y = x * ((T)0.5 * erfc(-x * (T){_SQRT1_2!r}));"),
+    "gelu_fwd": ("T x", "T y", f"y = x * ((T)0.5 * erfc(-x * (T){_SQRT1_2!r}));"),
     "gelu_bwd": ("T dy, T x", "T dx",
                  f"T c = (T)0.5 * erfc(-x * (T){_SQRT1_2!r});"
                  f"dx = dy * (c + x * exp((T)-0.5 * x * x) * (T){_INV_SQRT_2PI!r});"),
-    "gelu_tanh": ("T x", "T y",
+    "gelu_tanh_fwd": ("T x", "T y",
                   f"T t = tanh((T){_SQRT_2_PI!r} * (x + (T){_GELU_CUBIC!r} * x * x * x));"
                   "y = (T)0.5 * x * ((T)1 + t);"),
     "gelu_tanh_bwd": ("T dy, T x", "T dx",
                       f"T t = tanh((T){_SQRT_2_PI!r} * (x + (T){_GELU_CUBIC!r} * x * x * x));"
                       f"T k = (T){_SQRT_2_PI!r} * ((T)1 + (T){3 * _GELU_CUBIC!r} * x * x);"
                       "dx = dy * ((T)0.5 * ((T)1 + t) + (T)0.5 * x * ((T)1 - t * t) * k);"),
-    "elu": ("T x, T alpha", "T y", "y = x > (T)0 ? x : alpha * expm1(x);"),
+    "elu_fwd": ("T x, T alpha", "T y", "y = x > (T)0 ? x : alpha * expm1(x);"),
     "elu_bwd": ("T dy, T y, T alpha", "T dx", "dx = y <= (T)0 ? dy * (y + alpha) : dy;"),
-    "prelu": ("T x, T w", "T y", "y = x > (T)0 ? x : w * x;"),
+    "prelu_fwd": ("T x, T w", "T y", "y = x > (T)0 ? x : w * x;"),
     "prelu_bwd": ("T dy, T x, T w", "T dx, T dw",
                   "dx = x > (T)0 ? dy : w * dy; dw = x > (T)0 ? (T)0 : x * dy;"),
 }
@@ -238,7 +238,7 @@ def _sigmoid_body(x, y):
 def sigmoid_forward(x):
     """``1 / (1 + exp(-x))``; the backward takes the output."""
     k = _kernels(x)
-    return k["sigmoid"](x) if k is not None else _blockwise(_sigmoid_body, [x], 1)[0]
+    return k["sigmoid_fwd"](x) if k is not None else _blockwise(_sigmoid_body, [x], 1)[0]
 
 
 def _sigmoid_bwd_body(dy, y, dx):
@@ -296,7 +296,7 @@ def silu_forward(x, grad=True):
     the derivative on NumPy, the input on a GPU."""
     k = _kernels(x)
     if k is not None:
-        return k["silu"](x), (x if grad else None)
+        return k["silu_fwd"](x), (x if grad else None)
     outs = _blockwise(_silu_body(grad), [x], 2 if grad else 1, 1)
     return outs[0], (outs[1] if grad else None)
 
@@ -392,11 +392,11 @@ def _gelu_tanh_body(grad):
 
 
 def gelu_forward(x, approximate="none", grad=True):
-    """``(x * Phi(x), saved)`` (``approximate`` "tanh": PyTorch's tanh form); ``saved`` (None unless
+    """``(x * Phi(x), saved)`` (``approximate`` other than none: PyTorch's tanh form); ``saved`` (None unless
     ``grad``) is what :func:`gelu_backward` takes, the derivative on NumPy, the input on a GPU."""
     k = _kernels(x)
     if k is not None:
-        return k["gelu" if approximate == "none" else "gelu_tanh"](x), (x if grad else None)
+        return k["gelu_fwd" if approximate == "none" else "gelu_tanh_fwd"](x), (x if grad else None)
     if approximate == "none":
         body = _gelu32_body(grad) if x.dtype.itemsize <= 4 else _gelu_body(grad)
         outs = _blockwise(body, [x], 2 if grad else 1, 3)
@@ -429,7 +429,7 @@ def elu_forward(x, alpha=1.0):
     """``x`` above 0, ``alpha * (exp(x) - 1)`` else (``alpha >= 0``)."""
     k = _kernels(x)
     if k is not None:
-        return k["elu"](x, x.dtype.type(alpha))
+        return k["elu_fwd"](x, x.dtype.type(alpha))
     return _blockwise(_elu_body(float(alpha)), [x], 1, 1)[0]
 
 
@@ -471,7 +471,7 @@ def prelu_forward(x, w):
     wb = _per_channel(w, x.ndim)
     k = _kernels(x)
     if k is not None:
-        return k["prelu"](x, wb)
+        return k["prelu_fwd"](x, wb)
     xp = array_module(x)
     y = xp.empty_like(x)
     with numpy.errstate(all="ignore"):
