@@ -36,6 +36,13 @@ def _short(values):
     return values[0] if len(set(values)) == 1 else values
 
 
+def _padding(per_dim):
+    """The spec's padding from [lo, hi] per spatial dimension: one int where every side is the same, else
+    one entry per dimension (an int where its two sides agree, else the pair)."""
+    short = [int(lo) if lo == hi else [int(lo), int(hi)] for lo, hi in per_dim]
+    return short[0] if all(v == short[0] for v in short) and not isinstance(short[0], list) else short
+
+
 def _spatial(b, node, arg) -> int:
     return len(b.shape(arg)) - 2
 
@@ -67,9 +74,7 @@ def _convolution(b, node, a):
     elif pending is not None:  # the convolution pads too: the pad stays a layer of its own
         _emit_pad(b, x, pending[0], pending[1], pending[2], 0.0)
     params = {"filters": wshape[0], "kernel": _short(wshape[2:]), "stride": _short(a["stride"]),
-              "padding": padding[0][0] if all(p == padding[0] for p in padding) and padding[0][0] ==
-              padding[0][1] else [list(p) if p[0] != p[1] else p[0] for p in padding],
-              "dilation": _short(a["dilation"]), "bias": bias is not None}
+              "padding": _padding(padding), "dilation": _short(a["dilation"]), "bias": bias is not None}
     if groups != 1:
         params["groups"] = groups
     if mode != "zeros":
@@ -105,7 +110,7 @@ def _pad(b, node, a):
 
 
 def _emit_pad(b, node, x, per_dim, mode: str, value: float):
-    params = {"padding": [p if p[0] != p[1] else p[0] for p in per_dim], "mode": mode}
+    params = {"padding": _padding(per_dim), "mode": mode}
     if value:
         params["value"] = value
     b.emit(node, "pad", params, [b.input(node, x)])
