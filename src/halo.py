@@ -47,7 +47,6 @@ geometry overlap (the activation halo and the error-signal halo of one layer, sa
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import zlib
 from typing import Sequence
@@ -55,28 +54,12 @@ from typing import Sequence
 from lbannpy.backend import array_module
 from lbannpy.comm.base import Communicator, Handle, wait_all
 from lbannpy.dist import (Box, Distribution, DistributionError, block_range, box_shape, box_size,
-                          box_subtract, clip_box, empty_block, intersect, relative_slices, shape_str)
+                          box_subtract, empty_block, intersect, relative_slices, shape_str)
+from lbannpy.halo_boundary import boundary_modes, runs_1d, source_slices, window_sources
 from lbannpy.stencil import Stencil
 from lbannpy.packing import Segment, check_array, check_comm, pack, packed_size, segments, unpack
 
 TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
-
-
-#: how a plan fills the parts of a window past the tensor's edges (see the module docstring)
-BOUNDARY_MODES = ("zeros", "reflect", "replicate", "circular")
-
-
-def boundary_modes(boundary, ndim: int) -> tuple[str, ...]:
-    """``boundary`` (None: zeros; one mode for every spatial dimension; or one per tensor dimension) as one
-    mode per tensor dimension (sample and channel dimensions: zeros, they have no padding)."""
-    if boundary is None:
-        return ("zeros",) * ndim
-    modes = (("zeros", "zeros") + (boundary,) * (ndim - 2) if isinstance(boundary, str)
-             else tuple(boundary))
-    if len(modes) != ndim or any(m not in BOUNDARY_MODES for m in modes):
-        raise DistributionError(f"halo boundary {boundary!r}: one of {', '.join(BOUNDARY_MODES)} (or one per "
-                                f"dimension of the rank-{ndim} tensor)")
-    return modes
 
 
 def check_halo(dist: Distribution, global_shape: Sequence[int], stencil: Stencil,
@@ -137,74 +120,6 @@ def _interior_1d(w, lo: int, hi: int, n: int, o0: int, o1: int, edge_lo: bool | 
     last = o1 - 1 if edge_hi else (hi + w.pad_lo - w.reach) // w.stride
     i0 = min(max(o0, first), o1)
     return i0, max(i0, min(o1, last + 1))
-
-
-def _runs_1d(a: int, b: int, n: int, mode: str) -> list[tuple]:
-    """The window range ``[a, b)`` of one dimension as runs ``(wa, wb, sa, flip)``: window rows
-    ``[wa, wb)`` are the tensor's rows ``[sa, sa + wb - wa)`` (in reverse order where ``flip``), or zero
-    padding (``sa`` None)."""
-    out = []
-    if a < 0:
-        e = min(b, 0)
-        if mode == "zeros":
-            out.append((a, e, None, False))
-        elif mode == "circular":
-            out.append((a, e, a + n, False))
-        elif mode == "reflect":  # row i < 0 is row -i
-            out.append((a, e, 1 - e, True))
-        else:  # replicate: every row is row 0
-            out += [(i, i + 1, 0, False) for i in range(a, e)]
-    lo, hi = max(a, 0), min(b, n)
-    if lo < hi:
-        out.append((lo, hi, lo, False))
-    if b > n:
-        s = max(a, n)
-        if mode == "zeros":
-            out.append((s, b, None, False))
-        elif mode == "circular":
-            out.append((s, b, s - n, False))
-        elif mode == "reflect":  # row i >= n is row 2(n - 1) - i
-            out.append((s, b, 2 * n - 1 - b, True))
-        else:
-            out += [(i, i + 1, n - 1, False) for i in range(s, b)]
-    return out
-
-
-def _window_part(run, piece) -> tuple[int, int]:
-    """The window rows of ``run`` whose source rows are ``piece`` (a sub-range of the run's source)."""
-    wa, wb, sa, flip = run
-    ps, pe = piece
-    if not flip:
-        return wa + ps - sa, wa + pe - sa
-    sb = sa + wb - wa
-    return wa + sb - pe, wa + sb - ps
-
-
-def _sources(dist: Distribution, global_shape: tuple, window_box: Box, modes: tuple, replica: int) -> list:
-    """Every part of a window that holds tensor data (not zero padding), as ``(peer, window box, source
-    box, flips)``: the rank of replica ``replica`` holding the source rows, where they land in the window
-    (global coordinates, possibly past the edges) and the dimensions in which their order is reversed."""
-    per_dim = [_runs_1d(a, b, n, m) for (a, b), n, m in zip(window_box, global_shape, modes)]
-    out = []
-    for combo in itertools.product(*per_dim):
-        if any(r[2] is None for r in combo):
-            continue
-        src = tuple((r[2], r[2] + r[1] - r[0]) for r in combo)
-        flips = tuple(r[3] for r in combo)
-        for coords in dist.blocks_meeting(global_shape, src):
-            peer = dist.rank_of(coords, replica)
-            piece = intersect(src, dist.box(global_shape, peer))
-            out.append((peer, tuple(_window_part(r, p) for r, p in zip(combo, piece)), piece, flips))
-    return out
-
-
-def _source_slices(box: Box, origin, flips) -> tuple[slice, ...]:
-    """Slices selecting ``box`` from an array whose element 0 is at ``origin``, reversed along ``flips``."""
-    out = []
-    for (lo, hi), o, f in zip(box, origin, flips):
-        a, b = lo - o, hi - o
-        out.append(slice(b - 1, a - 1 if a > 0 else None, -1) if f else slice(a, b))
-    return tuple(out)
 
 
 class HaloPlan:
@@ -271,11 +186,11 @@ class HaloPlan:
         # pieces of one peer travel as one message)
         replica = dist.copy_index(rank)
         recv_pieces, wraps = [], []
-        for peer, win, src, flips in _sources(dist, global_shape, self.window_box, modes, replica):
+        for peer, win, src, flips in window_sources(dist, global_shape, self.window_box, modes, replica):
             if peer != rank:
                 recv_pieces.append((peer, win))
             elif win != src:  # a boundary map onto this rank's own rows
-                wraps.append((relative_slices(win, win0), _source_slices(src, in0, flips)))
+                wraps.append((relative_slices(win, win0), source_slices(src, in0, flips)))
         self.wraps = tuple(wraps)
         send_pieces = []
         for peer in sorted(dist.rank_of(c, replica) for c in _readers(dist, self.output_shape, stencil,
@@ -284,11 +199,11 @@ class HaloPlan:
                 continue
             window = stencil.input_window(dist.box(self.output_shape, peer))
             send_pieces += sorted((peer, win, src, flips) for q, win, src, flips
-                                  in _sources(dist, global_shape, window, modes, replica) if q == rank)
+                                  in window_sources(dist, global_shape, window, modes, replica) if q == rank)
         self.recvs: tuple[Segment, ...] = segments(sorted(recv_pieces), win0)
         sends, offset = [], 0
         for peer, _, src, flips in send_pieces:
-            sends.append(Segment(peer, src, _source_slices(src, in0, flips), offset))
+            sends.append(Segment(peer, src, source_slices(src, in0, flips), offset))
             offset = sends[-1].stop
         self.sends: tuple[Segment, ...] = tuple(sends)
         self.recv_size = packed_size(self.recvs)
@@ -297,14 +212,23 @@ class HaloPlan:
         # kernels): the window is the owned block, padding and wraps, and its gradient goes to this block
         self.local = not self.recvs and not self.sends
 
-        # interior (owned data, padding and wraps only) and boundary of the output block
+        self._plan_interior(global_shape, out0, win0)
+        # (direction, dtype, array module) -> (receive, send) buffers; directions in flight
+        self.keep_buffers = True
+        self._buffers: dict = {}
+        self._in_flight: set = set()
+
+    def _plan_interior(self, global_shape: tuple, out0: tuple, win0: tuple) -> None:
+        """The interior of the output block (read from owned data, padding and wraps only: computable
+        while the exchange is in flight) and the boundary boxes covering the rest."""
+        stencil, modes = self.stencil, self.modes
         ranges = []
         for w, (lo, hi), n, (o0, o1), (a, b), m in zip(stencil.dims, self.input_box, global_shape,
                                                        self.output_box, self.window_box, modes):
             edges = [lo == 0, hi == n]
             if m != "zeros":  # an edge's padding is ready early where it maps onto this block's rows
-                for k, part in enumerate((_runs_1d(a, min(b, 0), n, m) if a < 0 else [],
-                                          _runs_1d(max(a, n), b, n, m) if b > n else [])):
+                for k, part in enumerate((runs_1d(a, min(b, 0), n, m) if a < 0 else [],
+                                          runs_1d(max(a, n), b, n, m) if b > n else [])):
                     edges[k] = edges[k] and all(lo <= sa and sa + wb - wa <= hi for wa, wb, sa, _ in part)
             ranges.append(_interior_1d(w, lo, hi, n, o0, o1, *edges))
         self.interior_box: Box = tuple(ranges)
@@ -315,10 +239,6 @@ class HaloPlan:
         self.boundary_slices = [relative_slices(b, out0) for b in self.boundary_boxes]
         self.boundary_window_slices = [relative_slices(stencil.input_window(b), win0)
                                        for b in self.boundary_boxes]
-        # (direction, dtype, array module) -> (receive, send) buffers; directions in flight
-        self.keep_buffers = True
-        self._buffers: dict = {}
-        self._in_flight: set = set()
 
     def _exchange_buffers(self, xp, direction: str, dtype):
         """``(key, recv, send)`` for an exchange (``"fwd"``: ``recv_size``/``send_size`` elements) or its
@@ -602,7 +522,7 @@ def _readers(dist: Distribution, output_shape: tuple, stencil: Stencil, input_bo
             a, b = w.input_window(*block_range(n, p, c))
             if m != "zeros":
                 if any(sa is not None and sa < hi and lo < sa + wb - wa
-                       for wa, wb, sa, _ in _runs_1d(a, b, global_shape[d], m)):
+                       for wa, wb, sa, _ in runs_1d(a, b, global_shape[d], m)):
                     hit.append(c)
             elif a < hi and lo < b:
                 hit.append(c)
@@ -623,32 +543,3 @@ def halo_plan(dist: Distribution, global_shape: tuple, stencil: Stencil, rank: i
     plan = HaloPlan(dist, tuple(global_shape), stencil, rank, tag, boundary)
     plan.keep_buffers = False
     return plan
-
-
-_NUMPY_PAD = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
-
-
-def window_of(global_array, box: Box, boundary=None):
-    """Reference window: ``box`` (global coordinates) cut from ``global_array`` zero-padded outside it
-    (``boundary``: padded as ``np.pad`` does with its modes reflect, edge and wrap, dimension by dimension).
-    For tests and checks; it allocates the whole window."""
-    xp = array_module(global_array)
-    modes = boundary_modes(boundary, global_array.ndim)
-    if any(m != "zeros" for m in modes):
-        padded = global_array
-        for d, ((lo, hi), n, m) in enumerate(zip(box, global_array.shape, modes)):
-            if m != "zeros" and (lo < 0 or hi > n):
-                widths = [(0, 0)] * global_array.ndim
-                widths[d] = (max(0, -lo), max(0, hi - n))
-                padded = xp.pad(padded, widths, mode=_NUMPY_PAD[m])
-        shift = [max(0, -lo) if m != "zeros" else 0 for (lo, _), m in zip(box, modes)]
-        inner = window_of(padded, tuple((lo + s, hi + s) for (lo, hi), s in zip(box, shift)))
-        return inner
-    out = xp.zeros(box_shape(box), dtype=global_array.dtype)
-    inside = clip_box(box, global_array.shape)
-    if inside is not None:
-        out[relative_slices(inside, [lo for lo, _ in box])] = \
-            global_array[tuple(slice(a, b) for a, b in inside)]
-    return out
-
-

@@ -15,7 +15,8 @@ from lbannpy.comm.single import SingleCommunicator
 from lbannpy.dist import (Distribution, DistributionError, box_contains, box_shape, box_size, clip_box,
                           intersect)
 from lbannpy.stencil import Stencil, Window1D
-from lbannpy.halo import TAG_LIMIT, HaloPlan, check_halo, halo_plan, window_of
+from lbannpy.halo import TAG_LIMIT, HaloPlan, check_halo, halo_plan
+from lbannpy.halo_boundary import window_of
 
 SETTINGS = settings(max_examples=80, deadline=None)
 

@@ -20,7 +20,8 @@ import pytest
 from lbannpy.backend import array_module, to_numpy
 from lbannpy.dist import Distribution, DistributionError, clip_box, relative_slices
 from lbannpy.stencil import Stencil
-from lbannpy.halo import HaloPlan, check_halo, window_of
+from lbannpy.halo import HaloPlan, check_halo
+from lbannpy.halo_boundary import window_of
 from lbannpy.tensor import pack, unpack
 from tensor_util import adjoint_gap
 from mpi_util import assert_all, raises_all
