@@ -185,6 +185,7 @@ DESIGN = (
     ("lbannpy.dist", "src/dist.py"),
     ("lbannpy.tensor", "src/tensor.py"),
     ("lbannpy.halo", "src/halo.py"),
+    ("lbannpy.halo_boundary", "src/halo_boundary.py"),
     ("lbannpy.shuffle", "src/shuffle.py"),
     ("lbannpy.layers.registry", "layers/registry.py"),
     ("lbannpy.layers.base", "layers/base.py"),
