@@ -2,7 +2,8 @@
 under every split each type allows: sample, channel (not softmax's), height, width, the mixed and the
 replicated splits of tests/mpi/test_layers.splits at 4 ranks, on 5x5x17x23 images (uneven blocks) and a
 3-D volume; PReLU with one weight and with one per channel under a channel split; products of two and of
-three parents, one of them the model input."""
+three parents (one of them the model input) and of one parent with itself; an identity whose parent's output
+another layer reads."""
 from __future__ import annotations
 
 from layer_cases import Case
@@ -54,9 +55,17 @@ def cases(size: int) -> list:
     two = ({"name": "s", "type": "sigmoid"}, {"name": "m", "type": "mul", "parents": ["s", "x"]})
     three = ({"name": "t", "type": "tanh"}, {"name": "g", "type": "silu", "parents": ["x"]},
              {"name": "m", "type": "mul", "parents": ["t", "x", "g"]})
+    square = ({"name": "s", "type": "silu"}, {"name": "m", "type": "mul", "parents": ["s", "s"]})
     for par in splits(size, ("n", "c", "h", "w")):
         out.append(Case("act-mul2", two, IMAGE, {"default": par}))
         out.append(Case("act-mul3", three, IMAGE, {"default": par}))
+        out.append(Case("act-mul-square", square, IMAGE, {"default": par}))
+    # the identity hands on its parent's array: a ReLU after it must not overwrite it in place while a sum
+    # still reads the parent's output
+    shared = ({"name": "c", "type": "conv", "filters": C, "kernel": 1}, {"name": "i", "type": "identity"},
+              {"name": "r", "type": "relu"}, {"name": "s", "type": "sum", "parents": ["r", "c"]})
+    for par in splits(size, ("n", "h", "w")):
+        out.append(Case("act-identity-shared", shared, IMAGE, {"default": par}))
     # per-channel PReLU under a channel split fed by another split (a redistribution in between), and a
     # chain of several types whose splits change from layer to layer
     if size > 1:
