@@ -31,6 +31,7 @@ from lbannpy.stencil import Stencil
 from .base import LayerError
 from .halo_layer import HaloLayer
 from .kernels import conv as K
+from .kernels import conv_transpose as CT
 from .kernels.select import own
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
 
@@ -134,6 +135,9 @@ class ConvTranspose(HaloLayer):
         self.stride = tuple(w.stride for w in sp)
         self.dilation = tuple(w.dilation for w in sp)
         self.groups = int(hp["groups"])
+        self.padding = tuple(w.pad_lo for w in sp)
+        self.output_padding = _per_dim(hp["output_padding"], len(sp), "output_padding", 0)
+        self._whole_space = all(p == 1 for p in dist.parts[2:])
         self.out_dist = dist
         self.in_dists = [dist]
         # the adjoint convolution's plan over the output: its "input" blocks are Y's, its "output" X's
@@ -170,8 +174,16 @@ class ConvTranspose(HaloLayer):
             key = ("conv_transpose", tuple(self.in_dists[0].local_shape(self.in_shapes[0], rank)),
                    tuple(self.out_dist.local_shape(self.out_shape, rank)))
             k = ctx.conv_kernel_table.get(key) or ctx.conv_kernels
+            # space whole on ATen: PyTorch's own transposed convolution (groups, output padding and bias
+            # inside the operator, no window)
+            self._native = k is not None and k.name == "aten" and self._whole_space
             k = self._kern = own() if k is None or self.groups > 1 else k
         return k
+
+    @property
+    def native(self) -> bool:
+        """Whether the layer runs ATen's transposed convolution itself (:mod:`.kernels.conv_transpose`)."""
+        return self.kern is not None and self.__dict__.get("_native", False)
 
     # -- forward ---------------------------------------------------------------------------------------
     def _scatter(self, x, shape, out=None, padding=0):
@@ -195,6 +207,9 @@ class ConvTranspose(HaloLayer):
         (x,) = xs
         self._x = x if self.train else None
         ctx, h = self.ctx, self.halo
+        if self.native:
+            return CT.forward(x, self.w.value, None if self.b is None else self.b.value, self.stride,
+                              self.padding, self.output_padding, self.dilation, self.groups)
         if self._pads is not None:
             return self._add_bias(self._scatter(x, h.local_shape, padding=self._pads))
         if self._exact:
@@ -280,6 +295,14 @@ class ConvTranspose(HaloLayer):
 
     def bp_compute(self, dy):
         x, self._x = self._x, None
+        if self.native:
+            dx, dw, db = CT.backward(dy, x, self.w.value, self.b is not None, self.needs_input_grad,
+                                     self.stride, self.padding, self.output_padding, self.dilation,
+                                     self.groups)
+            self.w.accumulate(dw)
+            if db is not None:
+                self.b.accumulate(db)
+            return [dx]
         win, dx = self._window_and_dx(dy, self.needs_input_grad)
         padded = {} if self._pads is None else {"padding": self._pads}
         dw, _ = self.kern.conv_backward_params(win, x, self.w.value, False, self.stride, self.dilation,

@@ -117,3 +117,22 @@ def test_upsample_forward_and_backward_are_adjoint(comm, xp, shape):
     _check(comm, xp, layers, shape)
     if comm.size > 1:  # channels split beside space
         _check(comm, xp, layers[2:3], shape, ("c", "h"))
+
+
+@pytest.mark.timeout(240)
+def test_conv_transpose_on_aten_kernels_matches_pytorch(comm):
+    """Under ``runtime.kernels: aten`` the layer runs PyTorch's transposed convolution itself where space is
+    whole, and ATen's convolutions on its windows where it is split: every case of the family equals
+    PyTorch as with lbannpy's kernels."""
+    pytest.importorskip("torch")
+    from case_sets.transpose import cases
+    from layer_cases import compare
+
+    bad, native = [], 0
+    for case in cases(comm.size):
+        if not case.name.startswith("convT"):
+            continue
+        models = []
+        bad += compare(case, comm, kernels="aten", out=models)
+        native += sum(bool(getattr(lay, "native", False)) for lay in models[0].layers)
+    assert_all(comm, not bad and native > 0, "\n".join(bad) or "no layer ran ATen's transposed convolution")
