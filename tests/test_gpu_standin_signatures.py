@@ -19,8 +19,11 @@ STANDIN = Path(__file__).resolve().parent / "gpu_standin"
 SO = sorted(glob.glob(str(REAL / "cupy_backends/cuda/libs/nccl*.so")))
 # CI installs the reference wheel and sets this, so that a missing reference fails instead of skipping
 REQUIRED = os.environ.get("LBANNPY_REQUIRE_REAL_CUPY") == "1"
-needs_reference = pytest.mark.skipif(not SO and not REQUIRED,
-                                     reason=f"reference CuPy wheel not installed under {REAL}")
+PIN = "cupy-cuda12x==14.2.0"  # the wheel .ci/run unpacks
+needs_reference = pytest.mark.skipif(
+    not SO and not REQUIRED,
+    reason=f"the real CuPy wheel's NCCL signatures are not under {REAL}: run `pip install --no-deps --target "
+           f"{REAL} {PIN}` (what CI does) to check the stand-in against them")
 
 
 def real_signatures() -> dict[str, list[str]]:
