@@ -167,7 +167,8 @@ class ConvTranspose(HaloLayer):
     def kern(self):
         """The convolution kernels the adjoint convolution runs on: as :attr:`Conv.kern` (the set a
         calibration chose for this layer's local shapes, else the run's ``runtime.kernels``, else lbannpy's
-        own), except that grouped filters take lbannpy's own (the ATen set convolves one group)."""
+        own), except that grouped filters on split space take lbannpy's own (the ATen set convolves one
+        group)."""
         k = self.__dict__.get("_kern")
         if k is None:
             ctx, rank = self.ctx, self.ctx.rank
@@ -177,7 +178,7 @@ class ConvTranspose(HaloLayer):
             # space whole on ATen: PyTorch's own transposed convolution (groups, output padding and bias
             # inside the operator, no window)
             self._native = k is not None and k.name == "aten" and self._whole_space
-            k = self._kern = own() if k is None or self.groups > 1 else k
+            k = self._kern = own() if k is None or (self.groups > 1 and not self._native) else k
         return k
 
     @property
