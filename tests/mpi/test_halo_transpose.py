@@ -136,3 +136,25 @@ def test_conv_transpose_on_aten_kernels_matches_pytorch(comm):
         bad += compare(case, comm, kernels="aten", out=models)
         native += sum(bool(getattr(lay, "native", False)) for lay in models[0].layers)
     assert_all(comm, not bad and native > 0, "\n".join(bad) or "no layer ran ATen's transposed convolution")
+
+
+@pytest.mark.timeout(240)
+def test_overlap_off_gives_identical_numbers(comm):
+    """The interior computed while the halo messages travel, or after them: the same arithmetic in the same
+    order, so the same bits (forward, input gradient, filter gradient), under every spatial split."""
+    from layer_cases import Case, run_lbannpy
+
+    layers = [{"name": "t", "type": "conv_transpose", "filters": 3, "kernel": 3, "stride": 2, "padding": 1,
+               "output_padding": 1},
+              {"name": "u", "type": "upsample", "mode": "linear"},
+              {"name": "u", "type": "upsample", "mode": "linear", "align_corners": True, "scale": 3}]
+    bad = []
+    for layer in layers:
+        for par in grids(4, comm.size, ("h", "w")):
+            case = Case("overlap", (layer,), (2, 3, 12, 10), {"default": par})
+            on, off = run_lbannpy(case, comm, overlap=True), run_lbannpy(case, comm, overlap=False)
+            same = np.array_equal(on[0], off[0]) and np.array_equal(on[1], off[1]) and all(
+                np.array_equal(on[2][k], off[2][k]) for k in on[2])
+            if not same:
+                bad.append(f"{layer['type']} under {par}")
+    assert_all(comm, not bad, "overlap on and off differ: " + "; ".join(bad))
