@@ -150,12 +150,14 @@ def _origin_names(tensors: dict, model: dict, step: int) -> dict[str, np.ndarray
     """``tensors`` ((layer, tensor) -> array) under the ``state_dict`` keys ``model.origin`` records. Only
     batch norm counts its forward passes (``num_batches_tracked``: the steps trained); instance norm's
     counter stays 0 as torch leaves it. A recorded key the checkpoint cannot fill is an error."""
+    from lbannpy.layers.batchnorm import BatchNorm  # late: the layers load only when origin names are read
+
     types = {layer["name"]: layer["type"] for layer in model["layers"]}
     out = {}
     for layer, keys in model["origin"].items():
         for t, key in keys.items():
             if t == "num_batches_tracked":
-                out[key] = np.asarray(step if types.get(layer) == "batchnorm" else 0, dtype=np.int64)
+                out[key] = np.asarray(step if types.get(layer) == BatchNorm.type else 0, dtype=np.int64)
             elif (layer, t) in tensors:
                 out[key] = tensors[(layer, t)]
             else:
@@ -258,6 +260,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
     from lbannpy.layers.context import LayerContext
     from lbannpy.layers.batchnorm import BatchNorm
     from lbannpy.layers.conv import Conv
+    from lbannpy.layers.conv_transpose import ConvTranspose
     from lbannpy.layers.fc import FullyConnected
     from lbannpy.layers.pool import Pool
     from lbannpy.layers.registry import INPUT_NAMES
@@ -280,7 +283,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
             pads = _pads(layer)
             xin = f"F.pad({x}, {pads})" if any(pads) else x
             fwd.append(f"{v} = self.{a}({xin})")
-        elif layer.spec.name == "conv_transpose":  # the U-Nets' up-sampling (weight laid out as torch's)
+        elif t is ConvTranspose:  # the U-Nets' up-sampling (weight laid out as torch's)
             init.append(_conv_transpose_init(layer, a, nd))
             fwd.append(f"{v} = self.{a}({x})")
         elif t is BatchNorm:
