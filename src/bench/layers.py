@@ -16,7 +16,8 @@ at load), and calls ``torch.set_num_threads(1)``.
 The layer types of the U-Net/ResNet family (transposed convolution, upsampling, instance/group/layer norm,
 the activations, PReLU, softmax, multiply, the padding modes, global pooling, circular convolution) have
 rows of their own (``--new`` runs only those): each is the registered layer itself, built on one rank and
-called as a model calls it (forward, then backward with input and parameter gradients), against the
+called as a model calls it (forward, then backward with input and parameter gradients; convolutions on
+the kernel set a run takes by default, ``runtime.kernels: auto``, unless ``--kernels`` says), against the
 ``torch.nn.functional`` op a PyTorch module runs for it, autograd forward and backward, NCHW and
 channels-last as above. A type the registry does not know yet is skipped with a line saying so.
 """
@@ -459,7 +460,7 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
     rng = np.random.default_rng(0)
     hosts = [rng.standard_normal(s).astype(dtype) for s in row.shapes]
     ctx = LayerContext(SingleCommunicator(), np, dtype, seed=0)
-    ctx.conv_kernels = conv_kernels(KERNELS[0])
+    ctx.conv_kernels = conv_kernels(NEW_KERNELS[0])
     layer = layer_classes()[row.type]("bench", **prm)
     d = Distribution.make(len(row.shapes[0]), 1)
     layer.configure(ctx, list(row.shapes), [d] * len(row.shapes), d)
@@ -506,11 +507,13 @@ def run_new(dtype, repeats: int, size: int, adaptive: bool = True) -> int:
     import numpy as np
 
     # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.layers.kernels.select import conv_kernels
     from lbannpy.layers.registry import layer_specs
 
     print(f"new layer types ({len(layer_specs())} registered), forward+backward of the layer on one rank "
-          f"against torch.nn.functional + autograd, spatial size {size}; ratio of the medians (the fastest "
-          f"calls' ratio beside it: on a loaded machine the one less hit by other processes)")
+          f"(conv kernels {NEW_KERNELS[0]}: {conv_kernels(NEW_KERNELS[0]).name}) against "
+          f"torch.nn.functional + autograd, spatial size {size}; ratio of the medians (the fastest calls' "
+          f"ratio beside it: on a loaded machine the one less hit by other processes)")
     head = (f"{'case':<44} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'fastest':>7}  {'torch layout':<12} "
             f"{'NCHW ms':>9} {'NHWC ms':>9}")
     print(head)
@@ -659,6 +662,7 @@ def model_shapes(runs=MODEL_RUNS, max_size: int = 0) -> list[tuple[str, LayerSha
 
 
 KERNELS = ["own"]  # the conv kernel set of --models (--kernels)
+NEW_KERNELS = ["auto"]  # the conv kernel set of the new layer types' rows: a run's default unless --kernels
 
 
 def conv_set_ops(shape: LayerShape, dtype, ks) -> tuple[dict, tuple]:
@@ -811,10 +815,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per contender (default 7)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                         help="floating-point type (default float32)")
-    parser.add_argument("--kernels", choices=("own", "aten"), default="own",
-                        help="with --models and in the new layer types' rows: lbannpy's conv kernel set "
-                             "timed against PyTorch (runtime.kernels; aten: PyTorch's own kernels through "
-                             "DLPack, so the ratio is lbannpy's wrapping) (default own)")
+    parser.add_argument("--kernels", choices=("own", "aten", "auto"), default=None,
+                        help="lbannpy's conv kernel set timed against PyTorch, with --models and in the new "
+                             "layer types' rows (runtime.kernels; aten: PyTorch's own kernels through "
+                             "DLPack, so the ratio is lbannpy's wrapping; auto: aten where torch is "
+                             "installed) (default: own with --models; auto, a run's default, in the new "
+                             "rows)")
     parser.add_argument("--only", choices=("conv", "maxpool", "batchnorm"),
                         help="run one layer kind (default: all)")
     parser.add_argument("--full", action="store_true", help="add the large (1024^2, 64 filters) conv shapes")
@@ -845,7 +851,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
-    KERNELS[0] = args.kernels
+    KERNELS[0] = args.kernels or "own"
+    NEW_KERNELS[0] = args.kernels or "auto"
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.conv_kernel == "numpy":
@@ -869,7 +876,7 @@ def main(argv=None) -> int:
         repeats = min(args.repeats, 3) if args.quick else args.repeats
         print(f"lbannpy layers vs PyTorch {torch.__version__} CPU, {args.dtype}, 1 thread (torch threads "
               f"{torch.get_num_threads()}), interleaved, median of >= {repeats} after 1 warm-up, conv "
-              f"kernels {args.kernels}")
+              f"kernels {NEW_KERNELS[0]}")
         return run_new(dtype, repeats, new_size, adaptive=not args.quick)
     cases = default_cases(args.full)
     if args.only:
