@@ -113,6 +113,8 @@ def _main(args) -> int:
         # every rank agrees before anyone trains: a problem on any rank stops all of them cleanly
         if agree_on_error(world, err, "lbannpy.train"):
             return EXIT_USER_ERROR
+        if args.resume and _resumed(trainer, world.rank):  # already finished: nothing to train or write
+            return 0
         trainer.signals = signals
         try:
             trainer.run()
@@ -141,6 +143,20 @@ def _main(args) -> int:
                 sys.stderr.flush()
             return EXIT_WRITE_FAILED if isinstance(exc, WriteFailed) else EXIT_USER_ERROR
     return 0
+
+
+def _resumed(trainer, rank: int) -> bool:
+    """``--resume``: rank 0 says the step it resumed from; True (one line, nothing else done) when that
+    checkpoint is already the run's last step."""
+    step, total = trainer.step, trainer.settings.total_steps
+    if rank == 0:
+        if step >= total:
+            print(f"lbannpy.train: already finished: {trainer.resumed_from} is step {step} of {total} "
+                  f"(trainer.steps); nothing to do", flush=True)
+        else:
+            print(f"lbannpy.train: resumed from step {step} ({trainer.resumed_from}); training to step "
+                  f"{total}", flush=True)
+    return step >= total
 
 
 def _user_error(world, msg: str) -> int:
