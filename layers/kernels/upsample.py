@@ -233,10 +233,15 @@ class _Step:
             n = x.shape[dim]
             d = _temp(xp, "upsample differences", x.shape[:dim] + (n - 1,) + x.shape[dim + 1:], x.dtype)
             xp.subtract(x[_sl(dim, slice(1, n))], x[_sl(dim, slice(0, n - 1))], out=d)
+            # x[q] + f d[q + shift] in one pass over the outputs: d scaled once per |f| (a pass over the
+            # inputs), then added or subtracted (phases a and s-1-a have opposite f)
+            scaled = {}
             for ysl, xsl, dsl, f in self.diffs:
-                yv = out[ysl]
-                xp.multiply(d[dsl], f, out=yv)
-                yv += x[xsl]
+                e = scaled.get(abs(f))
+                if e is None:
+                    e = _temp(xp, f"upsample scaled {len(scaled)}", d.shape, x.dtype)
+                    e = scaled[abs(f)] = xp.multiply(d, abs(f), out=e)
+                (xp.add if f > 0 else xp.subtract)(x[xsl], e[dsl], out=out[ysl])
         return out
 
     def backward(self, g, out=None):
