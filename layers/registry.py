@@ -98,6 +98,18 @@ class Statistics:
     groups: str | None = None
 
 
+def reduced_dims(spec: "LayerSpec", in_shape, out_shape, dist: Distribution) -> tuple[int, ...]:
+    """Dimensions a layer reduces whole (a global pool's space: extent 1 in its output, more in its input)
+    that ``dist`` splits: there the split cuts the layer's input, and every rank of it holds the same output
+    block (its :class:`Statistics` completes the reduction). The planner's and ``validate``'s block checks
+    read the input along them."""
+    st = spec.statistics
+    if st is None or len(in_shape) != len(out_shape):
+        return ()
+    return tuple(i for i, name in enumerate(dist.dim_names) if name in st.over and dist.parts[i] > 1
+                 and out_shape[i] == 1 < in_shape[i])
+
+
 def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
     return dist
 

@@ -107,9 +107,9 @@ def _run_config(spec: Path, work: Path) -> Path:
     cfg["trainer"].update(steps=1, seed=0, dtype="float64")
     cfg["data"]["train"]["shuffle"] = False
     cfg["optimizer"] = {"type": "sgd", "lr": LR}
-    # a global pool's output is one pixel high: it (and what follows) cannot split the height
-    cfg["parallel"] = {"default": {"h": 2}, "layers": {layer["name"]: {} for layer in cfg["model"]["layers"]
-                                                      if layer["type"] == "global_pool"}}
+    # every layer as written by a user: a global pool reduces the split height whole (its one-pixel output
+    # is a copy on both ranks), and the flatten and fc after it split the samples only
+    cfg["parallel"] = {"default": {"h": 2}}
     cfg["checkpoint"] = {"dir": str(work / "ckpt")}
     cfg["output"] = {"dir": str(work / "run")}
     save_config(cfg, str(work / "config.h5"))  # HDF5: model.origin goes through the config file's round trip

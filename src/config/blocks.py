@@ -15,7 +15,7 @@ def check_blocks(cfg: dict, ranks: int, graph) -> None:
     """Raise ConfigError naming the first layer whose input or output block would be empty on some rank
     when ``cfg`` runs on ``ranks`` ranks. ``parallel.strategy: auto`` chooses valid splits itself."""
     # late: the layer registry and the model import lbannpy.config (through the layers' value types)
-    from ..layers.registry import layer_spec
+    from ..layers.registry import layer_spec, reduced_dims
     from ..model import ModelError, effective_default, layer_dist
 
     par = cfg["parallel"]
@@ -40,10 +40,12 @@ def check_blocks(cfg: dict, ranks: int, graph) -> None:
                               f"use trainer.batch_size >= {parts['n']} or a smaller n")
         shapes = [("output", node.out_shape)]
         shapes += [("input", s) for s in node.in_shapes if len(s) == ndim]
+        # where the layer reduces a split dimension whole (global pooling) the split cuts its input only
+        whole = reduced_dims(layer_spec(node.type), node.in_shape, node.out_shape, dist)
         for kind, shape in shapes:
             for d, (name, extent) in enumerate(zip(DIM_NAMES[ndim], shape)):
-                if d == 0 or (kind == "input" and name == "c"):  # samples: above; an input is not split
-                    continue                                     # by the filters its layer computes
+                if d == 0 or (kind == "input" and name == "c") or (kind == "output" and d in whole):
+                    continue  # samples: above; an input is not split by the filters its layer computes
                 if parts.get(name, 1) > extent:
                     raise ConfigError(f"{where}.{name}", f"layer '{node.name}' ({node.type}): its {kind} "
                                                          f"{tuple(shape)} has {extent} along '{name}', split "

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lbannpy.layers.registry import layer_spec
+from lbannpy.layers.registry import layer_spec, reduced_dims as registry_reduced_dims
 
 from ..dist import Distribution, block_range
 from .graph import Node
@@ -52,14 +52,8 @@ def max_local_shape(shape: Sequence[int], dist: Distribution) -> tuple[int, ...]
 
 
 def reduced_dims(node: Node, dist: Distribution) -> tuple[int, ...]:
-    """Dimensions the layer reduces whole (a global pool's space, extent 1 in the output) that ``dist``
-    splits: the split cuts its input there, and every rank of it holds the same output block
-    (:class:`lbannpy.layers.registry.Statistics` completes the reduction)."""
-    st = layer_spec(node.type).statistics
-    if st is None or len(node.in_shape) != len(node.out_shape):
-        return ()
-    return tuple(i for i, name in enumerate(dist.dim_names) if name in st.over and dist.parts[i] > 1
-                 and node.out_shape[i] == 1 < node.in_shape[i])
+    """:func:`lbannpy.layers.registry.reduced_dims` of a graph node."""
+    return registry_reduced_dims(layer_spec(node.type), node.in_shape, node.out_shape, dist)
 
 
 def nbytes(shape: Sequence[int], machine: MachineModel) -> int:
