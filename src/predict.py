@@ -23,11 +23,13 @@ another via ``--set``) is used where it runs on the ranks, else :func:`choose_sp
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
 import numpy as np
 
+from lbannpy.dist import DIM_NAMES
 from lbannpy.training.errors import EXIT_USER_ERROR, UserError, agree_on_error, user_errors
 
 SUBSETS = ("all", "train", "validation")
@@ -130,9 +132,7 @@ def choose_split(cfg: dict, ranks: int) -> tuple[dict, str]:
     first of :func:`split_candidates` that does replaces it (``note`` says which). Any checkpoint reads on
     any split, as ``--resume`` does."""
     # late: loaded when the command runs, so its --help and argument errors come without it
-    import copy
-
-    from lbannpy.config import ConfigError, validate
+    from lbannpy.config import ConfigError, check_graph, validate
 
     try:
         return validate(cfg, ranks=ranks, data=False, memory=False), ""
@@ -140,9 +140,6 @@ def choose_split(cfg: dict, ranks: int) -> tuple[dict, str]:
         if not str(exc.path).startswith("parallel"):
             raise
         why = str(exc)
-    from lbannpy.config import check_graph
-    from lbannpy.dist import DIM_NAMES
-
     graph = check_graph(cfg)
     ndim = len(graph.input_shape)
     shapes = [graph.input_shape] + [tuple(n.out_shape) for n in graph if len(n.out_shape) == ndim]

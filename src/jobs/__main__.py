@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from . import helpers
-from .render import JobSpec, JobSpecError, render, render_all
+from .render import JobSpec, JobSpecError, render, render_all, site_of
 from .sites import SITE_DIR, SITES, SiteError, load_site
 from .templates import TEMPLATES
 
@@ -84,8 +84,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _say_env_replaced(spec: JobSpec) -> None:
     """One line on stderr: which of the site's lines --env-setup replaced, and which it kept."""
-    from .render import site_of
-
     site = site_of(spec)
     replaced = "; ".join(site.env_setup) or "none"
     kept = "; ".join(site.comm_setup) or "none"

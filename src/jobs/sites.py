@@ -17,6 +17,10 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import yaml
+
+from lbannpy import yamlsafe
+
 SITE_DIR = Path(__file__).resolve().parent / "sites"
 BUILTIN_ORDER = ("local", "gpu-cluster", "h100-cluster")
 MAX_SITE_BYTES = 1 << 16
@@ -81,11 +85,6 @@ def site_from_dict(tree, where: str) -> Site:
 
 def load_site(path: str | os.PathLike) -> Site:
     """The site of a YAML file (``--site-file``)."""
-    # late: loaded when a file is read, so the command's --help comes without it
-    import yaml
-
-    from lbannpy import yamlsafe
-
     p = Path(path)
     if not p.is_file():
         raise SiteError(f"--site-file {path}: no such file (the built-in sites in {SITE_DIR} are examples)")
