@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="demo", help="working directory (default ./demo)")
     ap.add_argument("--ranks", type=int, default=2, help="MPI ranks; the image height is split over them")
     ap.add_argument("--size", type=int, default=128, help="image side in cells (default 128)")
-    ap.add_argument("--samples", type=int, default=64, help="samples to generate (default 64)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="samples to generate (default: the count `config zoo mesh_tiny` prints, 32)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
     ap.add_argument("--batch-size", type=int, default=4)
     args = ap.parse_args(argv)
@@ -41,10 +42,17 @@ def main(argv=None) -> int:
     spec = os.path.join(args.dir, "mesh_tiny.yaml")
     config = os.path.join(args.dir, "config.h5")
     out = os.path.join(args.dir, "run")
-    if not os.path.exists(data):
-        run([py, "-m", "lbannpy.data", "mesh", "--size", str(args.size), "--samples", str(args.samples),
-             "-o", data, "-q"])
     run([py, "-m", "lbannpy.config", "zoo", "mesh_tiny", "--input-size", str(args.size), "-o", spec])
+    if not os.path.exists(data):
+        # the data command `config zoo` printed (the same sizes and sample count), writing into --dir
+        from lbannpy import zoo
+
+        zspec = zoo.get_spec("mesh_tiny", input_size=args.size)
+        zspec["data"]["train"]["path"] = data
+        cmd = shlex.split(zoo.spec_data_command(zspec))
+        if args.samples is not None:
+            cmd[cmd.index("--samples") + 1] = str(args.samples)
+        run([py] + cmd[1:] + ["-q"])
     run([py, "-m", "lbannpy.config", "build", spec, "-o", config,
          "--set", f"data.train.path={data}", "--set", "data.validation.fraction=0.25",
          "--set", f"parallel.default.h={args.ranks}", "--set", f"trainer.steps={args.steps}",
