@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,17 @@ class Timer:
 
     def now(self):
         return time.perf_counter() if self.clock is None else self.clock.now()
+
+    @contextmanager
+    def host_marks(self):
+        """``with timer.host_marks():`` the marks of the work inside on the host's clock, whatever the
+        timer's own (a captured or replayed CUDA-graph step: a timing event recorded in a capture is never
+        recorded at a replay). The device clock is back when the block ends, also on an error."""
+        clock, self.clock = self.clock, None
+        try:
+            yield self
+        finally:
+            self.clock = clock
 
     def add(self, key: tuple, t0, t1, track: str = "compute") -> None:
         if self.clock is not None:

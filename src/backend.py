@@ -51,16 +51,19 @@ _KERNELS: dict = {}
 
 def module_kernels(xp, key: str, build):
     """Kernels compiled once per array module: ``build(xp)`` for ``(xp, key)``, kept for the process.
-    None for NumPy, or where the array module cannot compile them (no ``ElementwiseKernel``: a CPU
-    stand-in), so the caller takes its array-expression path."""
-    if xp.__name__ == "numpy":
+    None for NumPy, or for an array module that cannot compile kernels at all (no ``ElementwiseKernel``),
+    so the caller takes its array-expression path. A module that has ``ElementwiseKernel`` but fails to
+    build one raises :class:`BackendError` with the cause: a silent fallback would run other numerics, or
+    make a captured step refuse for the wrong reason."""
+    if xp.__name__ == "numpy" or not hasattr(xp, "ElementwiseKernel"):
         return None
-    got = _KERNELS.get((xp, key), False)
-    if got is False:
+    got = _KERNELS.get((xp, key))
+    if got is None:
         try:
             got = build(xp)
-        except (AttributeError, NotImplementedError, TypeError):
-            got = None
+        except Exception as exc:
+            raise BackendError(f"the {xp.__name__} kernels '{key}' could not be built: {type(exc).__name__}: "
+                               f"{exc}".splitlines()[0]) from exc
         _KERNELS[(xp, key)] = got
     return got
 

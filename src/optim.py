@@ -173,6 +173,11 @@ class Optimizer:
         if self.steps is not None:
             self.steps.set_step(self._t)
 
+    def rewind(self, t: int) -> None:
+        """The host's step count back to ``t``: a CUDA-graph capture that failed ran its step's bookkeeping
+        on the host only (nothing of it reached the device), so the step is taken again eagerly."""
+        self.t = t
+
     def row(self, t: int) -> tuple:
         """Step ``t``'s row of the device table: learning rate, the two bias corrections (1 for an optimizer
         without them), and 1.0 on the first step."""

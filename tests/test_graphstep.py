@@ -118,14 +118,20 @@ def test_an_optimizer_with_a_device_step_table_is_captured_whatever_its_schedule
     assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == ""
 
 
-def test_an_optimizer_that_declares_its_capture_reason_is_believed():
-    c = cfg(optimizer={"type": "adam", "lr": 1e-3})
-    m = model()
-    opt = make_optimizer(c["optimizer"], m.params, 10)
-    opt.capture_reason = lambda: ""
-    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == ""
-    opt.capture_reason = lambda: "its moments are rebound"
-    assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == "its moments are rebound"
+def test_a_gpu_kernel_that_fails_to_build_is_an_error_with_its_cause():
+    """No silent fallback: the host-value refusal above would otherwise name the wrong reason."""
+    from lbannpy.backend import BackendError, module_kernels
+
+    fake = types.ModuleType("fakecupy")
+    fake.ElementwiseKernel = object
+
+    def build(xp):
+        raise RuntimeError("nvrtc: error: identifier 'T' is undefined\nmore")
+
+    with pytest.raises(BackendError, match=r"fakecupy kernels 'k' could not be built: RuntimeError: nvrtc: "
+                                           r"error: identifier 'T' is undefined$"):
+        module_kernels(fake, "k", build)
+    assert module_kernels(types.ModuleType("nokernels"), "k", build) is None
 
 
 def test_trace_and_a_cupy_without_capture_are_refused():

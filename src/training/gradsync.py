@@ -8,8 +8,8 @@ Two kinds of parameters:
   layers are not in the buckets; their error signals are gathered non-blocking during backprop
   (:meth:`FullyConnected.replicated_grads`) and each layer's update is applied just before its next forward
   (Algorithm 2, line 7) with the optimizer step its gradients belong to, or earlier by :meth:`flush`
-  (evaluation, checkpoints, the end of the run). A captured step (:mod:`.graphloop`) applies them at the
-  end of the step instead (:meth:`use_captured_steps`): a replay cannot know whether a flush ran
+  (evaluation, checkpoints, the end of the run). A captured run (:mod:`.graphloop`; the constructor's
+  ``captured``) applies them at the end of the step instead: a replay cannot know whether a flush ran
   between two steps, and the update, made with the same optimizer step's values on the same gathered
   gradients before anything reads those weights, gives the same weights bit for bit.
 """
@@ -27,7 +27,7 @@ class GradSync:
     replicated layers' gather communicators: collective)."""
 
     def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress,
-                 shard_state: bool = False):
+                 shard_state: bool = False, captured: bool = False):
         self.optimizer = optimizer
         self.timer = timer
         self.clock = clock
@@ -41,7 +41,10 @@ class GradSync:
         for layer in self.replicated:  # collective: the same layers in the same order on every rank
             layer.replicate_gradients()
         self._pending_t: dict[str, int] = {}  # replicated layer -> optimizer step its gradients belong to
-        self.captured = False  # steps may be captured (see use_captured_steps)
+        # steps may be captured: the replicated layers' updates are applied at the end of the step whose
+        # gradients they are (after the gathers are waited for on the device), and no step records a timing
+        # event (one recorded in a capture is never recorded at a replay)
+        self.captured = bool(captured)
         skip = {id(p) for layer in self.replicated for p in layer.params}
         synced = [p for p in model.params if id(p) not in skip]
         # each distinct gradient block counted once (by the rank that holds replica 0 of it) in the norm
@@ -55,18 +58,10 @@ class GradSync:
             first_bucket_bytes=int(float(cfg_comm["first_bucket_mb"]) * 2**20),
             overlap=bool(cfg_comm["overlap"]), chunk_layers=k or None,
             thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp,
-            device_timing=clock.name != "host")
+            device_timing=clock.name != "host" and not self.captured)
         self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas
         if shard_state and optimizer.has_state():
             self.shards = StateShards(self.engine.buckets, optimizer, rt.xp)
-
-    def use_captured_steps(self) -> None:
-        """Steps from now on may be captured: the replicated layers' updates are applied at the end of the
-        step whose gradients they are (after the gathers are waited for on the device), not before the
-        layer's next forward (pending updates are applied first), and the step records no timing events.
-        Who calls: every rank, between steps."""
-        self.flush()
-        self.captured = True
 
     # -- one step, in call order -------------------------------------------------------------------------
     def before_forward(self, layer) -> None:

@@ -54,15 +54,12 @@ class CaptureFailed(RuntimeError):
 
 
 def _optimizer_reason(optimizer, opt_cfg: dict) -> str:
-    """Why the optimizer's update cannot be replayed, or ''. An optimizer may say so itself with
-    ``capture_reason()`` ('' when capturable). One with a device step table (``steps``: learning rate, bias
-    corrections and step counter in device memory) reads every per-step value there. Otherwise its update
-    kernels take the learning rate (and Adam its bias corrections) as host values baked into a captured
-    launch, which is right only while they stay the same every step."""
-    own = getattr(optimizer, "capture_reason", None)
-    if callable(own):
-        return own()
-    if getattr(optimizer, "steps", None) is not None:
+    """Why the optimizer's update cannot be replayed, or ''. One with a device step table (``steps``:
+    learning rate, bias corrections and step counter in device memory) reads every per-step value there.
+    One without (its parameters are host arrays: NumPy, or a module without ``ElementwiseKernel``) computes
+    the learning rate (and Adam its bias corrections) on the host each step, which a replay would repeat
+    unchanged: right only while they stay the same every step."""
+    if optimizer.steps is not None:
         return ""
     kind = opt_cfg.get("type", "sgd")
     if kind == "adam":

@@ -18,9 +18,11 @@ from . import ckpt
 from .build import build
 from .clock import Clock, make_clock
 from .gradsync import GradSync
-from .graphloop import choose
+from .graphloop import GraphRun, choose
+from .graphstep import CaptureFailed, Decision
+from .step import EAGER, Backprop, StepOut, StepPolicy
 from . import health, kernels, outdirs
-from .errors import DataStop, NonFinite, Stopped, WriteFailed, agree_on_data, user_errors
+from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_on_data, user_errors
 from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
@@ -97,10 +99,13 @@ class Trainer:
         # memory there and uploaded one ahead, asynchronously
         self.reader = stage_batches(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes,
                                     gpu=self.rt.device == "gpu")
+        # the step mode first: a captured run's gradient synchronisation records no timing events
+        self.step_mode = choose(cfg, self.rt, world, self.model, self.optimizer, self.trace)
         self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
                              self.clock, self.watchdog.progress,
-                             shard_state=bool(cfg["optimizer"].get("shard_state", False)))
-        self._choose_step_mode(cfg)
+                             shard_state=bool(cfg["optimizer"].get("shard_state", False)),
+                             captured=self.step_mode.mode == "graph")
+        self.graphs = GraphRun(self) if self.step_mode.mode == "graph" else None
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
         self.record = ckpt.computation(cfg)
         if resume:
@@ -116,10 +121,6 @@ class Trainer:
             outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
             outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
             self.report.start_metrics()
-
-    def _choose_step_mode(self, cfg: dict) -> None:
-        """``runtime.cuda_graph``: the step captured (:mod:`.graphloop`) or eager; one line says which."""
-        self.step_mode, self.graphs = choose(self, cfg)
 
     def _resume(self, force: bool) -> None:
         path, self.step, meta = ckpt.resume(self.world, self.settings.ckpt_dir, self.model, self.optimizer,
@@ -150,9 +151,8 @@ class Trainer:
         return x, batch.labels
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics row."""
-        if self.graphs is not None:
-            return self.graphs.train_step()
+        """One optimizer step, eager or captured (the step's device part: :meth:`step_body`, run directly
+        or by the :class:`~.graphloop.GraphRun`; what differs: :mod:`.step`); returns its metrics row."""
         wd, clock, sync, st = self.watchdog, self.clock, self.sync, self.settings
         t0 = clock.now()
         h0 = time.perf_counter()
@@ -160,42 +160,23 @@ class Trainer:
         batch = self.next_batch(self.reader)
         t_io = time.perf_counter() - h0  # the host's wait for data, whatever the clock
         x, labels = self.upload(batch)
-        self.model.set_train(True)
-        self.optimizer.zero_grad()
-        wd.progress("forward")
-        logits = self.model.forward(x, before_layer=sync.before_forward)
-        wd.progress("loss")
-        stats = self.loss.forward_stats(logits, labels)  # stays on the device, reduced there
-        host_stats = self.rt.xp is np
-        if host_stats:
-            # before backward and the update, so the parameters stay those of the last good step; the
-            # statistics are already host numbers here. On a GPU the check runs where the loss reaches the
-            # host anyway (logged steps), so an unlogged step makes no host synchronisation
-            health.check_loss(self.world, self.step + 1, self.loss.metrics(stats)[0], self.model, x.local,
-                              self.rt.xp)
-        wd.progress("backward")
-        mark = sync.start_backward()
-        t_bp, h_bp = clock.now(), time.perf_counter()
-        self.model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
-        t_bp_end, h_bp_end = clock.now(), time.perf_counter()
-        wd.progress("gradient reduction and optimizer")
         lr = self.optimizer.lr
-        recs = sync.finish(mark)
+        self.model.set_train(True)
+        logged = (self.step + 1) % st.log_every == 0 or self.step + 1 == st.total_steps
+        out, how = self._step_device(x.local, labels, logged)
+        if how != "eager":
+            self.graph_untimed_steps += 1  # captured or replayed: no per-layer times
+        bp = out.backprop
         # bucket intervals: host times measured against the host's backward, or (GPU + NCCL) CUDA events
-        # that are read below on logged steps only, against the backward's marks on the same clock
+        # that are read below on logged steps only, against the backward's marks on the same clock; a step
+        # that marked nothing (captured, replayed) measured no communication
         device_buckets = sync.bucket_clock != "host"
-        comm_iv = [] if device_buckets else [(s, e) for _, _, _, s, e in recs]
-        t_comm = sum(e - s for s, e in comm_iv)
-        hidden = hidden_fraction(comm_iv, [(h_bp, h_bp_end)])
-        # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
-        # backward events nest inside it)
-        self.timer.span(("backward",), t_bp, t_bp_end, "compute")
-        if self.timer.clock is None:  # the trace has one clock: buckets join it when it is the host's
-            for b, nbytes, _, s, e in recs:
-                self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
+        t_comm = hidden = None
+        if bp is not None and not device_buckets:
+            comm_iv = [(s, e) for _, _, _, s, e in bp.records]
+            t_comm = sum(e - s for s, e in comm_iv)
+            hidden = hidden_fraction(comm_iv, [(bp.h0, bp.h1)])
         self.step += 1
-        logged = self.step % st.log_every == 0 or self.step == st.total_steps
-        grad_sq = sync.grad_norm_sq() if logged else None  # stays on the device until the host reads stats
         t_end = clock.now()
         wd.progress(f"step {self.step} done")
         metrics, timing = {}, {}
@@ -205,13 +186,71 @@ class Trainer:
             self.timer.settle()
             clock.settle()
             dt = clock.seconds(t_end) - clock.seconds(t0)
-            if device_buckets:  # the marks are settled, so every bucket event of the step is complete
-                comm_iv = sync.bucket_intervals(mark, clock.seconds)
+            if bp is not None and device_buckets:  # the marks are settled: the step's bucket events too
+                comm_iv = sync.bucket_intervals(bp.mark, clock.seconds)
                 t_comm = sum(e - s for s, e in comm_iv)
-                hidden = hidden_fraction(comm_iv, [(clock.seconds(t_bp), clock.seconds(t_bp_end))])
-            metrics, timing = self.logged_metrics(stats, grad_sq, x, dt, check_loss=not host_stats)
+                hidden = hidden_fraction(comm_iv, [(clock.seconds(bp.t0), clock.seconds(bp.t1))])
+            metrics, timing = self.logged_metrics(out.stats, out.grad_sq, x, dt,
+                                                  check_loss=self.rt.xp is not np)
         self.report.end_step()
         return self.metrics_row(lr, metrics, timing, t_io, t_comm, hidden)
+
+    def _step_device(self, x_local, labels, logged: bool):
+        """The step's device part, ``(StepOut, how)``: eager, or by the captured run. A capture that failed
+        (every rank alike): ``on`` stops the run; ``auto`` says so in one line and runs this step (the same
+        batch) and every later one eagerly."""
+        if self.graphs is None:
+            return self.step_body(x_local, labels, EAGER, logged), "eager"
+        try:
+            return self.graphs.run(x_local, labels, logged)
+        except CaptureFailed as exc:
+            asked = self.step_mode.asked
+            if asked == "on":
+                raise UserError(f"runtime.cuda_graph on: the capture of step {self.step + 1} failed: {exc}")
+            self.step_mode = Decision("eager", asked, f"the capture of step {self.step + 1} failed: {exc}")
+            self.graphs = None
+            if self.world.rank == 0:
+                self.say(self.step_mode.line())
+            return self.step_body(x_local, labels, EAGER, logged), "eager"
+
+    def step_body(self, x_local, labels, policy: StepPolicy, logged: bool) -> StepOut:
+        """What a step does on the device, and what a capture records: forward, loss statistics,
+        backward, gradient reduction, optimizer update, and (``policy.wants_norm``) the squared gradient
+        norm. ``policy.timed``: the backward pass and the buckets are marked (:class:`~.step.Backprop`)."""
+        wd, clock, sync, model = self.watchdog, self.clock, self.sync, self.model
+        x = DistTensor(x_local, model.input_shape, model.input_dist, self.world.rank)
+        self.optimizer.zero_grad()
+        wd.progress("forward")
+        logits = model.forward(x, before_layer=sync.before_forward)
+        wd.progress("loss")
+        stats = self.loss.forward_stats(logits, labels)  # stays on the device, reduced there
+        if self.rt.xp is np:
+            # before backward and the update, so the parameters stay those of the last good step; the
+            # statistics are already host numbers here. On a GPU the check runs where the loss reaches the
+            # host anyway (logged steps), so an unlogged step makes no host synchronisation
+            health.check_loss(self.world, self.step + 1, self.loss.metrics(stats)[0], model, x_local,
+                              self.rt.xp)
+        wd.progress("backward")
+        mark = sync.start_backward()
+        if policy.timed:
+            t_bp, h_bp = clock.now(), time.perf_counter()
+        model.backward(self.loss.backward(), on_layer=sync.on_layer, input_grad=False)
+        if policy.timed:
+            t_bp_end, h_bp_end = clock.now(), time.perf_counter()
+        wd.progress("gradient reduction and optimizer")
+        recs = sync.finish(mark)
+        bp = None
+        if policy.timed:
+            bp = Backprop(mark, t_bp, t_bp_end, h_bp, h_bp_end, recs)
+            # the span the hidden fraction is measured against, on the trace's layer track (the per-layer
+            # backward events nest inside it)
+            self.timer.span(("backward",), t_bp, t_bp_end, "compute")
+            if self.timer.clock is None:  # the trace has one clock: buckets join it when it is the host's
+                for b, _, _, s, e in recs:
+                    self.timer.add(("bucket", f"{b}"), s, e, "gradcomm")
+        # stays on the device until the host reads the statistics
+        grad_sq = sync.grad_norm_sq() if policy.wants_norm(logged) else None
+        return StepOut(stats, grad_sq, bp)
 
     def logged_metrics(self, stats, grad_sq, x, dt: float, check_loss: bool = True) -> tuple[dict, dict]:
         """A logged step's metrics (loss statistics and gradient norm, read in one transfer and checked
@@ -223,13 +262,14 @@ class Trainer:
         metrics["grad_norm"] = grad_norm
         return metrics, {"step_time_s": dt, "samples_per_s": self.settings.batch_size / dt}
 
-    def metrics_row(self, lr: float, metrics: dict, timing: dict, t_io: float, t_comm: float = 0.0,
-                    hidden: float = 0.0) -> dict:
-        """One metrics row of the step just taken, in the columns' order."""
+    def metrics_row(self, lr: float, metrics: dict, timing: dict, t_io: float, t_comm: float | None,
+                    hidden: float | None) -> dict:
+        """One metrics row of the step just taken, in the columns' order. ``t_comm`` and ``hidden`` are
+        None when the step did not measure them (captured and replayed steps): null, not zero."""
         st = self.settings
         row = {"step": self.step, "epoch": (self.step - 1) // max(st.steps_per_epoch, 1), **metrics,
-               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm,
-               "hidden_comm_fraction": hidden, "hidden_comm_s": hidden * t_comm}
+               "lr": lr, **timing, "io_wait_s": t_io, "comm_time_s": t_comm, "hidden_comm_fraction": hidden,
+               "hidden_comm_s": None if t_comm is None else hidden * t_comm}
         if timing:
             row["samples_per_s"] = row.pop("samples_per_s")  # the last column, as before
         return row
@@ -402,7 +442,7 @@ class Trainer:
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
         if self.step_mode is not None:
-            g = self.graphs.graphs if self.graphs is not None else None
+            g = self.graphs
             run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,
                                      replays=g.replays if g else 0)
         self.report.bucket_clock = self.sync.bucket_clock

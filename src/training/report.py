@@ -165,8 +165,11 @@ class Report:
         recent = self.rows[-max(steps_run, 0):] if steps_run else []
         times = [r["step_time_s"] for r in recent]
         io = [r["io_wait_s"] for r in recent]
-        comm = [r["comm_time_s"] for r in recent]
-        hidden = [r["hidden_comm_s"] for r in recent]
+        # communication is measured by eager steps only (a captured or replayed step marks nothing on the
+        # device): the medians and the fraction are over the steps that measured it, null when none did
+        measured = [r for r in recent if r.get("comm_time_s") is not None]
+        comm = [r["comm_time_s"] for r in measured]
+        hidden = [r["hidden_comm_s"] for r in measured]
         last = self.rows[-1] if self.rows else {}
         return {
             "steps": run["steps"],

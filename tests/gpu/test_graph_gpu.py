@@ -168,6 +168,10 @@ def test_the_captured_step_trains_as_the_eager_one_bit_for_bit(work, gpu_run, ra
     s = json.loads((work / tag / "out" / "summary.json").read_text())["cuda_graph"]
     # two eager warm-up steps, one captured (and launched), the rest replayed
     assert s["mode"] == "graph" and s["captures"] == 1 and s["replays"] == STEPS - 3, s
+    # a captured or replayed step measures no communication: empty, not 0 (the warm-up steps measure it)
+    rows = metrics(work / tag / "out")
+    assert all((r["comm_time_s"], r["hidden_comm_fraction"], r["hidden_comm_s"]) == ("", "", "")
+               for r in rows if int(r["step"]) > 2) and rows[0]["comm_time_s"] != "", rows
     assert_bitwise_same_run(work, tag, ref, f"captured step, {name}")
     half = dict(common, steps=5)
     gpu_run([*run, config(work, resumed, layers, **half), *opts, "--set", "runtime.cuda_graph=on"])
