@@ -35,11 +35,6 @@ from .kernels import conv_transpose as CT
 from .kernels.select import own
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
 
-#: the cost model prices this layer's halo as its adjoint's (a convolution's on the output), where the
-#: registry's shape inference can say so
-_ADJOINT = {"halo": "adjoint"} if "halo" in getattr(Inferred, "__dataclass_fields__", {}) else {}
-
-
 def _per_dim(v, nsp: int, name: str, lo: int) -> tuple[int, ...]:
     vals = list(v) if isinstance(v, (list, tuple)) else [v] * nsp
     if len(vals) != nsp or not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in vals):
@@ -93,7 +88,8 @@ def _infer(lay: LayerArgs) -> Inferred:
     groups = int(p.get("groups", 1))
     ksize = math.prod(w.kernel for w in st.dims[2:])
     n_params = x[1] * (out[1] // groups) * ksize + (out[1] if p.get("bias", True) else 0)
-    return Inferred(out, 2 * math.prod(x) * (out[1] // groups) * ksize, n_params, st, **_ADJOINT)
+    # the halo priced is the adjoint's (the convolution's, on this layer's output blocks), as it moves
+    return Inferred(out, 2 * math.prod(x) * (out[1] // groups) * ksize, n_params, st, halo="adjoint")
 
 
 _POS = Int(1)
