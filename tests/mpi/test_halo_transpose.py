@@ -158,3 +158,55 @@ def test_overlap_off_gives_identical_numbers(comm):
             if not same:
                 bad.append(f"{layer['type']} under {par}")
     assert_all(comm, not bad, "overlap on and off differ: " + "; ".join(bad))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layer,phase", [
+    ({"name": "u", "type": "upsample", "mode": "linear"}, "forward"),
+    ({"name": "t", "type": "conv_transpose", "filters": 3, "kernel": 3, "padding": 1}, "backward")],
+    ids=["upsample-forward", "conv_transpose-backward"])
+def test_interior_runs_while_the_halo_exchange_is_in_flight(comm, layer, phase):
+    """The pass that fetches rows (upsampling's forward, the transposed convolution's backward, which
+    fetches dL/dY): rank 1 holds its halo back (does not enter the pass) until rank 0 has computed a piece of
+    its result, which it can only do from owned rows, so only if it computes its interior while the exchange
+    is in flight; a layer that waits first never sends the go, and rank 1 gives up after a bound (a guard
+    against a hang, not a measurement)."""
+    if comm.size != 2:
+        pytest.skip("the held-back halo is written for 2 ranks (decided by comm.size on every rank)")
+    from test_layers import _GO_BOUND, _arrives_within
+
+    ctx = LayerContext(comm, np, "float64", seed=1)
+    spec = {"input": {"channels": 3, "spatial": [64, 16]}, "layers": [dict(layer)]}
+    model = Model(spec, 2, ctx, {"default": {"h": 2}})
+    lay = model.layers[0]
+    rng = np.random.default_rng(0)
+    xt = DistTensor.scatter(rng.standard_normal((2, 3, 64, 16)), model.input_dist, comm)
+    dyt = DistTensor.scatter(rng.standard_normal(lay.out_shape), lay.out_dist, comm)
+    if phase == "backward":
+        model.forward(xt)
+    go = comm.dup()
+    sent, ok = [], True
+    if comm.rank == 0:
+        def hooked(fn):
+            def run(*a, **kw):
+                out = fn(*a, **kw)
+                sent or sent.append(go.isend(np.ones(1), 1, 1))
+                return out
+            return run
+        if phase == "forward":
+            lay._interior[1].forward = hooked(lay._interior[1].forward)
+        else:
+            lay._gather = hooked(lay._gather)
+        model.forward(xt) if phase == "forward" else model.backward(dyt, input_grad=True)
+        ok = bool(sent)
+        if not sent:
+            sent.append(go.isend(np.ones(1), 1, 1))
+        sent[0].wait()
+    else:
+        got = go.irecv(np.zeros(1), 0, 1)
+        ok = _arrives_within(got, _GO_BOUND)
+        model.forward(xt) if phase == "forward" else model.backward(dyt, input_grad=True)
+        if not ok:
+            got.wait()
+    go.free()
+    assert_all(comm, ok, f"rank 0 computed nothing of its {phase} before the halo arrived")
