@@ -15,6 +15,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # tests import shared helpers as `import mpi_util`
     sys.path.insert(0, _HERE)
 
+# The default machine (parallel.machine: local) is this host's calibration when `bench calibrate` wrote one:
+# tests (and their subprocesses) look in an empty folder instead, so a developer's calibration changes no plan
+os.environ["LBANNPY_MACHINE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "lbannpy-tests-no-machine")
+
 
 def mpi_tests_enabled() -> bool:
     return os.environ.get("LBANNPY_MPI_TESTS") == "1" or "mpi4py.MPI" in sys.modules

@@ -16,7 +16,8 @@ import yaml
 from lbannpy import yamlsafe
 
 from .graph import ShapeError
-from ..machine import DEFAULT_MACHINE, MachineError, preset_names
+from ..local_machine import LOCAL, local_source
+from ..machine import MachineError, preset_names
 from .planner import PlanError, plan
 from .report import compare, explain, strategy_table
 
@@ -28,10 +29,10 @@ def _parser() -> argparse.ArgumentParser:
                                             "2018).")
     p.add_argument("config", help="spec (.yaml) or config (.h5)")
     p.add_argument("--ranks", type=int, required=True, help="number of ranks (GPUs or processes)")
-    p.add_argument("--machine", default=DEFAULT_MACHINE,
-                   help=f"machine file (.yaml, e.g. from `python -m lbannpy.bench calibrate`) or preset "
-                        f"name: "
-                        f"{', '.join(preset_names())} (default {DEFAULT_MACHINE})")
+    p.add_argument("--machine", default=LOCAL,
+                   help=f"machine file (.yaml, e.g. from `python -m lbannpy.bench calibrate`), preset name "
+                        f"({', '.join(preset_names())}) or {LOCAL} (the default): this host, as `bench "
+                        f"calibrate` measured it, else a described CPU model (the output says which)")
     p.add_argument("--memory", type=float, default=None,
                    help="memory per rank in GiB (default: the machine's)")
     p.add_argument("--batch-size", type=int, default=None,
@@ -99,7 +100,8 @@ def write_config(path: str, tree: dict, layers: dict) -> None:
 
 def run(args) -> int:
     tree = read_config(args.config)
-    pl = plan(tree, args.ranks, args.machine, memory_gib=args.memory, batch_size=args.batch_size,
+    machine = local_source() if args.machine == LOCAL else args.machine
+    pl = plan(tree, args.ranks, machine, memory_gib=args.memory, batch_size=args.batch_size,
               search=args.search, time_budget_s=args.time_budget, max_candidates=args.max_candidates,
               compare=args.compare or args.explain, heuristic=args.compare)
     print(strategy_table(pl))

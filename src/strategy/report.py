@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..local_machine import describe
 from .cost import gradient_sync_group
 from .planner import GIB, Plan, StrategyCost
 
@@ -32,6 +33,7 @@ def strategy_table(plan: Plan) -> str:
                      f"{lc.mem_persistent_bytes / 2 ** 20:9.1f}")
     lines.append(f"predicted step: {c.step_s * 1e3:.3f} ms (compute {c.compute_s * 1e3:.3f} ms, "
                  f"communication {c.comm_s * 1e3:.3f} ms), memory {c.memory_bytes / GIB:.2f} GiB per rank")
+    lines.append(f"machine: {describe(plan.machine)}")
     lines += [f"note: {m}" for m in plan.messages]
     return "\n".join(lines)
 
