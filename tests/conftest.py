@@ -15,9 +15,28 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # tests import shared helpers as `import mpi_util`
     sys.path.insert(0, _HERE)
 
-# The default machine (parallel.machine: local) is this host's calibration when `bench calibrate` wrote one:
-# tests (and their subprocesses) look in an empty folder instead, so a developer's calibration changes no plan
-os.environ["LBANNPY_MACHINE_DIR"] = os.path.join(os.environ.get("TMPDIR", "/tmp"), "lbannpy-tests-no-machine")
+
+
+def _pin_the_local_machine() -> None:
+    """The default machine (parallel.machine: local) is this host's calibration when `bench calibrate` wrote
+    one, else a model of this host's CPU: tests (and their subprocesses) price plans on the lassen preset
+    instead, written as this host's calibration in a folder of their own, so that neither a developer's
+    calibration nor the host's cores change a plan (tests of the local machine set LBANNPY_MACHINE_DIR)."""
+    import socket
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"lbannpy-tests-machines-{os.getuid()}")
+    os.makedirs(folder, exist_ok=True)
+    src = os.path.join(os.path.dirname(_HERE), "src", "machines", "lassen.yaml")
+    dst = os.path.join(folder, f"{socket.gethostname() or 'localhost'}.yaml")
+    tmp = f"{dst}.{os.getpid()}"
+    with open(src, encoding="utf-8") as f, open(tmp, "w", encoding="utf-8") as g:
+        g.write(f.read())
+    os.replace(tmp, dst)
+    os.environ["LBANNPY_MACHINE_DIR"] = folder
+
+
+_pin_the_local_machine()
 
 
 def mpi_tests_enabled() -> bool:
