@@ -20,6 +20,7 @@ CONV_TRANSPOSE = [
     dict(kernel=4, stride=2, padding=1, dilation=2, output_padding=[1, 0]),
     dict(kernel=[3, 5], stride=[2, 1], padding=[0, 2]),
     dict(kernel=3, stride=2, groups=2),
+    dict(kernel=2, stride=3, output_padding=2),  # rows no input writes: bias only
 ]
 
 UPSAMPLE = [
