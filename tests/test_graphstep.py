@@ -60,7 +60,8 @@ def test_a_plain_sgd_net_on_nccl_is_captured():
     assert d.mode == "graph" and "one CUDA graph per input shape" in d.line()
 
 
-REQUIRED = {"conv": {"filters": 2, "kernel": 1}, "conv_transpose": {"filters": 2, "kernel": 1}}
+REQUIRED = {"conv": {"filters": 2, "kernel": 1}, "conv_transpose": {"filters": 2, "kernel": 1},
+            "groupnorm": {"groups": 1}}
 
 
 def test_every_layer_type_is_judged_by_its_registry_declaration():
