@@ -131,6 +131,24 @@ ADAM_WARMUP = {"type": "adam", "lr": 0.01, "schedule": {"type": "step", "step_si
 # two fully-connected layers, the first of them replicated (comm.replicate_fc: 1)
 FC2_NET = BN_NET[:-1] + [{"name": "f0", "type": "fc", "units": 6}, {"name": "r2", "type": "relu"},
                          BN_NET[-1]]
+# the U-Net and SegResNet layer types in one small net: circular padding, group and instance norm (running
+# statistics), PReLU, a transposed convolution and a bilinear upsampling side by side, a gate (sigmoid, mul),
+# a skip concatenation and a global pool under the classifier
+UNET_NET = [
+    {"name": "c1", "type": "conv", "filters": 4, "kernel": 3, "padding": 1, "padding_mode": "circular"},
+    {"name": "g1", "type": "groupnorm", "groups": 2},
+    {"name": "a1", "type": "prelu", "num_parameters": 4},
+    {"name": "p1", "type": "pool", "mode": "max", "kernel": 2},
+    {"name": "u1", "type": "conv_transpose", "filters": 4, "kernel": 2, "stride": 2},
+    {"name": "up1", "type": "upsample", "scale": 2, "mode": "linear", "parents": ["p1"]},
+    {"name": "s1", "type": "sigmoid"},
+    {"name": "m1", "type": "mul", "parents": ["u1", "s1"]},
+    {"name": "cat", "type": "concat", "parents": ["m1", "a1"]},
+    {"name": "i1", "type": "instancenorm", "affine": True, "track_running_stats": True},
+    {"name": "e1", "type": "gelu"},
+    {"name": "gp", "type": "global_pool"},
+    {"name": "f1", "type": "fc", "units": 4},
+]
 GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, comm, name)
     (1, {}, BN_NET, STEP_LR, {}, "one-gpu-step-lr"),
     (2, {"default": {"n": 2}}, DROP_NET, {}, {}, "sample-dropout"),
@@ -140,6 +158,7 @@ GRAPHED_RUNS = [  # (ranks, parallel, layers, optimizer, comm, name)
      "filter-and-fc-split-4"),
     (2, {"default": {"n": 2}}, FC2_NET, ADAM_WARMUP, {"replicate_fc": 1}, "replicated-fc-adam"),
     (2, {"default": {"n": 2}}, BN_NET, dict(ADAM_WARMUP, shard_state=True), {}, "sharded-adam-state"),
+    (2, {"default": {"h": 2}}, UNET_NET, ADAM_WARMUP, {}, "unet-layers-spatial"),
 ]
 
 
