@@ -275,6 +275,9 @@ class Key:
     doc: str = ""
     default_from: str | None = None  # when unset, copy the (normalized) value of this sibling key
     aliases: tuple[str, ...] = ()  # other accepted spellings; the normal form uses ``name``
+    # ``((sibling, value, default), ...)``: when unset and the sibling key holds that value, this default
+    # instead of ``default`` (Adam's learning rate)
+    default_when: tuple = ()
 
     @property
     def required(self) -> bool:
@@ -287,7 +290,8 @@ class Key:
             return self.default_from
         if self.default is UNSET:
             return "optional"
-        return _yaml_scalar(self.default)
+        when = "".join(f"; {sib} {val}: {_yaml_scalar(d)}" for sib, val, d in self.default_when)
+        return _yaml_scalar(self.default) + when
 
 
 @dataclass(frozen=True)
@@ -378,6 +382,11 @@ class Section(Type):
         for k in self.keys:  # defaults copied from siblings, once those are normal
             if isinstance(k, Key) and k.default_from and k.name not in out and k.default_from in out:
                 out[k.name] = copy_tree(out[k.default_from])
+        for k in self.keys:  # defaults that depend on a sibling's value
+            if isinstance(k, Key) and k.name not in given:
+                for sib, val, d in k.default_when:
+                    if out.get(sib) == val:
+                        out[k.name] = copy_tree(d)
         for rule in self.rules:
             if rule.default and not any(k in out for k in rule.keys):
                 out[rule.default[0]] = copy_tree(rule.default[1])

@@ -22,30 +22,38 @@ from __future__ import annotations
 import math
 
 from lbannpy.backend import array_module, flat, module_kernels
+from lbannpy.config.run import section_config
 
 
 class ScheduleError(ValueError):
     pass
 
 
-def learning_rate(base_lr: float, step: int, total_steps: int, schedule: dict | None) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): optional linear warmup, then none/step/cosine."""
-    sched = schedule or {}
-    kind = sched.get("type", "none")
-    warm = int(sched.get("warmup_steps", 0))
+def learning_rate(base_lr: float, step: int, total_steps: int, schedule) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): optional linear warmup, then none/step/cosine.
+    ``schedule``: the ``optimizer.schedule`` section of a run config, a mapping of its keys (filled with the
+    schema's defaults), or None (constant)."""
+    if schedule is None:
+        return base_lr
+    if isinstance(schedule, dict):
+        schedule = schedule_value(schedule)
+    kind, warm = schedule.type, schedule.warmup_steps
     if warm and step < warm:
         return base_lr * (step + 1) / warm
     s = step - warm
-    if kind in ("none", None):
+    if kind == "none":
         return base_lr
     if kind == "step":
-        size = int(sched.get("step_size", 1))
-        return base_lr * float(sched.get("gamma", 0.1)) ** (s // max(size, 1))
+        return base_lr * float(schedule.gamma) ** (s // max(schedule.step_size, 1))
     if kind == "cosine":
         span = max(total_steps - warm, 1)
-        floor = float(sched.get("min_lr", 0.0))
-        return floor + 0.5 * (base_lr - floor) * (1 + math.cos(math.pi * min(s, span) / span))
+        return 0.5 * base_lr * (1 + math.cos(math.pi * min(s, span) / span))
     raise ScheduleError(f"unknown learning-rate schedule {kind!r}; use none, step or cosine")
+
+
+def schedule_value(schedule: dict):
+    """A mapping of ``optimizer.schedule`` keys as the section's frozen value (the schema's defaults)."""
+    return section_config("optimizer", {"schedule": schedule}).schedule
 
 
 # a row of the step table: the learning rate, Adam's bias corrections 1 - b1^k and 1 - b2^k, and whether the
@@ -337,14 +345,16 @@ class Adam(Optimizer):
         value -= lr * mhat / (vhat ** 0.5 + self.eps)
 
 
-def make_optimizer(cfg: dict, params, total_steps: int) -> Optimizer:
-    kind = cfg.get("type", "sgd")
-    common = dict(weight_decay=cfg.get("weight_decay", 0.0), schedule=cfg.get("schedule"),
-                  total_steps=total_steps)
-    if kind == "sgd":
-        return SGD(params, cfg.get("lr", 0.01), momentum=cfg.get("momentum", 0.0),
-                   nesterov=bool(cfg.get("nesterov", False)), **common)
-    if kind == "adam":
-        return Adam(params, cfg.get("lr", 1e-3), betas=cfg.get("betas", (0.9, 0.999)),
-                    eps=cfg.get("eps", 1e-8), **common)
-    raise ScheduleError(f"unknown optimizer {kind!r}; use sgd or adam")
+def make_optimizer(cfg, params, total_steps: int) -> Optimizer:
+    """The optimizer of a run config's ``optimizer`` section (:mod:`lbannpy.config.run`), or of a mapping of
+    its keys (a benchmark's, a test's: checked and filled with the schema's defaults, which live there
+    only)."""
+    if isinstance(cfg, dict) or cfg is None:
+        cfg = section_config("optimizer", cfg)
+    common = dict(weight_decay=cfg.weight_decay, schedule=cfg.schedule, total_steps=total_steps)
+    if cfg.type == "sgd":
+        return SGD(params, cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **common)
+    if cfg.type == "adam":
+        return Adam(params, cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **common)
+    raise ScheduleError(f"unknown optimizer {cfg.type!r}; use sgd or adam")
+

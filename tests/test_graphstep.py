@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lbannpy.comm import SingleCommunicator
+from lbannpy.config.run import section_config
 from lbannpy.layers.context import LayerContext
 from lbannpy.layers.registry import layer_specs
 from lbannpy.model import Model
@@ -41,22 +42,24 @@ def model(layers=PLAIN, kernels=None):
 
 
 def cfg(graph="auto", optimizer=None, comm=None):
-    return {"runtime": {"cuda_graph": graph}, "optimizer": optimizer or {"type": "sgd", "lr": 0.1,
-                                                                         "momentum": 0.9},
-            "comm": comm or {}}
+    """The sections of a run config the decision reads."""
+    return types.SimpleNamespace(
+        runtime=section_config("runtime", {"cuda_graph": graph}),
+        optimizer=section_config("optimizer", optimizer or {"type": "sgd", "lr": 0.1, "momentum": 0.9}),
+        comm=section_config("comm", comm))
 
 
 def why(c=None, m=None, device="gpu", backend="nccl", xp=GPU_XP, trace=False):
     c = c or cfg()
     m = m or model()
-    return refusal(c, device, backend, xp, m, make_optimizer(c["optimizer"], m.params, 10), trace)
+    return refusal(c, device, backend, xp, m, make_optimizer(c.optimizer, m.params, 10), trace)
 
 
 def test_a_plain_sgd_net_on_nccl_is_captured():
     assert why() == ""
     c = cfg("on")
     m = model()
-    d = decide(c, "gpu", "nccl", GPU_XP, m, make_optimizer(c["optimizer"], m.params, 10))
+    d = decide(c, "gpu", "nccl", GPU_XP, m, make_optimizer(c.optimizer, m.params, 10))
     assert d.mode == "graph" and "one CUDA graph per input shape" in d.line()
 
 
@@ -113,7 +116,7 @@ def test_an_optimizer_with_a_device_step_table_is_captured_whatever_its_schedule
     """Learning rate, bias corrections and step counter read from device memory (``Optimizer.steps``)."""
     c = cfg(optimizer={"type": "adam", "lr": 1e-3, "schedule": {"type": "cosine", "warmup_steps": 2}})
     m = model()
-    opt = make_optimizer(c["optimizer"], m.params, 10)
+    opt = make_optimizer(c.optimizer, m.params, 10)
     assert refusal(c, "gpu", "nccl", GPU_XP, m, opt).startswith("optimizer adam")
     opt.steps = types.SimpleNamespace(generation=0)
     assert refusal(c, "gpu", "nccl", GPU_XP, m, opt) == ""
@@ -146,7 +149,7 @@ def test_trace_and_a_cupy_without_capture_are_refused():
 def test_on_refuses_with_the_line_auto_falls_back_with_it_off_is_silent():
     c_on, c_auto, c_off = cfg("on"), cfg("auto"), cfg("off")
     m = model()
-    opt = make_optimizer(c_on["optimizer"], m.params, 10)
+    opt = make_optimizer(c_on.optimizer, m.params, 10)
     with pytest.raises(CaptureRefused, match=r"^runtime.cuda_graph on: the training step cannot be captured: "
                                              r"runtime.backend mpi: "):
         decide(c_on, "gpu", "mpi", GPU_XP, m, opt)

@@ -11,7 +11,8 @@ import torch
 
 from lbannpy.dist import Distribution
 from lbannpy.layers.param import Param
-from lbannpy.optim import ScheduleError, learning_rate, make_optimizer
+from lbannpy.config import ConfigError
+from lbannpy.optim import learning_rate, make_optimizer
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ CASES = [
     OptCase("sgd-momentum-wd", (("type", "sgd"), ("lr", 0.05), ("momentum", 0.9), ("weight_decay", 1e-2))),
     OptCase("sgd-nesterov", (("type", "sgd"), ("lr", 0.05), ("momentum", 0.8), ("nesterov", True))),
     OptCase("adam", (("type", "adam"), ("lr", 1e-2))),
-    OptCase("adam-wd", (("type", "adam"), ("lr", 3e-3), ("betas", (0.8, 0.99)), ("eps", 1e-6),
+    OptCase("adam-wd", (("type", "adam"), ("lr", 3e-3), ("betas", [0.8, 0.99]), ("eps", 1e-6),
                         ("weight_decay", 1e-3))),
 ]
 
@@ -123,6 +124,21 @@ def test_device_sum_of_squares_in_float64_groups():
     assert concat == [3, 2]  # 5+70+3 | 200 alone, not concatenated | 9+1
 
 
+def test_defaults_are_the_schema_s_and_adam_s_learning_rate_is_torch_s():
+    """One place states a default (the schema); Adam's learning rate defaults to PyTorch's 1e-3, SGD's to
+    0.01, as a validated spec's do."""
+    from lbannpy.config import validate
+
+    p = Param("w", (3, 1), ((0, 3), (0, 1)), np.zeros((3, 1)), np.zeros((3, 1)), Distribution.whole(2, 1), ())
+    adam = make_optimizer({"type": "adam"}, [p], 10)
+    assert adam.base_lr == torch.optim.Adam([torch.zeros(1, requires_grad=True)]).defaults["lr"] == 1e-3
+    assert make_optimizer({"type": "sgd"}, [p], 10).base_lr == 0.01
+    spec = {"model": {"input": {"channels": 1, "spatial": [4]}, "layers": [{"name": "f", "type": "fc",
+                                                                           "units": 2}]},
+            "data": {"train": {"path": "x.h5"}}, "optimizer": {"type": "adam"}}
+    assert validate(spec, data=False, memory=False)["optimizer"]["lr"] == 1e-3
+
+
 def test_schedules():
     assert learning_rate(0.1, 5, 100, None) == 0.1
     warm = {"type": "none", "warmup_steps": 4}
@@ -135,7 +151,7 @@ def test_schedules():
     got = [learning_rate(1.0, s, total, cos) for s in range(total)]
     want = [0.5, 1.0] + [0.5 * (1 + math.cos(math.pi * (s - 2) / 10)) for s in range(2, total)]
     assert got == pytest.approx(want)
-    with pytest.raises(ScheduleError, match="unknown"):
+    with pytest.raises(ConfigError, match="unknown value 'exp'"):  # checked by the schema, as a spec's
         learning_rate(1.0, 0, 10, {"type": "exp"})
 
 

@@ -123,7 +123,8 @@ def test_shard_state_is_not_part_of_the_computation():
     """What ``--resume`` compares leaves shard_state out (resuming across it needs no --force)."""
     from lbannpy.training.ckpt import computation, digest
 
-    base = {"model": {"layers": CLS}, "trainer": {}, "optimizer": dict(OPTS["sgd"], shard_state=False)}
+    base = {"model": {"layers": CLS}, "trainer": {"dtype": "float64"},
+            "optimizer": dict(OPTS["sgd"], shard_state=False)}
     assert digest(computation(base)) == digest(computation(dict(base, optimizer=dict(OPTS["sgd"],
                                                                                       shard_state=True))))
     assert digest(computation(base)) != digest(computation(dict(base, optimizer=dict(OPTS["sgd"], lr=0.1,

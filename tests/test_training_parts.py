@@ -1,8 +1,11 @@
 """The trainer's parts on their own (no MPI): reporting's per-layer means and the set-up's settings."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
+from lbannpy.config.run import section_config
 from lbannpy.layers.timer import Timer
 from lbannpy.training.build import settings
 from lbannpy.training.report import Report
@@ -61,7 +64,9 @@ def test_end_step_keeps_trace_events_only_when_tracing():
                                                       ckpt_keep=0)),
 ])
 def test_settings_from_the_config(trainer, ck, expect):
-    cfg = {"trainer": trainer, "output": {}, "checkpoint": ck}
-    st = settings(cfg, train_samples=22)  # 22 // 4 = 5 steps per epoch
+    sec = section_config
+    run = types.SimpleNamespace(trainer=sec("trainer", trainer), output=sec("output", {}),
+                                checkpoint=sec("checkpoint", ck))
+    st = settings(run, train_samples=22)  # 22 // 4 = 5 steps per epoch
     for k, v in expect.items():
         assert getattr(st, k) == v, k

@@ -163,7 +163,7 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
     ), (OneOf(("epochs", "steps"), default=("epochs", 1)),)),
     Section("optimizer", "the optimizer", (
         Key("type", Str(("sgd", "adam")), "sgd", "sgd (with momentum) or adam"),
-        Key("lr", Float(0.0, lo_open=True), 0.01, "learning rate"),
+        Key("lr", Float(0.0, lo_open=True), 0.01, "learning rate", default_when=(("type", "adam", 1e-3),)),
         Key("momentum", Float(0.0, 1.0, hi_open=True), 0.0, "sgd momentum"),
         Key("nesterov", Bool(), False, "sgd with Nesterov momentum"),
         Key("weight_decay", Float(0.0), 0.0, "L2 penalty"),

@@ -19,6 +19,7 @@ from lbannpy.model import Model
 from lbannpy.data.dataset import split_indices, validate_dataset
 from lbannpy.data.reader import HDF5Reader
 from lbannpy.config import check_memory
+from lbannpy.config.run import RunConfig
 from lbannpy.optim import make_optimizer
 
 
@@ -52,19 +53,15 @@ class Parts:
     memory: object = None  # the lbannpy.strategy.memory.MemoryEstimate set-up checked
 
 
-def settings(cfg: dict, train_samples: int) -> Settings:
-    tr, out, ck = cfg["trainer"], cfg["output"], cfg.get("checkpoint") or {}
-    batch_size = int(tr["batch_size"])
-    steps_per_epoch = train_samples // batch_size
-    total = int(tr["steps"]) if tr.get("steps") else int(tr.get("epochs", 1)) * steps_per_epoch
-    out_dir = out.get("dir", "run")
-    return Settings(batch_size=batch_size, seed=int(tr.get("seed", 0)), dtype=tr.get("dtype", "float32"),
-                    out_dir=out_dir, log_every=int(out.get("log_every", 1)),
-                    ckpt_dir=ck.get("dir") or os.path.join(out_dir, "ckpt"),
-                    ckpt_keep=int(ck.get("keep", 3) if ck.get("keep") is not None else 3),
-                    ckpt_every=int(ck.get("every_steps", 0) or 0), ckpt_at_end=True,
-                    total_steps=total, steps_per_epoch=steps_per_epoch,
-                    eval_every=int(tr.get("eval_every", 0) or 0) or steps_per_epoch)
+def settings(run: RunConfig, train_samples: int) -> Settings:
+    """The settings a run derives from its config and the training set's size (steps, directories)."""
+    tr, out, ck = run.trainer, run.output, run.checkpoint
+    steps_per_epoch = train_samples // tr.batch_size
+    total = tr.steps if tr.steps else tr.epochs * steps_per_epoch
+    return Settings(batch_size=tr.batch_size, seed=tr.seed, dtype=tr.dtype, out_dir=out.dir,
+                    log_every=out.log_every, ckpt_dir=ck.dir or os.path.join(out.dir, "ckpt"),
+                    ckpt_keep=ck.keep, ckpt_every=ck.every_steps, ckpt_at_end=True, total_steps=total,
+                    steps_per_epoch=steps_per_epoch, eval_every=tr.eval_every or steps_per_epoch)
 
 
 def auto_strategy(cfg: dict, world, batch_size: int, prog: str = "lbannpy.train") -> dict:
@@ -73,11 +70,11 @@ def auto_strategy(cfg: dict, world, batch_size: int, prog: str = "lbannpy.train"
 
     Who calls: every rank (a broadcast)."""
     par = cfg["parallel"]
-    machine = par.get("machine") or DEFAULT_MACHINE
+    machine = par["machine"] or DEFAULT_MACHINE
     layers, err = None, None
     if world.rank == 0:
         try:
-            chosen = plan(cfg, world.size, machine, memory_gib=par.get("memory_gib"),
+            chosen = plan(cfg, world.size, machine, memory_gib=par["memory_gib"],
                           batch_size=batch_size, compare=False)
             layers = chosen.parallel_layers()
             sys.stderr.write(f"{prog}: strategy auto on {world.size} rank(s), machine "
@@ -95,7 +92,7 @@ def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
     communicators are created collectively). May replace ``cfg["parallel"]`` (strategy auto). ``prog``
     begins the notes it prints (the command that runs it)."""
     batch_size = int(cfg["trainer"]["batch_size"])
-    if cfg["parallel"].get("strategy") == "auto":
+    if cfg["parallel"]["strategy"] == "auto":
         cfg["parallel"] = auto_strategy(cfg, world, batch_size, prog)
     mspec = cfg["model"]
     model = Model(mspec, batch_size, ctx, cfg.get("parallel"))
@@ -107,7 +104,7 @@ def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
         elif model.rank_note:
             sys.stderr.write(f"{prog}: {model.rank_note}\n")
     in_shape = model.input_shape
-    loss_kind = mspec.get("loss", "cross_entropy")
+    loss_kind = mspec["loss"]
     label_shape = (batch_size,) + tuple(in_shape[2:]) if loss_kind == "pixel_cross_entropy" else None
     loss = Loss(loss_kind, ctx, model.output.out_shape, model.output.out_dist, label_shape)
     return model, loss
@@ -117,13 +114,13 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     """The training reader and the validation reader (or None): every rank reads its own hyperslab."""
     data, tr = cfg["data"], cfg["trainer"]
     train = data["train"]
-    batch_size, seed = int(tr["batch_size"]), int(tr.get("seed", 0))
+    batch_size, seed = tr["batch_size"], tr["seed"]
     in_shape = model.input_shape
     info = validate_dataset(train["path"], train["inputs"], train["labels"],
                             expected_channels=in_shape[1], expected_spatial=in_shape[2:],
                             label_shape=loss.label_shape, float_labels=loss.targets)
     # train/validation split: a fraction of the file (same on every rank), or a file of its own
-    val = data.get("validation") or {}
+    val = data.get("validation") or {}  # an optional section: absent when not given
     if val.get("fraction"):
         train_idx, val_idx = split_indices(info.num_samples, float(val["fraction"]), seed)
     else:
@@ -134,10 +131,10 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     common = dict(inputs=train["inputs"], labels=train["labels"], dist=model.input_dist,
                   rank=world.rank, batch_size=batch_size, label_dist=loss.label_dist,
                   comm=world, expected_channels=in_shape[1], expected_spatial=in_shape[2:],
-                  num_classes=loss.label_classes, preload=data.get("preload", "auto"),
+                  num_classes=loss.label_classes, preload=data["preload"],
                   label_factors=loss.factors,  # per-pixel labels reduced to prediction cells once, as read
                   label_shape=loss.label_shape, targets=loss.targets)  # float targets, dice labels
-    depth = int(data.get("prefetch", 2))
+    depth = data["prefetch"]
     reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
                         prefetch=depth > 0, depth=max(depth, 1), name=f"data.train ({train['path']})",
                         **common)
@@ -154,15 +151,16 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     return reader, val_reader
 
 
-def build(cfg: dict, ctx, world) -> Parts:
-    """Everything training needs but gradient synchronisation. ``cfg`` must be validated."""
-    if cfg["parallel"].get("strategy") == "auto":
-        cfg["parallel"] = auto_strategy(cfg, world, int(cfg["trainer"]["batch_size"]))
+def build(run: RunConfig, ctx, world) -> Parts:
+    """Everything training needs but gradient synchronisation, from a run config."""
+    cfg = run.spec
+    if cfg["parallel"]["strategy"] == "auto":
+        cfg["parallel"] = auto_strategy(cfg, world, run.trainer.batch_size)
     # every rank refuses a run whose estimated peak exceeds runtime.memory_gib before allocating any of it
     est = check_memory(cfg, world.size, planned=False)
     model, loss = build_model(cfg, ctx, world)
-    reader, val_reader = build_readers(cfg, model, loss, world, cfg["data"]["train"].get("shuffle", True))
-    st = settings(cfg, len(reader.indices))
-    optimizer = make_optimizer(cfg["optimizer"], model.params, st.total_steps)
+    reader, val_reader = build_readers(cfg, model, loss, world, run.data.train.shuffle)
+    st = settings(run, len(reader.indices))
+    optimizer = make_optimizer(run.optimizer, model.params, st.total_steps)
     return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,
                  optimizer=optimizer, memory=est)

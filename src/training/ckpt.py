@@ -29,7 +29,7 @@ def computation(cfg: dict) -> dict:
     # shard_state changes where the optimizer state lives, not a bit of what a step computes
     optimizer = {k: v for k, v in cfg["optimizer"].items() if k != "shard_state"}
     return {"model": model, "optimizer": optimizer,
-            "trainer": {"dtype": cfg["trainer"].get("dtype", "float32")}}
+            "trainer": {"dtype": cfg["trainer"]["dtype"]}}
 
 
 def digest(record: dict) -> str:

@@ -23,17 +23,18 @@ from lbannpy.optim import PIECE
 
 
 class GradSync:
-    """Who calls: every rank, in the same order (the constructor creates group communicators and the
-    replicated layers' gather communicators: collective)."""
+    """``cfg_comm``: the run config's ``comm`` section (:mod:`lbannpy.config.run`). Who calls: every rank,
+    in the same order (the constructor creates group communicators and the replicated layers' gather
+    communicators: collective)."""
 
-    def __init__(self, cfg_comm: dict, model, ctx, rt, optimizer, timer, clock, progress,
+    def __init__(self, cfg_comm, model, ctx, rt, optimizer, timer, clock, progress,
                  shard_state: bool = False, captured: bool = False):
         self.optimizer = optimizer
         self.timer = timer
         self.clock = clock
         self.progress = progress
         fcs = [layer for layer in model.layers if hasattr(layer, "replicate_gradients")]
-        f = int(cfg_comm.get("replicate_fc", 0) or 0)
+        f = cfg_comm.replicate_fc
         if f > len(fcs):
             raise UserError(f"comm.replicate_fc = {f} but the model has {len(fcs)} fully-connected layer(s) "
                             f"({', '.join(f.name for f in fcs) or 'none'}); use at most {len(fcs)}")
@@ -52,11 +53,11 @@ class GradSync:
         self._xp, self._world = rt.xp, rt.world
         self._sq_buf = None  # the host's float64 buffer of grad_norm_sq
         self.grad_comms = [ctx.block_comm(p.dist, p.reduce_dims) for p in synced]
-        k = int((cfg_comm.get("chunks") or {}).get("k", 0) or 0)
+        k = cfg_comm.chunks.k
         self.engine = OverlapEngine(
-            synced, self.grad_comms, bucket_bytes=int(float(cfg_comm["bucket_mb"]) * 2**20),
-            first_bucket_bytes=int(float(cfg_comm["first_bucket_mb"]) * 2**20),
-            overlap=bool(cfg_comm["overlap"]), chunk_layers=k or None,
+            synced, self.grad_comms, bucket_bytes=int(cfg_comm.bucket_mb * 2**20),
+            first_bucket_bytes=int(cfg_comm.first_bucket_mb * 2**20),
+            overlap=cfg_comm.overlap, chunk_layers=k or None,
             thread_multiple=getattr(rt, "thread_multiple", True), xp=rt.xp,
             device_timing=clock.name != "host" and not self.captured)
         self.shards = None  # optimizer.shard_state: the replicated parameters' state split over replicas

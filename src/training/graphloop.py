@@ -12,12 +12,12 @@ from .graphstep import CaptureFailed, CaptureRefused, Decision, StepGraphs, agre
 from .step import CAPTURED, EAGER
 
 
-def choose(cfg: dict, rt, world, model, optimizer, trace: bool) -> Decision:
+def choose(run, rt, world, model, optimizer, trace: bool) -> Decision:
     """Who calls: every rank, at set-up, before the gradient synchronisation is built (collective on a GPU:
     the ranks agree on one reason). Rank 0 prints the decision's line on a GPU. ``on`` for a step that
     cannot be captured raises a :class:`UserError` naming why."""
     try:
-        mode = decide(cfg, rt.device, getattr(rt, "backend", ""), rt.xp, model, optimizer, trace, world=world)
+        mode = decide(run, rt.device, getattr(rt, "backend", ""), rt.xp, model, optimizer, trace, world=world)
     except CaptureRefused as exc:
         raise UserError(str(exc)) from None
     if rt.device == "gpu" and world.rank == 0:

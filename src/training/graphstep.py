@@ -53,7 +53,7 @@ class CaptureFailed(RuntimeError):
     device, and no rank keeps a graph. The message names the rank and the error."""
 
 
-def _optimizer_reason(optimizer, opt_cfg: dict) -> str:
+def _optimizer_reason(optimizer, opt_cfg) -> str:
     """Why the optimizer's update cannot be replayed, or ''. One with a device step table (``steps``:
     learning rate, bias corrections and step counter in device memory) reads every per-step value there.
     One without (its parameters are host arrays: NumPy, or a module without ``ElementwiseKernel``) computes
@@ -61,12 +61,11 @@ def _optimizer_reason(optimizer, opt_cfg: dict) -> str:
     unchanged: right only while they stay the same every step."""
     if optimizer.steps is not None:
         return ""
-    kind = opt_cfg.get("type", "sgd")
-    if kind == "adam":
+    if opt_cfg.type == "adam":
         return ("optimizer adam: its bias corrections change every step and are passed to the update "
                 "kernel as host values")
-    sched = opt_cfg.get("schedule") or {}
-    if sched.get("type", "none") not in ("none", None) or int(sched.get("warmup_steps", 0) or 0):
+    sched = opt_cfg.schedule
+    if sched.type != "none" or sched.warmup_steps:
         return ("optimizer.schedule: the learning rate changes during the run and is passed to the update "
                 "kernels as a host value")
     return ""
@@ -84,9 +83,10 @@ def _kernel_reason(model) -> str:
     return ""
 
 
-def refusal(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: bool = False) -> str:
+def refusal(run, device: str, backend: str, xp, model, optimizer, trace: bool = False) -> str:
     """The first thing that prevents capturing the training step, as one clause a user can act on; ''
-    when nothing does. Pure but for reading the objects."""
+    when nothing does. ``run``: the run config (:mod:`lbannpy.config.run`). Pure but for reading the
+    objects."""
     if device != "gpu":
         return f"runtime.device {device}: CUDA graphs need a GPU"
     if backend == "mpi":
@@ -99,7 +99,7 @@ def refusal(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: b
         spec = layer.spec
         if not spec.capturable:
             return f"layer '{layer.name}' ({spec.name}): {spec.capture_note}"
-    why = _optimizer_reason(optimizer, cfg["optimizer"])
+    why = _optimizer_reason(optimizer, run.optimizer)
     if why:
         return why
     if trace:
@@ -123,14 +123,14 @@ def agreed(world, why: str) -> str:
     return w if all(x == w for _, x in found) and len(found) == world.size else f"{w} (rank {r})"
 
 
-def decide(cfg: dict, device: str, backend: str, xp, model, optimizer, trace: bool = False,
+def decide(run, device: str, backend: str, xp, model, optimizer, trace: bool = False,
            world=None) -> Decision:
     """The run's step mode. Raises :class:`CaptureRefused` for ``on`` when the step cannot be captured.
     With ``world``: collective (see :func:`agreed`)."""
-    asked = cfg["runtime"].get("cuda_graph", "auto")
+    asked = run.runtime.cuda_graph
     if asked == "off":
         return Decision("eager", asked)
-    why = refusal(cfg, device, backend, xp, model, optimizer, trace)
+    why = refusal(run, device, backend, xp, model, optimizer, trace)
     if world is not None and device == "gpu":  # a CPU run's reason is the same on every rank
         why = agreed(world, why)
     if not why:

@@ -9,20 +9,20 @@ from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels, gpu_m
 from lbannpy.machine import DEFAULT_MACHINE, MachineError, load_machine
 
 
-def choose(cfg: dict, ctx, device: str) -> str | None:
+def choose(run, ctx, device: str) -> str | None:
     """Sets ``ctx.conv_kernels`` (and cuDNN's float32 arithmetic) from ``runtime.kernels``, and for ``auto``
     ``ctx.conv_kernel_table`` from the calibration of ``parallel.machine`` (a preset has none: the rule of
     ``runtime.kernels`` everywhere). Returns the name of the machine that chose by shape, or None."""
-    choice = cfg["runtime"].get("kernels", "auto")
+    choice = run.runtime.kernels
     try:
         ctx.conv_kernels = conv_kernels(choice, device)
     except KernelChoiceError as exc:
         raise UserError(str(exc)) from None
-    gpu_math(choice, device, bool(cfg["runtime"].get("tf32", False)))
+    gpu_math(choice, device, run.runtime.tf32)
     if choice != "auto":
         return None
     try:
-        machine = load_machine(cfg["parallel"].get("machine") or DEFAULT_MACHINE)
+        machine = load_machine(run.parallel.machine or DEFAULT_MACHINE)
     except MachineError as exc:
         raise UserError(str(exc)) from None
     ctx.conv_kernel_table = kernel_table(choice, device, machine)

@@ -27,6 +27,7 @@ from .report import Report
 from .signals import StopVote, signal_name
 from .watchdog import Watchdog
 from lbannpy.config import validate
+from lbannpy.config.run import run_config
 from lbannpy.layers.context import LayerContext
 from lbannpy.layers.timer import Timer
 from lbannpy.data.upload import stage_batches
@@ -69,23 +70,25 @@ class Trainer:
         # the memory estimate is checked in build(), under the distributions the run uses (strategy auto's
         # choice included), before the model or a reader allocates anything
         cfg = self.cfg = validate(self.cfg, ranks=world.size, memory=False)
+        # the settings as one typed value, built once: nothing below reads the tree for a setting
+        run = self.run_cfg = run_config(cfg)
         # overflow and invalid operations are found by the health checks (one line naming the step and
         # place), not by NumPy warnings on stderr from every rank
         import numpy as np
 
         np.seterr(over="ignore", invalid="ignore", divide="ignore")
-        tr = cfg["trainer"]
+        tr = run.trainer
         # per-layer, halo and step times on the device's clock (CUDA events on a GPU: host time there
         # measures kernel launches)
         self.clock = make_clock(self.rt.device, self.rt.xp)
         self.timer = Timer(events=[], clock=None if self.clock.name == "host" else self.clock)
-        self.ctx = LayerContext(world, self.rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
-                                overlap=bool(cfg["comm"].get("overlap", True)), timer=self.timer)
+        self.ctx = LayerContext(world, self.rt.xp, tr.dtype, tr.seed, overlap=run.comm.overlap,
+                                timer=self.timer)
         # set-up reads files and builds communicators: a rank stuck there must not hang the others
-        self.watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
+        self.watchdog = Watchdog(tr.watchdog_s, world.rank, world.abort).start()
         self.watchdog.progress("set-up: model, data and communicators")
-        self._kernel_machine = kernels.choose(cfg, self.ctx, self.rt.device)
-        parts = build(cfg, self.ctx, world)
+        self._kernel_machine = kernels.choose(run, self.ctx, self.rt.device)
+        parts = build(run, self.ctx, world)
         self.settings = s = parts.settings
         self.model, self.loss, self.optimizer = parts.model, parts.loss, parts.optimizer
         self.reader, self.val_reader = parts.reader, parts.val_reader
@@ -100,10 +103,9 @@ class Trainer:
         self.reader = stage_batches(self.reader, self.rt.xp, self.ctx.dtype, self.loss.num_classes,
                                     gpu=self.rt.device == "gpu")
         # the step mode first: a captured run's gradient synchronisation records no timing events
-        self.step_mode = choose(cfg, self.rt, world, self.model, self.optimizer, self.trace)
-        self.sync = GradSync(cfg["comm"], self.model, self.ctx, self.rt, self.optimizer, self.timer,
-                             self.clock, self.watchdog.progress,
-                             shard_state=bool(cfg["optimizer"].get("shard_state", False)),
+        self.step_mode = choose(run, self.rt, world, self.model, self.optimizer, self.trace)
+        self.sync = GradSync(run.comm, self.model, self.ctx, self.rt, self.optimizer, self.timer,
+                             self.clock, self.watchdog.progress, shard_state=run.optimizer.shard_state,
                              captured=self.step_mode.mode == "graph")
         self.graphs = GraphRun(self) if self.step_mode.mode == "graph" else None
         self.report = Report(world, s.out_dir, self.timer, self.trace, clock=self.clock.name)
@@ -111,15 +113,15 @@ class Trainer:
         if resume:
             self.watchdog.progress("set-up: reading the checkpoint (--resume)")
             self._resume(force)
-        elif cfg["model"].get("init"):
-            init_from(cfg["model"]["init"], self.model, self.rt.xp)
+        elif run.model.init:
+            init_from(run.model.init, self.model, self.rt.xp)
         self.watchdog.progress("set-up done")
         if world.rank == 0:  # no collective after this: the entry point gathers every rank's set-up error
-            run = outdirs.this_run(str(cfg["model"].get("name", "")))
+            owner = outdirs.this_run(run.model.name)
             outdirs.check_dir(s.out_dir, "output.dir")
-            outdirs.lock_dir(s.out_dir, "output.dir", run)
+            outdirs.lock_dir(s.out_dir, "output.dir", owner)
             outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
-            outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", run)
+            outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", owner)
             self.report.start_metrics()
 
     def _resume(self, force: bool) -> None:
@@ -376,7 +378,7 @@ class Trainer:
                 sig.graceful = True
             # a step-0 checkpoint on request: here, not in set-up, whose errors are agreed on before any
             # collective that follows it
-            if (self.cfg.get("checkpoint") or {}).get("at_start") and self.step == 0:
+            if self.run_cfg.checkpoint.at_start and self.step == 0:
                 self.save_checkpoint()
             while self.step < s.total_steps:
                 try:
@@ -438,7 +440,7 @@ class Trainer:
         """Who calls: every rank (collective). Returns why an output could not be written, or None."""
         s = self.settings
         run = {"steps": self.step, "ranks": self.world.size, "batch_size": s.batch_size, "dtype": s.dtype,
-               "wall_s": wall, "model": self.cfg["model"].get("name", "model")}
+               "wall_s": wall, "model": self.run_cfg.model.name}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
         if self.step_mode is not None:

@@ -158,7 +158,7 @@ class Report:
             json.dump(json_safe(summary), f, indent=2, sort_keys=True, allow_nan=False)  # NaN is not JSON
         split = ", ".join(sorted(set(distributions.values())))
         write_plot(os.path.join(self.out_dir, "loss.png"), self.rows, self.evals,
-                   title=f"{run.get('model', 'model')} on {run['ranks']} rank(s), split {split}")
+                   title=f"{run['model']} on {run['ranks']} rank(s), split {split}")
         self.print_summary(summary, final_eval)
 
     def summary(self, run, steps_run, final_eval, buckets, merged, distributions) -> dict:
