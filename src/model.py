@@ -171,6 +171,12 @@ class Model:
         self._acts = acts
         return acts[self.output.name]
 
+    def activations(self) -> dict:
+        """The outputs of the last forward pass by layer name, until backward consumes them (a copy of the
+        mapping; the arrays are the pass's own); empty when none are held. The health checks read them to
+        say where values first went non-finite."""
+        return dict(self._acts or {})
+
     def _set_input_grad(self, input_grad: bool) -> None:
         if self._input_grad_for is input_grad:
             return

@@ -34,6 +34,9 @@ class Tree:
     packages: set = field(default_factory=set)    # modules that are packages
     imports: list = field(default_factory=list)   # Import
     reaches: list = field(default_factory=list)   # (module, line, expression): ``x._name`` on another object
+    # (module, line, expression, name): ``getattr(x, "_name")`` (or setattr, hasattr, delattr) with a literal
+    by_name: list = field(default_factory=list)
+    owned: set = field(default_factory=set)       # private attribute names lbannpy objects set on themselves
 
 
 def _module_files(root: Path) -> dict:
@@ -100,7 +103,21 @@ def _walk(tree: Tree, module: str, is_package: bool, node, outside: set, depth: 
                 if taken:
                     tree.imports.append(Import(module, target, tuple(taken), child.lineno, depth > 0,
                                                child.end_lineno))
-        elif isinstance(child, ast.Attribute) and _private(child.attr):
+        elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+              and child.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(child.args) >= 2
+              and isinstance(child.args[1], ast.Constant) and isinstance(child.args[1].value, str)
+              and _private(child.args[1].value)):
+            obj = child.args[0]
+            root = obj
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not (isinstance(obj, ast.Name) and obj.id in ("self", "cls")) and not (
+                    isinstance(root, ast.Name) and root.id in outside):
+                tree.by_name.append((module, child.lineno, ast.unparse(child), child.args[1].value))
+        elif (isinstance(child, ast.Attribute) and _private(child.attr) and isinstance(child.ctx, ast.Store)
+              and isinstance(child.value, ast.Name) and child.value.id == "self"):
+            tree.owned.add(child.attr)
+        if isinstance(child, ast.Attribute) and _private(child.attr):
             root = child.value
             while isinstance(root, ast.Attribute):
                 root = root.value
@@ -200,7 +217,7 @@ def with_package_inits(tree: Tree) -> Tree:
             pkg = ".".join(parts[:n])
             if pkg in tree.packages and pkg not in mine:
                 implied.append(Import(imp.importer, pkg, (), imp.line, imp.local, imp.end))
-    return Tree(tree.files, tree.packages, tree.imports + implied, tree.reaches)
+    return Tree(tree.files, tree.packages, tree.imports + implied, tree.reaches, tree.by_name, tree.owned)
 
 
 def private_crossings(tree: Tree) -> list[str]:
@@ -216,6 +233,9 @@ def private_crossings(tree: Tree) -> list[str]:
                                                                                                imp.importer):
             bad.append(f"{imp.importer}:{imp.line} imports private module {imp.target}")
     bad += [f"{m}:{line} reaches into {expr}" for m, line, expr in tree.reaches]
+    # by name: a literal naming a private attribute that lbannpy objects set on themselves (a third-party
+    # object's private names, e.g. torch's, are the attribute rule's outside modules' business)
+    bad += [f"{m}:{line} reaches into {expr}" for m, line, expr, name in tree.by_name if name in tree.owned]
     return bad
 
 
@@ -311,7 +331,9 @@ def test_the_checks_catch_planted_violations(tmp_path):
 
     bad = dict(clean)
     bad["src/low.py"] = ("def late():\n    from lbannpy.high import _helper\n    return _helper\n\n\n"
-                         "def reach(obj):\n    return obj._state\n")
+                         "def reach(obj):\n    return obj._state\n\n\n"
+                         "def by_name(obj):\n    return getattr(obj, '_acts', None), getattr(obj, '_t')\n\n\n"
+                         "class Holder:\n    def __init__(self):\n        self._acts = {}\n")
     bad["src/high.py"] = "from lbannpy import low\n\n\ndef _helper():\n    pass\n"
     bad["comm/other.py"] = "from lbannpy.layers.kernels import _fast\n"
     tree = _plant(tmp_path / "bad", bad)
@@ -320,7 +342,8 @@ def test_the_checks_catch_planted_violations(tmp_path):
     assert private_crossings(tree) == [
         "lbannpy.low:2 imports lbannpy.high._helper",
         "lbannpy.comm.other:1 imports private module lbannpy.layers.kernels._fast",
-        "lbannpy.low:7 reaches into obj._state"]
+        "lbannpy.low:7 reaches into obj._state",
+        "lbannpy.low:11 reaches into getattr(obj, '_acts', None)"]
     assert unexplained_local_imports(tree) == [
         "lbannpy.low:2 imports lbannpy.high inside a function without a reason"]
     assert unplaced(_plant(tmp_path / "bad", {"src/extra/__init__.py": ""}), order) == []  # lbannpy prefix

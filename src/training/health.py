@@ -25,7 +25,7 @@ def first_nonfinite(world, model, x_local, xp) -> str:
     values first went non-finite, in the order the forward pass made them: the input batch, then for each
     layer its parameters and its output."""
     places = [("the input batch", x_local)]
-    acts = getattr(model, "_acts", {}) or {}
+    acts = model.activations()
     for layer in model.layers:
         for p in layer.params:
             places.append((f"the parameters of layer '{layer.name}' ({p.name})", p.value))
