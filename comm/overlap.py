@@ -346,12 +346,16 @@ class OverlapEngine:
             if on_bucket is not None:
                 on_bucket(bucket.params)
 
-    def close(self) -> None:
+    def close(self, join_s: float = 5.0) -> bool:
         """Stop the thread (sentinel, join) and free the duplicated communicators. Idempotent; safe after
-        an exception elsewhere (a thread stuck in a collective is left to the job's abort)."""
+        an exception elsewhere. A thread still alive after ``join_s`` seconds (stuck in a collective, left
+        to the job's abort) may still use its communicators: they are not freed, and False is returned
+        (True when everything was closed); a later call tries again."""
         if self._thread is not None:
             self._queue.put(_STOP)
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=join_s)
+            if self._thread.is_alive():
+                return False
             self._thread = None
         for c in self._owned:
             try:
@@ -359,6 +363,7 @@ class OverlapEngine:
             except Exception:
                 pass
         self._owned = []
+        return True
 
 
 def hidden_fraction(comm_intervals: Sequence[tuple[float, float]],

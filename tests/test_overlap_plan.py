@@ -113,3 +113,40 @@ def test_gradients_live_in_the_bucket_buffers():
             assert p.grad.shape == shapes[i] and np.all(p.grad == i)
     finally:
         eng.close()
+
+
+class _StuckComm:
+    """Two ranks' worth of communicator whose allreduce blocks until released (a peer that never comes)."""
+
+    size = 2
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.freed = 0
+
+    def dup(self):
+        return self
+
+    def free(self):
+        self.freed += 1
+
+    def allreduce(self, buf, out=None):
+        self.entered.set()
+        self.release.wait()
+
+
+def test_close_refuses_to_free_communicators_under_a_live_thread():
+    """A gradient thread stuck in a collective may still use its communicators: close leaves them and says
+    so (False); once the thread has ended, a later close frees them."""
+    params = [P("f1.weight", 10)]
+    comm = _StuckComm()
+    eng = OverlapEngine(params, [comm], bucket_bytes=1 << 20, first_bucket_bytes=1 << 20, overlap=True)
+    eng.start_step()
+    eng.layer_done("f1")
+    assert comm.entered.wait(30)  # the thread is inside the collective
+    assert eng.close(join_s=0.05) is False and comm.freed == 0
+    comm.release.set()
+    assert eng.close(join_s=30) is True and comm.freed == 1

@@ -70,3 +70,28 @@ def test_settings_from_the_config(trainer, ck, expect):
     st = settings(run, train_samples=22)  # 22 // 4 = 5 steps per epoch
     for k, v in expect.items():
         assert getattr(st, k) == v, k
+
+
+def test_the_stop_vote_agrees_on_a_named_reason_and_the_signal():
+    """A failed metrics append outranks a signal; the signal's number travels beside the reason, not as a
+    reason of its own (no fake signal number for a write failure)."""
+    import numpy as np
+
+    from lbannpy.training.signals import StopReason, StopVote, Vote
+
+    class Other:  # the other rank posts SIGTERM (15) every step
+        host = None
+
+        def __init__(self):
+            self.host = self
+
+        def iallreduce(self, buf, op):
+            assert op == "max"
+            return types.SimpleNamespace(wait=lambda: np.maximum(buf, [int(StopReason.SIGNAL), 15]))
+
+    vote = StopVote(Other())
+    assert vote.post(StopReason.GO_ON) == Vote()  # nothing in flight yet
+    assert vote.post(StopReason.METRICS_WRITE_FAILED) == Vote(StopReason.SIGNAL, 15)
+    agreed = vote.drain()
+    assert agreed.reason is StopReason.METRICS_WRITE_FAILED and agreed.reason.name == "METRICS_WRITE_FAILED"
+    assert vote.drain() == Vote()

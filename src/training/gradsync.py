@@ -15,6 +15,8 @@ Two kinds of parameters:
 """
 from __future__ import annotations
 
+import sys
+
 from .errors import UserError
 from lbannpy.comm.overlap import OverlapEngine
 from lbannpy.checkpoint import is_writer
@@ -140,7 +142,10 @@ class GradSync:
             self.before_forward(layer)
 
     def close(self) -> None:
-        self.engine.close()
+        if not self.engine.close():  # a thread stuck in a collective keeps its communicators
+            sys.stderr.write(f"lbannpy.train: rank {self._world.rank}: the gradient-communication thread did "
+                             f"not stop (inside a collective?); its communicators are left to the job's "
+                             f"end\n")
 
     def bucket_summary(self) -> list[dict]:
         """``summary.json`` ``buckets``: size, parameters and median reduction time of each bucket."""

@@ -24,7 +24,7 @@ from .step import EAGER, Backprop, StepOut, StepPolicy
 from . import health, kernels, outdirs
 from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_on_data, user_errors
 from .report import Report
-from .signals import StopVote, signal_name
+from .signals import StopReason, StopVote, signal_name
 from .watchdog import Watchdog
 from lbannpy.config import validate
 from lbannpy.config.run import run_config
@@ -43,8 +43,6 @@ from .report import progress_bar
 # a checkpoint of at least this estimated size is announced and timed on stderr (rank 0, not --quiet): a
 # write of hundreds of MiB takes seconds to minutes on a parallel file system
 CKPT_PROGRESS_BYTES = 64 << 20
-# a stop-vote value above every signal number: rank 0 could not append to metrics.csv
-METRICS_WRITE_FAILED = 1 << 16
 
 
 class Trainer:
@@ -388,19 +386,20 @@ class Trainer:
                 except (NonFinite, DataStop, WriteFailed) as exc:  # every rank alike: metrics, then stop
                     bad = exc
                     break
-                mine = sig.requested if sig is not None else 0
+                signum = sig.requested if sig is not None else 0
+                mine = StopReason.SIGNAL if signum else StopReason.GO_ON
                 if rep.append_failed:  # rank 0 could not append to metrics.csv: every rank stops
-                    mine = max(mine, METRICS_WRITE_FAILED)
-                stop = vote.post(mine)
-                if stop >= METRICS_WRITE_FAILED:
+                    mine = StopReason.METRICS_WRITE_FAILED
+                agreed = vote.post(mine, signum)
+                if agreed.reason is StopReason.METRICS_WRITE_FAILED:
                     failed = rep.append_failed or "on rank 0"
                     newest = candidates(s.ckpt_dir)[:1]
                     bad = WriteFailed(f"{s.out_dir}/metrics.csv could not be written ({failed}); the run "
                                       f"stopped at step {self.step}; the newest complete checkpoint is "
                                       f"{newest[0] if newest else 'none'}")
-                    stop = 0
                     break
-                if stop:
+                if agreed.reason is StopReason.SIGNAL:
+                    stop = agreed.signum
                     break
             vote.drain()  # a request during the last step: the run is complete anyway
             self.sync.flush()

@@ -15,11 +15,13 @@ number to a socket (``signal.set_wakeup_fd``) that a thread of its own reads; th
 """
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 
 EXIT_STOPPED = 4  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint and the metrics: resubmit --resume
 EXIT_SIGNAL_ABORT = 5  # aborted by a signal (nothing more was written)
@@ -121,31 +123,48 @@ def _ignore(signum, frame) -> None:
     return None
 
 
+class StopReason(enum.IntEnum):
+    """Why the ranks stop, as the stop vote agrees on it: the largest any rank posts wins."""
+
+    GO_ON = 0
+    SIGNAL = 1  # SIGTERM or SIGUSR1 on some rank: a checkpoint, the outputs, exit 4
+    METRICS_WRITE_FAILED = 2  # rank 0 could not append to metrics.csv: the outputs, then the write error
+
+
+@dataclass(frozen=True)
+class Vote:
+    """The agreed result of one stop vote: the reason, and for :attr:`StopReason.SIGNAL` the signal number
+    (the largest any rank received)."""
+
+    reason: StopReason = StopReason.GO_ON
+    signum: int = 0
+
+
 class StopVote:
-    """A non-blocking agreement on stop requests: :meth:`post` after each step starts a one-integer
-    max-allreduce of this rank's request and returns the previous vote's result (its wait is on an operation
-    that had a whole step to complete). Every rank sees the same results in the same order, so all stop
-    after the same step. Who calls: every rank, once after each step (collective)."""
+    """A non-blocking agreement on stop requests: :meth:`post` after each step starts a two-integer
+    max-allreduce of this rank's reason and signal and returns the previous vote's :class:`Vote` (its wait
+    is on an operation that had a whole step to complete). Every rank sees the same results in the same
+    order, so all stop after the same step. Who calls: every rank, once after each step (collective)."""
 
     def __init__(self, world):
         import numpy as np
 
-        self.world = world.host  # a host integer: an NCCL world votes over its MPI communicator
+        self.world = world.host  # host integers: an NCCL world votes over its MPI communicator
         self._np = np
         self._pending = None
         self._buf = None
 
-    def post(self, mine: int) -> int:
-        """Start this step's vote; the signal number agreed by the previous vote (0: go on)."""
+    def post(self, reason: StopReason, signum: int = 0) -> Vote:
+        """Start this step's vote; the result of the previous vote."""
         agreed = self.drain()
-        self._buf = self._np.array([int(mine)], dtype=self._np.int64)
+        self._buf = self._np.array([int(reason), int(signum)], dtype=self._np.int64)
         self._pending = self.world.iallreduce(self._buf, op="max")
         return agreed
 
-    def drain(self) -> int:
+    def drain(self) -> Vote:
         """Wait for the vote in flight (if any); its result."""
         if self._pending is None:
-            return 0
+            return Vote()
         out = self._pending.wait()
         self._pending = None
-        return int(out[0])
+        return Vote(StopReason(int(out[0])), int(out[1]))
