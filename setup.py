@@ -29,6 +29,9 @@ setup(cmdclass={"build_ext": BuildExt}, ext_modules=[
     # no contraction: the affine steps round as NumPy's separate multiply and add do
     Extension("lbannpy.layers.kernels._cbn", ["layers/kernels/_cbn.c"],
               extra_compile_args=["-O3", "-ffp-contract=off"], optional=True),
+    # no contraction (rounds as NumPy step by step); no trapping math: the inline exp's clamps vectorise
+    Extension("lbannpy.layers.kernels._cact", ["layers/kernels/_cact.c"],
+              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-trapping-math"], optional=True),
     Extension("lbannpy.layers.kernels._cnorm", ["layers/kernels/_cnorm.c"],
               extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi"], optional=True),
 ])

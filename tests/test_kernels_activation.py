@@ -2,7 +2,8 @@
 product) against PyTorch: float64 forward and input gradient (and PReLU's weight gradient) on random
 values and on the edges (zeros of both signs, tiny, large where exp overflows or the tails underflow,
 infinities, NaN), to 1e-12 of the largest value; float32 to float32 round-off; and the NumPy path's block
-boundaries (an array of several blocks with a partial last one) and non-contiguous arguments."""
+boundaries (an array of several blocks with a partial last one) and non-contiguous arguments. Sigmoid, SiLU
+and exact GELU run on both paths, compiled (``_cact``) and NumPy, which agree to float round-off."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,13 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_util import assert_close
+from kernel_util import assert_close, require_built
 from lbannpy.layers.kernels import activation as K
 
 EDGES = np.array([0.0, -0.0, 1e-300, -1e-300, 1e-8, -1e-8, 0.5, -0.5, 1.0, -1.0, 3.0, -3.0, 8.0, -8.0,
                   20.0, -20.0, 30.0, -30.0, 38.0, -38.0, 100.0, -100.0, 750.0, -750.0, 1e4, -1e4, 1e30,
                   -1e30, 1e300, -1e300])
 SPECIAL = np.array([np.inf, -np.inf, np.nan])
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def path(request, monkeypatch):
+    """Both paths of the kernels with a compiled form (the others ignore it)."""
+    if request.param == "compiled":
+        require_built(K._cact, "_cact")
+    monkeypatch.setattr(K, "USE_COMPILED", request.param == "compiled")
+    return request.param
 
 
 def _input(special: bool, shape=(3, 5, 17, 23), seed=0):
@@ -72,6 +82,7 @@ def _same_nonfinite(ours, ref, what):
     return fin
 
 
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("name,kw,ref", UNARY, ids=IDS)
 def test_unary_matches_torch_float64_edges_included(name, kw, ref):
     x, dy = _input(special=False)
@@ -87,6 +98,7 @@ def test_unary_matches_torch_float64_edges_included(name, kw, ref):
         np.testing.assert_allclose(y[big], ty[big], rtol=1e-12, atol=0)
 
 
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("name,kw,ref", UNARY, ids=IDS)
 def test_unary_infinities_and_nan_as_torch(name, kw, ref):
     x = np.concatenate([EDGES, SPECIAL]).reshape(1, 1, 1, -1)
@@ -101,6 +113,7 @@ def test_unary_infinities_and_nan_as_torch(name, kw, ref):
         np.testing.assert_allclose(a[fin], b[fin], rtol=1e-12, atol=atol, err_msg=what)
 
 
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("name,kw,ref", UNARY, ids=IDS)
 def test_unary_float32(name, kw, ref):
     x, dy = _input(special=False, seed=1)
@@ -113,6 +126,7 @@ def test_unary_float32(name, kw, ref):
     assert_close(dx, tdx, 2e-6)
 
 
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("name,kw,ref", UNARY, ids=IDS)
 def test_unary_over_blocks_and_strided_arguments(name, kw, ref):
     """Several NumPy blocks with a partial last one, and a non-contiguous input and gradient."""
@@ -126,6 +140,7 @@ def test_unary_over_blocks_and_strided_arguments(name, kw, ref):
     assert_close(dx, tdx, 1e-12)
 
 
+@pytest.mark.usefixtures("path")
 def test_gelu_without_gradient_keeps_nothing():
     x, _ = _input(special=False)
     for approximate in ("none", "tanh"):
@@ -188,6 +203,7 @@ def test_mul_matches_torch(k):
         assert_close(d, t.grad.numpy(), 1e-14)
 
 
+@pytest.mark.usefixtures("path")
 def test_gelu_tail_coefficients_reach_their_precision():
     """The normal CDF behind exact GELU against math.erfc over the whole line (the fit's stated error)."""
     import math
@@ -202,3 +218,74 @@ def test_gelu_tail_coefficients_reach_their_precision():
     with np.errstate(invalid="ignore", divide="ignore"):
         cdf32 = np.where(x != 0, y32.astype(np.float64) / x.astype(np.float32), 0.5)
     assert np.abs(cdf32 - phi).max() < 3e-7
+
+
+COMPILED = [n for n in IDS if n.split("-")[0] in ("sigmoid", "silu") or n == "gelu-none"]
+
+
+def _both(name, kw, x, dy, monkeypatch):
+    """Forward output, backward result and (SiLU, GELU) the no-gradient forward, compiled then NumPy."""
+    res = []
+    for compiled in (True, False):
+        monkeypatch.setattr(K, "USE_COMPILED", compiled)
+        out = list(_ours(name, x, dy, **kw))
+        if name == "silu":
+            out.append(K.silu_forward(x, grad=False)[0])
+        elif name == "gelu":
+            out.append(K.gelu_forward(x, kw["approximate"], grad=False)[0])
+        res.append(out)
+    return res
+
+
+@pytest.mark.parametrize("dtype,rtol,ulps", [(np.float64, 1e-15, 4), (np.float32, 5e-7, 4)],
+                         ids=["float64", "float32"])
+@pytest.mark.parametrize("name,kw,ref", [u for u, i in zip(UNARY, IDS) if i in COMPILED], ids=COMPILED)
+def test_compiled_matches_numpy_path(name, kw, ref, dtype, rtol, ulps, monkeypatch):
+    """The compiled loops are the NumPy path's formulas in its order with another exp: to round-off
+    (relative to the largest value; the forward outputs of sigmoid and SiLU elementwise, within ``ulps``),
+    on inputs of every magnitude, odd sizes (vector remainders) and strided arguments; the same infinities
+    and NaN at the edges."""
+    require_built(K._cact, "_cact")
+    rng = np.random.default_rng(7)
+    for scale, shape in ((3, (3, 5, 17, 23)), (30, (2, 3, 7, 11)), (300, (1, 1, 1, 13))):
+        x = (rng.standard_normal(shape) * scale).astype(dtype)
+        dy = rng.standard_normal(shape).astype(dtype)
+        ours, numpy_path = _both(name, kw, x, dy, monkeypatch)
+        for i, (a, b) in enumerate(zip(ours, numpy_path)):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape
+            assert_close(a, b, rtol)
+        if name in ("sigmoid", "silu"):
+            y, ty = ours[0], numpy_path[0]
+            fin = np.abs(ty) >= np.finfo(dtype).tiny
+            assert np.all(np.abs(y[fin] - ty[fin]) <= ulps * np.finfo(dtype).eps * np.abs(ty[fin]))
+    x = (np.concatenate([EDGES, SPECIAL]) if dtype == np.float64 else
+         np.concatenate([EDGES[np.abs(EDGES) <= 1e30], [88.7, -88.7, 104.0, -104.0], SPECIAL]))
+    x = np.repeat(x.astype(dtype).reshape(1, 1, 1, -1), 2, axis=-1)[..., ::2]  # strided
+    ours, numpy_path = _both(name, kw, x, np.full(x.shape, 1.5, dtype=dtype), monkeypatch)
+    for i, (a, b) in enumerate(zip(ours, numpy_path)):
+        assert np.array_equal(np.isnan(a), np.isnan(b)), f"output {i}: NaN at other places"
+        assert np.array_equal(a[~np.isfinite(b)], b[~np.isfinite(b)], equal_nan=True), f"output {i}"
+        fin = np.isfinite(b)
+        assert_close(a[fin], b[fin], rtol)
+
+
+def test_compiled_kernels_check_their_arguments():
+    require_built(K._cact, "_cact")
+    x = np.zeros(8)
+    with pytest.raises(ValueError, match="item size"):
+        K._cact.sigmoid_fwd(2, x, 8, np.empty(8))
+    with pytest.raises(ValueError, match="bytes"):
+        K._cact.sigmoid_fwd(8, x, 9, np.empty(9))
+    with pytest.raises(ValueError, match="coefficients"):
+        K._cact.gelu_fwd(8, x, 8, np.empty(8), None, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        K._cact.sigmoid_fwd(8, x[::2], 4, np.empty(4))
+
+
+def test_other_dtypes_take_the_numpy_path(monkeypatch):
+    """float16 (no compiled loop) goes the NumPy way, compiled kernels or not."""
+    x = np.linspace(-6, 6, 101).astype(np.float16)
+    monkeypatch.setattr(K, "USE_COMPILED", True)
+    y = K.sigmoid_forward(x)
+    assert y.dtype == np.float16
+    np.testing.assert_allclose(y, torch.sigmoid(torch.tensor(x, dtype=torch.float32)).numpy(), atol=1e-3)
