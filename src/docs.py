@@ -6,7 +6,8 @@
   themselves (each command's ``main`` is run up to its ``parse_args`` call, which hands over the parser);
 - ``docs/design.md``: the design, module by module, from the docstrings of the modules that explain it
   (read from the source, nothing imported);
-- ``docs/from_torch.md``: the importer's table of supported ATen operators.
+- ``docs/from_torch.md``: the importer's table of supported ATen operators;
+- ``docs/environment.md``: every ``LBANNPY_*`` environment variable the package reads (:data:`ENVIRONMENT`).
 
 ``--check`` writes nothing and exits 1 naming each page that differs from a fresh render, so a test (and
 CI) fails when a key or an option changed without the pages. Help texts are rendered 100 columns wide.
@@ -227,14 +228,60 @@ def from_torch_page() -> str:
     return "\n".join(lines + table.table_markdown()) + "\n"
 
 
+#: every ``LBANNPY_*`` environment variable the package (src/, layers/, comm/) reads, with its effect; a test
+#: fails on one read there and missing here. ``scope``: who reads it (a run, a job script, a tool).
+ENVIRONMENT = (
+    ("LBANNPY_CUDA_AWARE_MPI", "run", "`1` or `0`: whether MPI may be handed device (CuPy) buffers, "
+     "overriding the `MPIX_Query_cuda_support` probe; `0` stages every MPI operation on a GPU array "
+     "through pinned host memory (`comm/hoststaged.py`)"),
+    ("LBANNPY_STOP_GRACE_S", "run", "seconds a stop request (SIGTERM, SIGUSR1) may take to reach a "
+     "checkpoint before the job is aborted (default 60)"),
+    ("LBANNPY_MACHINE_DIR", "run, tools", "directory of this host's calibrated machine files (default "
+     "`~/.config/lbannpy/machines`)"),
+    ("LBANNPY_CONV_KERNEL", "run", "`numpy`: the CPU convolution and pooling kernels take the NumPy im2col + "
+     "GEMM path instead of the compiled C extension (read when the kernel modules are imported; results "
+     "differ in rounding only)"),
+    ("LBANNPY_BN_KERNEL", "run", "`numpy`: CPU batch-norm takes the NumPy path instead of the compiled "
+     "extension (read at import)"),
+    ("LBANNPY_NORM_KERNEL", "run", "`numpy`: CPU instance/group/layer norm take the array path instead of "
+     "the compiled extension (read at import)"),
+    ("LBANNPY_ACT_KERNEL", "run", "`numpy`: CPU activations take the NumPy path instead of the compiled "
+     "extension (read at import)"),
+    ("LBANNPY_RUN_DIR", "job script", "the job's output directory (rendered default in the script); "
+     "resubmit with the same value to resume"),
+    ("LBANNPY_MAX_REQUEUES", "job script", "how many times a run stopped after a checkpoint (exit 4) "
+     "requeues its job (default 10)"),
+    ("LBANNPY_MODEL", "job script", "the zoo model a mesh job builds (rendered default)"),
+    ("LBANNPY_MESH_SIZE", "job script", "the mesh data's image size (rendered default)"),
+    ("LBANNPY_MESH_SAMPLES", "job script", "the number of mesh samples generated (rendered default)"),
+    ("LBANNPY_IMAGE_SIZE", "job script", "the image size of an image-classification job's data"),
+    ("LBANNPY_SAMPLES", "job script", "the number of samples of an image-classification job's data"),
+    ("LBANNPY_STEPS", "job script", "`trainer.steps` of the job's run (rendered default)"),
+    ("LBANNPY_BATCH_SIZE", "job script", "`trainer.batch_size` of the job's run (empty: the config's)"),
+    ("LBANNPY_SWEEPS", "job script", "the scaling sweeps a sweep job runs: `strong`, `weak` or both"),
+    ("LBANNPY_MACHINE", "job script", "a machine file the strategy job plans with (default: the built-in)"),
+    ("LBANNPY_PNG", "job script", "samples the predict job draws (`--png`, default 4)"),
+)
+
+
+def environment_page() -> str:
+    """:data:`ENVIRONMENT` as ``docs/environment.md``."""
+    lines = [GENERATED, "", "# Environment variables", "",
+             "Every `LBANNPY_*` variable lbannpy reads, who reads it and what it changes. Settings of a run "
+             "belong in the config (`docs/config.md`); these are for the machine and the job around it.", "",
+             "| variable | read by | effect |", "|---|---|---|"]
+    lines += [f"| `{name}` | {scope} | {_cell(effect)} |" for name, scope, effect in ENVIRONMENT]
+    return "\n".join(lines) + "\n"
+
+
 PAGES = {"config.md": config_page, "commands.md": commands_page, "design.md": design_page,
-         "from_torch.md": from_torch_page}
+         "from_torch.md": from_torch_page, "environment.md": environment_page}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.docs",
                                  description="Write the generated pages (config.md, commands.md, design.md, "
-                                             "from_torch.md).")
+                                             "from_torch.md, environment.md).")
     ap.add_argument("-o", "--output", default="docs", help="directory of the pages")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
     args = ap.parse_args(argv)
