@@ -31,7 +31,7 @@ from lbannpy.stencil import Stencil
 from .base import LayerError
 from .halo_layer import HaloLayer
 from .kernels import conv as K
-from .kernels import conv_transpose as CT
+from .kernels import aten as CT
 from .kernels.select import own
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
 
@@ -179,7 +179,8 @@ class ConvTranspose(HaloLayer):
 
     @property
     def native(self) -> bool:
-        """Whether the layer runs ATen's transposed convolution itself (:mod:`.kernels.conv_transpose`)."""
+        """Whether the layer runs ATen's transposed convolution itself
+        (:func:`.kernels.aten.conv_transpose_forward`)."""
         return self.kern is not None and self.__dict__.get("_native", False)
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -205,8 +206,9 @@ class ConvTranspose(HaloLayer):
         self._x = x if self.train else None
         ctx, h = self.ctx, self.halo
         if self.native:
-            return CT.forward(x, self.w.value, None if self.b is None else self.b.value, self.stride,
-                              self.padding, self.output_padding, self.dilation, self.groups)
+            return CT.conv_transpose_forward(x, self.w.value, None if self.b is None else self.b.value,
+                                             self.stride, self.padding, self.output_padding, self.dilation,
+                                             self.groups)
         if self._pads is not None:
             return self._add_bias(self._scatter(x, h.local_shape, padding=self._pads))
         if self._exact:
@@ -293,9 +295,9 @@ class ConvTranspose(HaloLayer):
     def bp_compute(self, dy):
         x, self._x = self._x, None
         if self.native:
-            dx, dw, db = CT.backward(dy, x, self.w.value, self.b is not None, self.needs_input_grad,
-                                     self.stride, self.padding, self.output_padding, self.dilation,
-                                     self.groups)
+            dx, dw, db = CT.conv_transpose_backward(dy, x, self.w.value, self.b is not None,
+                                                    self.needs_input_grad, self.stride, self.padding,
+                                                    self.output_padding, self.dilation, self.groups)
             self.w.accumulate(dw)
             if db is not None:
                 self.b.accumulate(db)

@@ -214,3 +214,33 @@ def _one_channel_nhwc(tdy, tx, tw):
     def nhwc(t):
         return t.as_strided(t.shape, (t.stride(0), 1) + t.stride()[2:])
     return tdy.contiguous(memory_format=torch().channels_last), nhwc(tx), nhwc(tw)
+
+
+# -- the transposed convolution (:mod:`lbannpy.layers.conv_transpose`): output padding, groups and bias
+# inside the one operator, so no window is filled or cropped around it
+def _lists(*vals):
+    return [list(int(x) for x in v) for v in vals]
+
+
+@_on_device
+def conv_transpose_forward(x, w, b, stride, padding, output_padding, dilation, groups: int):
+    """PyTorch's own transposed convolution (ATen ``convolution`` with ``transposed=True``), for a layer
+    whose spatial dimensions are not split: ``conv_transpose`` of ``x`` (``(N, C_in, *S)``) with ``w``
+    (``(C_in, F/groups, *k)``) and ``b``."""
+    conv, _ = _ops()
+    s, p, op, d = _lists(stride, padding, output_padding, dilation)
+    y = conv(_t(x), _t(w), None if b is None else _t(b), s, p, d, True, op, int(groups))
+    return _back(y, x)
+
+
+@_on_device
+def conv_transpose_backward(dy, x, w, bias: bool, want_dx: bool, stride, padding, output_padding, dilation,
+                            groups: int):
+    """``(dL/dx or None, dL/dw, dL/db or None)`` in one operator call."""
+    _, bwd = _ops()
+    s, p, op, d = _lists(stride, padding, output_padding, dilation)
+    sizes = [int(w.shape[1]) * int(groups)] if bias else None
+    gx, gw, gb = bwd(_t(dy), _t(x), _t(w), sizes, s, p, d, True, op, int(groups),
+                     [bool(want_dx), True, bool(bias)])
+    return (_back(gx, dy) if want_dx else None, _back(gw, dy),
+            _back(gb, dy) if bias else None)
