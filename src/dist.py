@@ -513,5 +513,11 @@ def empty_block_brute(dist: "Distribution", global_shape: Sequence[int]) -> tupl
     return None
 
 
+def max_local_shape(shape: Sequence[int], dist: "Distribution") -> tuple[int, ...]:
+    """Shape of the largest block of ``shape`` under ``dist`` (the slowest rank's share): the cost model
+    prices it, the reader sizes its buffers by it."""
+    return tuple(-(-n // p) for n, p in zip(shape, dist.parts))
+
+
 def shape_str(shape: Sequence[int]) -> str:
     return "×".join(str(int(s)) for s in shape)

@@ -54,9 +54,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..dist import Distribution, DistributionError, shape_str
+from ..dist import Distribution, DistributionError, max_local_shape, shape_str
 from ..hostmem import host_memory_bytes
-from ..strategy.cost import max_local_shape
 from .dataset import DataError, epoch_order, preloads, read_runs, store_bytes, validate_dataset
 from .integrity import FileIdentity, check_complete, check_identity, check_labels
 from .prefetch import STOP, Failure, Prefetcher

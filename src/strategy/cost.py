@@ -36,7 +36,7 @@ import numpy as np
 
 from lbannpy.layers.registry import layer_spec, reduced_dims as registry_reduced_dims
 
-from ..dist import Distribution, block_range
+from ..dist import Distribution, block_range, max_local_shape  # noqa: F401  (max_local_shape: re-exported)
 from .graph import Node
 from ..machine import Link, Machine as MachineModel, allreduce_time
 from ..machine import allgather_time  # noqa: F401  (re-exported: callers price allgathers through cost)
@@ -44,11 +44,6 @@ from ..machine import allgather_time  # noqa: F401  (re-exported: callers price 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def max_local_shape(shape: Sequence[int], dist: Distribution) -> tuple[int, ...]:
-    """Shape of the largest block of ``shape`` under ``dist`` (the slowest rank's share)."""
-    return tuple(ceil_div(n, p) for n, p in zip(shape, dist.parts))
 
 
 def reduced_dims(node: Node, dist: Distribution) -> tuple[int, ...]:
