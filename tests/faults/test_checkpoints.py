@@ -81,7 +81,6 @@ def test_resume_refuses_a_changed_computation(tmp_path, first_run_dir, case):
     job.assert_no_traceback()
     lines = util.error_lines(job.err)
     assert len(lines) == 1 and "--resume" in lines[0] and named in lines[0] and "--force" in lines[0], job.err
-    assert job.took < 30
     assert {p: os.stat(p).st_mtime_ns for p in (tmp_path / "ck").rglob("*")} == before  # nothing touched
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import h5py
 import numpy as np
@@ -17,9 +16,10 @@ from . import util
 
 pytestmark = pytest.mark.skipif(util.MPIEXEC is None, reason="needs mpiexec")
 
-# a run that allocated what these specs imply would take minutes or die with a MemoryError; refused, it is
-# set-up only (interpreter start, MPI start, reading a config and a file's metadata)
-QUICK_S = 30
+# a run that allocated what these specs imply would take many minutes or die with a MemoryError; refused, it
+# is set-up only (interpreter start, MPI start, reading a config and a file's metadata): ending before this
+# harness timeout is the liveness check, and no duration is asserted
+SET_UP_TIMEOUT_S = 90
 
 
 def _two_huge_convs(tmp):
@@ -73,10 +73,9 @@ OWN_DATA = ("1e10-samples", "lazy-16384^2")
 def _validate(tmp, cfg, ranks=2):
     path = tmp / "validate.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    t0 = time.monotonic()
-    p = subprocess.run([util.PY, "-m", "lbannpy.config", "validate", str(path), "--ranks", str(ranks)],
-                       env=util.ENV, capture_output=True, text=True, timeout=120, cwd=tmp)
-    return p, time.monotonic() - t0
+    # the harness's timeout is the liveness check: nothing is allocated, so no duration is asserted
+    return subprocess.run([util.PY, "-m", "lbannpy.config", "validate", str(path), "--ranks", str(ranks)],
+                          env=util.ENV, capture_output=True, text=True, timeout=SET_UP_TIMEOUT_S, cwd=tmp)
 
 
 def _assert_refusal_line(line: str, part: str) -> None:
@@ -97,12 +96,11 @@ def test_validate_refuses_over_the_limit(tmp_path, case):
     make, part = CASES[case]
     if case not in OWN_DATA:
         util.make_data(tmp_path / "data.h5")
-    p, took = _validate(tmp_path, make(tmp_path))
+    p = _validate(tmp_path, make(tmp_path))
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)  # a user error, as the trainer's
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("lbannpy.config: error: runtime.memory_gib:"), p.stderr
     _assert_refusal_line(lines[0], part)
-    assert took < QUICK_S, took
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -110,21 +108,20 @@ def test_train_refuses_over_the_limit_on_every_rank(tmp_path, case):
     make, part = CASES[case]
     if case not in OWN_DATA:
         util.make_data(tmp_path / "data.h5")
-    job = util.run(tmp_path, make(tmp_path), ranks=2, timeout=90)
+    job = util.run(tmp_path, make(tmp_path), ranks=2, timeout=SET_UP_TIMEOUT_S)
     job.assert_every_rank_failed()
     assert job.rank_codes() == [2, 2], (job.rank_codes(), job.err[-3000:])
     job.assert_no_traceback()
     lines = util.error_lines(job.err)
     assert len(lines) == 1 and lines[0].startswith("lbannpy.train: error: runtime.memory_gib:"), job.err
     _assert_refusal_line(lines[0], part)
-    assert job.took < QUICK_S, job.took
     assert not (tmp_path / "out" / "metrics.csv").exists()
 
 
 def test_a_normal_run_prints_and_keeps_its_estimate(tmp_path):
     util.make_data(tmp_path / "data.h5")
     cfg = util.spec(tmp_path)
-    p, _ = _validate(tmp_path, cfg)
+    p = _validate(tmp_path, cfg)
     assert p.returncode == 0, p.stderr
     mem = [ln for ln in p.stdout.splitlines() if ln.startswith("memory: peak ")]
     assert len(mem) == 1 and "per rank on 2 rank(s)" in mem[0] and "limit: this machine's memory" in mem[0], \

@@ -31,7 +31,6 @@ def test_bad_output_directory_is_refused_before_training(tmp_path, case):
     job.assert_no_traceback()
     lines = util.error_lines(job.err)
     assert len(lines) == 1 and key in lines[0], job.err
-    assert job.took < 30
     assert not (tmp_path / "out" / "metrics.csv").exists() or case == "out-dir-is-a-file"
 
 

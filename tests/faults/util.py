@@ -111,7 +111,6 @@ class Job:
     t0: float
     out: str = ""
     err: str = ""
-    took: float = 0.0
 
     def pids(self, timeout: float = 60.0) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -128,8 +127,8 @@ class Job:
         except subprocess.TimeoutExpired:
             kill(self)
             self.out, self.err = self.proc.communicate()
-            raise AssertionError(f"the job hung for {timeout} s:\n{self.err[-3000:]}")
-        self.took = time.monotonic() - self.t0
+            raise AssertionError(f"the job did not end before the harness's timeout of {timeout} s:\n"
+                                 f"{self.err[-3000:]}")
         return self
 
     def rank_codes(self) -> list[int | None]:
@@ -179,16 +178,15 @@ def wait_for(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def signal_when(job: Job, ready, what: str, target, sig: str, grace: float = 30) -> float:
-    """Once ``ready()`` holds, send ``sig`` to rank ``target`` (or ``"launcher"``) and wait for the job;
-    returns the seconds from the signal to the end of the job. Leaves nothing running."""
+def signal_when(job: Job, ready, what: str, target, sig: str, grace: float = 30) -> None:
+    """Once ``ready()`` holds, send ``sig`` to rank ``target`` (or ``"launcher"``) and wait for the job: it
+    must end within ``grace`` seconds, the harness's own timeout (liveness; no duration is asserted, which
+    a loaded machine would make flaky). Leaves nothing running."""
     try:
         pids = job.pids()
         wait_for(ready, 90, what)
-        t0 = time.monotonic()
         os.kill(job.proc.pid if target == "launcher" else pids[target], getattr(signal, sig))
         job.wait(grace)
-        return time.monotonic() - t0
     finally:
         kill(job)
 
