@@ -25,7 +25,7 @@ def run(cmd: list[str], env=None, timeout: float = 3600) -> None:
     subprocess.run(cmd, check=True, env=env, timeout=timeout)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="demo", help="working directory (default ./demo)")
     ap.add_argument("--ranks", type=int, default=2, help="MPI ranks; the image height is split over them")
@@ -34,6 +34,11 @@ def main(argv=None) -> int:
                     help="samples to generate (default: the count `config zoo mesh_tiny` prints, 32)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
     ap.add_argument("--batch-size", type=int, default=4)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     os.makedirs(args.dir, exist_ok=True)

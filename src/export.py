@@ -329,7 +329,7 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.export",
         description="Write a checkpoint's weights as a safetensors file with PyTorch state_dict names and "
@@ -344,6 +344,11 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="config.h5 or YAML spec of the model (needed for --torch-module)")
     ap.add_argument("--torch-module", metavar="FILE.py",
                     help="also write the source of an equivalent torch.nn.Module (class Net) here")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.checkpoint import CheckpointError

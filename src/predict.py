@@ -35,7 +35,7 @@ from lbannpy.training.errors import EXIT_USER_ERROR, UserError, agree_on_error, 
 SUBSETS = ("all", "train", "validation")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.predict",
         description="Apply a trained model (config + checkpoint) to the samples of an HDF5 file and write "
@@ -56,6 +56,11 @@ def parse_args(argv):
     ap.add_argument("--png", type=int, default=0, metavar="N",
                     help="draw the first N samples (input channel, labels, prediction) into OUTPUT.png")
     ap.add_argument("--channel", type=int, default=0, help="the input channel --png draws")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

@@ -19,7 +19,7 @@ from lbannpy.training.report import write_plot  # noqa: F401
 from lbannpy.training.watchdog import Watchdog  # noqa: F401
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.train",
         description="Train a model described by a config (from python -m lbannpy.config build, or a YAML "
@@ -39,6 +39,11 @@ def parse_args(argv):
                     "or a safetensors file from python -m lbannpy.export")
     ap.add_argument("--trace", action="store_true", help="write one Chrome-trace JSON per rank")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

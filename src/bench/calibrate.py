@@ -400,7 +400,7 @@ def _memory_gib(xp, ranks_per_node: int) -> float:
 # -------------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate",
                                  description=describe(__doc__))
     ap.add_argument("-o", "--output", default="machine.yaml",
@@ -424,6 +424,11 @@ def parse_args(argv):
                     help="also time lbannpy's own and PyTorch's ATen conv kernels at every conv shape of "
                          "these models (zoo names, NAME:SIZE:BATCH, or spec/config files) and write the "
                          "faster set per shape (runtime.kernels: auto takes it; CPU only; default: none)")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

@@ -15,13 +15,18 @@ import tempfile
 import time
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mesh1k", help="zoo model")
     ap.add_argument("--size", type=int, default=1024, help="input height and width")
     ap.add_argument("--repeat", type=int, default=3, help="writes and reads timed (the best is reported)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

@@ -42,7 +42,7 @@ from .calibrate import allreduce_times, fit_alpha_beta, message_sizes, pingpong
 from .launch import relaunch_if_needed
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench halo", description=describe(__doc__))
     ap.add_argument("--shape", default="1,18,1024,1024", help="global N,C,H,W (default 1,18,1024,1024)")
     ap.add_argument("--kernels", default="3,5,7", help="stencil sizes (default 3,5,7)")
@@ -54,6 +54,11 @@ def parse_args(argv):
     ap.add_argument("--share-gpu", action="store_true",
                     help="gpu: let ranks share devices (runtime.share_gpu; the host-staged MPI backend)")
     ap.add_argument("-n", "--ranks", type=int, default=2, help="ranks to relaunch with when started alone")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

@@ -818,7 +818,7 @@ def _models_main(args, dtype) -> int:
     return run_models(dtype, repeats, args.quick, args.max_size, only)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lbannpy.bench layers",
         description="Forward+backward time of our local conv / max-pool / batch-norm kernels against PyTorch "
@@ -860,7 +860,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     KERNELS[0] = args.kernels or "own"
     NEW_KERNELS[0] = args.kernels or "auto"

@@ -160,7 +160,7 @@ def _verdict(ratio: float, target: float) -> str:
 
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench memory", description=describe(__doc__),
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="mesh1k", help="zoo model")
@@ -182,6 +182,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3000, help="seconds allowed for each run")
     ap.add_argument("--peak-worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if args.peak_worker is not None:
         return _peak_worker(args.peak_worker, rest[1:] if rest[:1] == ["--"] else rest)

@@ -229,7 +229,7 @@ def report(kinds, k: int, steps: int, rounds: int, fuse: bool, zoo: str, size: i
     return lines
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overhead", description=describe(__doc__))
     ap.add_argument("--quick", action="store_true", help="few steps (a format check, not a timing)")
     ap.add_argument("--steps", type=int, default=200, help="steps per round (default 200)")
@@ -246,6 +246,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                     help="gpu: the host time per layer and pass on this node's GPU (CuPy; exits 0 with one "
                          "line where there is none)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     KERNELS[0] = args.kernels
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

@@ -173,7 +173,7 @@ def gpu_allreduce(sizes: list[int], steps: int, share_gpu: bool) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench overlap", description=describe(__doc__))
     ap.add_argument("--units", type=int, default=1024, help="width of fc6/fc7 (default 1024: 64 + 4 MiB)")
     ap.add_argument("--batch", type=int, default=32, help="mini-batch size (default 32)")
@@ -184,6 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--share-gpu", action="store_true",
                     help="gpu: let the 2 ranks share devices (runtime.share_gpu; NCCL cannot run there)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.worker:
         res = worker(args.units, args.batch, args.steps)

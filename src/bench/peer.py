@@ -403,7 +403,7 @@ def compare(cases, rounds: int, steps: int, two_ranks: bool, work: str, timeout:
     return tables
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.bench peer",
         description="lbannpy's training step against PyTorch's on the same networks (lenet5, mesh_tiny, "
@@ -428,6 +428,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graph", choices=("auto", "on", "off"), default=None,
                     help="lbannpy's runtime.cuda_graph for its runs (default: the config's default)")
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     KERNELS[0] = args.kernels
     CUDA_GRAPH[0] = args.cuda_graph

@@ -534,7 +534,7 @@ def real_steps(setup: RankSetup, steps: int) -> float:
 # --------------------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench scale", description=describe(__doc__))
     ap.add_argument("--model", nargs="+", default=["mesh1k", "resnet50"],
                     help="zoo models to simulate (mesh1k, mesh2k, resnet50, ...)")
@@ -551,6 +551,11 @@ def main(argv=None) -> int:
     ap.add_argument("--real-model", default=REAL_MODEL, help=f"zoo model of --real (default {REAL_MODEL})")
     ap.add_argument("--real-input", type=int, default=64, help="input side of --real (default 64)")
     ap.add_argument("--steps", type=int, default=3, help="real training steps with --real")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.real:
         return real(args)

@@ -100,7 +100,7 @@ def plot_scaling(rows, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m lbannpy.bench scaling",
         description="Time one mesh-model convolution layer (forward and backward) on 1 rank and on 2 ranks "
@@ -115,6 +115,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the three configurations")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--independent", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.worker:
         res = measure(args.size, args.channels, args.filters, args.batch, args.repeats, args.independent)

@@ -139,7 +139,7 @@ def section_mesh(machine: str) -> None:
               f"{p.chosen.memory_bytes / GIB:.2f} GiB per rank")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench strategy", description=(
         "Strategy-selector benchmarks: search time, the VGG-16 strategy next to Jia et al., predicted "
         "speedups "
@@ -148,6 +148,11 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh-machine", default="lassen", help="machine for the mesh section (default lassen)")
     ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS),
                     help="sections to run (default all)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     for s in args.only:
         {"time": lambda: section_time(args.machine), "vgg": lambda: section_vgg(args.machine),

@@ -21,7 +21,17 @@ PROG = "python -m lbannpy.config"
 EXIT_USER_ERROR = 2  # as lbannpy.train's: a problem the user can fix
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser (its subcommands' parsers: :func:`subcommands`)."""
+    return _parsers()[0]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name (the docs generator renders their help)."""
+    return dict(_parsers()[1].choices)
+
+
+def _parsers():
     ap = argparse.ArgumentParser(prog=PROG, description="Build, show and check lbannpy run configurations.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -57,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="spatial input size: one number for every dimension, or one per dimension")
 
     sub.add_parser("schema", help="print every section, key, default and layer type")
-    return ap
+    return ap, sub
 
 
 def _load(path: str, sets: list[str]) -> dict:
@@ -129,7 +139,7 @@ def main(argv=None) -> int:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from ..config_errors import ConfigError
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return run(args)
     except ConfigError as e:

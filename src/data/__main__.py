@@ -8,6 +8,16 @@ import time
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command's parser (its subcommands' parsers: :func:`subcommands`)."""
+    return _parsers()[0]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name (the docs generator renders their help)."""
+    return dict(_parsers()[1].choices)
+
+
+def _parsers():
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(prog="python -m lbannpy.data", formatter_class=fmt,
                                  description="Write a synthetic data set (inputs and labels) into an HDF5 "
@@ -39,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="random seed")
     b.add_argument("-o", "--output", required=True, help="HDF5 file to write")
     _check_parser(sub)
-    return ap
+    return ap, sub
 
 
 def _mesh3d_parser(sub, fmt) -> None:

@@ -18,7 +18,7 @@ from lbannpy.training.errors import UserError
 PROG = "python -m lbannpy.from_torch"
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Import a PyTorch nn.Module (captured with torch.export) as an lbannpy spec and its "
@@ -40,6 +40,11 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="the module's and the run's floating-point type")
     ap.add_argument("--data", help="data.train.path of the spec (default: <model name>.h5)")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 

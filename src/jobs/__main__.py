@@ -22,7 +22,17 @@ from .sites import SITE_DIR, SITES, SiteError, load_site
 from .templates import TEMPLATES
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's parser (its subcommands' parsers: :func:`subcommands`)."""
+    return _parsers()[0]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name (the docs generator renders their help)."""
+    return dict(_parsers()[1].choices)
+
+
+def _parsers():
     p = argparse.ArgumentParser(prog="python -m lbannpy.jobs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -79,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scaling", help="scaling table from RUN_DIR/{strong,weak}-P/summary.json")
     sc.add_argument("run_dir")
     sc.add_argument("-o", "--output", help="CSV file to write")
-    return p
+    return p, sub
 
 
 def _say_env_replaced(spec: JobSpec) -> None:
@@ -92,7 +102,7 @@ def _say_env_replaced(spec: JobSpec) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.cmd == "render":
             site = load_site(args.site_file) if args.site_file else args.site

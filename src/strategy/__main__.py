@@ -22,7 +22,7 @@ from .planner import PlanError, plan
 from .report import compare, explain, strategy_table
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lbannpy.strategy",
                                 description="Choose a per-layer parallel strategy (sample/channel/spatial "
                                             "splits) from a cost model (Dryden et al. 2019; Jia et al. "
@@ -118,7 +118,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return run(args)
     except (PlanError, ShapeError, MachineError, ValueError, OSError) as exc:

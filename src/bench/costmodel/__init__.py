@@ -29,7 +29,7 @@ from .builders import (OPTIMIZER, STRATEGIES, BenchModel, classifier, default_mo
 from .corun import corun_calls, shared_node_factor
 from .harness import (Calls, StandIn, TableRow, block_ranks, build_chains, chains_plan, local_shapes,
                       run_chains, table_key)
-from .report import TOLERANCE, Case, format_table, main, parse_args, ranking, run_benchmark
+from .report import TOLERANCE, Case, build_parser, format_table, main, parse_args, ranking, run_benchmark
 from .runs import THREAD_VARS, OtherLoad, Quiet, measure_step, prepare, thread_env
 from .table import measure_compute_table, time_input_read, with_table
 
@@ -38,4 +38,4 @@ __all__ = ["OPTIMIZER", "STRATEGIES", "BenchModel", "classifier", "default_model
            "shared_node_factor", "Calls", "StandIn", "TableRow", "block_ranks", "build_chains", "chains_plan",
            "local_shapes", "run_chains", "table_key", "TOLERANCE", "Case", "format_table", "main",
            "parse_args", "ranking", "run_benchmark", "THREAD_VARS", "OtherLoad", "Quiet", "measure_step",
-           "prepare", "thread_env", "measure_compute_table", "time_input_read", "with_table"]
+           "prepare", "thread_env", "measure_compute_table", "time_input_read", "with_table", "build_parser"]

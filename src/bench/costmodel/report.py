@@ -174,7 +174,7 @@ def calibrate_here(path: str, quick: bool, timeout: float = 600) -> None:
     print(p.stdout.rstrip(), flush=True)
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench costmodel",
                                  description="the strategy cost model against measured training steps")
     ap.add_argument("--machine", default=None,
@@ -201,6 +201,11 @@ def parse_args(argv):
                     help="cores of other load above which a training run is repeated, up to twice "
                          "(default 0.25)")
     ap.add_argument("--json", default=None, help="also write the cases to this JSON file")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     return ap.parse_args(argv)
 
 
