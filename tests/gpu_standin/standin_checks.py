@@ -64,6 +64,10 @@ def test_views_share_memory_and_inplace():
     assert v.data.ptr == x.data.ptr + 3 * 4
     cupy.copyto(x[0], v)
     np.testing.assert_array_equal(x.get()[0], [5, 5, 5])
+    # out=None is no out (CuPy allocates the result), out=x writes x and returns it
+    y = cupy.maximum(x - 6, np.float32(0.5), out=None)
+    np.testing.assert_array_equal(y.get(), [[0.5] * 3] * 2)
+    assert cupy.maximum(x, np.float32(6), out=x) is x
 
 
 def test_devices_are_per_thread():

@@ -76,6 +76,8 @@ def _unwrap(x, dev, allocs, what):
 
 
 def _call(fn, args, kwargs, what, writes_out=True):
+    if "out" in kwargs and kwargs["out"] is None:  # CuPy: out=None allocates the result, as no out does
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
     dev = _standin.local.device
     allocs = []
     a = _unwrap(args, dev, allocs, what)
