@@ -35,16 +35,30 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def register(name: str, module: str, description: str) -> None:
-    """Add a subcommand: ``module`` must define ``main(argv) -> int``."""
+# name -> typical wall time of the subcommand with its defaults on a 2-core CPU machine, one BLAS thread per
+# rank (timed on a 2-core box shared with other work, so an idle one is faster)
+RUN_TIMES: dict[str, str] = {
+    "calibrate": "2 min", "halo": "1 min", "layers": "5 min", "overlap": "30 s", "memory": "10 min",
+    "scaling": "1.5 min", "strategy": "30 s", "data": "3 min", "scale": "2.5 min", "overhead": "15 s",
+    "peer": "60 min", "checkpoint": "20 s", "costmodel": "60 min",
+}
+
+
+def register(name: str, module: str, description: str, run_time: str = "") -> None:
+    """Add a subcommand: ``module`` must define ``main(argv) -> int``; ``run_time``: its typical wall time
+    on a 2-core machine (shown by --help)."""
     SUBCOMMANDS[name] = (module, description)
+    if run_time:
+        RUN_TIMES[name] = run_time
 
 
 def usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
+    twidth = max(len(t) for t in RUN_TIMES.values())
     lines = ["usage: python -m lbannpy.bench SUBCOMMAND [args]   (SUBCOMMAND -h for its options)", "",
-             "subcommands:"]
-    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in sorted(SUBCOMMANDS.items())]
+             "subcommands, with their typical run time on a 2-core machine (defaults, one thread per rank):"]
+    lines += [f"  {name:<{width}}  {RUN_TIMES.get(name, '?'):>{twidth}}  {desc}"
+              for name, (_, desc) in sorted(SUBCOMMANDS.items())]
     return "\n".join(lines)
 
 
