@@ -93,6 +93,35 @@ def test_float32(mode, corners):
     assert np.abs(y - ty).max() <= 1e-5 and np.abs(dx - tdx).max() <= 1e-5
 
 
+@pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
+def test_channel_blocks_thin_boxes_and_strided_outputs(monkeypatch, mode, corners):
+    """The host paths: channel blocks run one at a time (a tiny ``BLOCK_BYTES``: one channel each), a box one
+    output wide along the last dimension with the others whole (their x2 passes over flattened arrays), a
+    box written into a strided part of a larger array, float32 (nearest: a wider integer per pair)."""
+    monkeypatch.setattr(U, "BLOCK_BYTES", 64)
+    rng = np.random.default_rng(4)
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        shape = (2, 3, 4, 5, 6)
+        x = rng.standard_normal(shape).astype(dtype)
+        dy = rng.standard_normal((2, 3, 8, 10, 12)).astype(dtype)
+        full, tdx = _torch(x, 2, mode, corners, dy)
+        assert np.abs(U.upsample(x, 2, mode, corners) - full).max() <= tol
+        assert np.abs(U.upsample_backward(dy, shape, 2, mode, corners) - tdx).max() <= tol
+        axes = U._axes(shape, 2, mode, corners)
+        for box in ([(0, 8), (0, 10), (5, 6)], [(0, 8), (2, 8), (0, 12)], [(0, 8), (0, 10), (2, 10)]):
+            probe = U.Plan(axes, box, (0, 0, 0))
+            plan = U.Plan(axes, box, [lo for lo, _ in probe.source], np, dtype)
+            sl = (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box)
+            out = np.full((2, 6) + full.shape[2:], np.nan, dtype=dtype)[:, ::2]
+            plan.forward(x[probe.source_slices], out=out[sl])
+            assert np.abs(out[sl] - full[sl]).max() <= tol, box
+            gx = np.zeros(shape, dtype)
+            gx[probe.source_slices] += plan.backward(dy[sl])
+            big = np.zeros_like(dy)
+            big[sl] = dy[sl]
+            assert np.abs(gx - U.upsample_backward(big, shape, 2, mode, corners)).max() <= tol, box
+
+
 def test_source_ranges_are_monotone_and_cover_every_tap():
     for mode, corners in MODES:
         for n, s in ((1, 2), (5, 2), (7, 3), (4, 1)):
