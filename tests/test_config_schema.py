@@ -92,10 +92,10 @@ def test_steps_replaces_epochs_default():
 
 
 def test_registry_lists_the_layer_types():
-    assert layer_types() == ["conv", "conv_transpose", "pool", "global_pool", "pad", "upsample", "batchnorm",
-                             "instancenorm", "groupnorm", "layernorm", "relu", "leaky_relu", "sigmoid", "tanh",
-                             "gelu", "silu", "elu", "prelu", "softmax", "identity", "dropout", "sum", "mul",
-                             "concat", "fc", "flatten"]
+    assert layer_types() == ["conv", "conv_transpose", "pool", "global_pool", "pad", "upsample",
+                             "batchnorm", "instancenorm", "groupnorm", "layernorm", "relu", "leaky_relu",
+                             "sigmoid", "tanh", "gelu", "silu", "elu", "prelu", "softmax", "identity",
+                             "dropout", "sum", "mul", "concat", "fc", "flatten"]
     assert list(layer_params("conv")) == ["filters", "kernel", "stride", "padding", "dilation", "bias",
                                           "groups", "padding_mode"]
     assert [k.name for k in COMMON_LAYER_KEYS] == ["name", "type", "parents"]

@@ -1,7 +1,8 @@
 """Layer cases of the layer families beyond tests/mpi/test_layers.py, one module per family, each with
 ``cases(size) -> list[layer_cases.Case]`` (every split the family allows at ``size`` ranks, uneven blocks
-included). tests/mpi/test_layers_families.py runs them against PyTorch on the CPU, tests/gpu/test_layers_gpu.py
-on the CUDA stand-in (or a real GPU). A family adds a file here and its reference in tests/torch_refs/."""
+included). tests/mpi/test_layers_families.py runs them against PyTorch on the CPU,
+tests/gpu/test_layers_gpu.py on the CUDA stand-in (or a real GPU). A family adds a file here and its
+reference in tests/torch_refs/."""
 from __future__ import annotations
 
 import importlib
