@@ -19,7 +19,7 @@ from lbannpy.model import Model
 from lbannpy.data.dataset import split_indices, validate_dataset
 from lbannpy.data.reader import HDF5Reader
 from lbannpy.config import check_memory
-from lbannpy.config.run import RunConfig
+from lbannpy.config.run import RunConfig, section_config
 from lbannpy.optim import make_optimizer
 
 
@@ -70,11 +70,12 @@ def auto_strategy(cfg: dict, world, batch_size: int, prog: str = "lbannpy.train"
 
     Who calls: every rank (a broadcast)."""
     par = cfg["parallel"]
-    machine = par["machine"] or DEFAULT_MACHINE
+    typed = section_config("parallel", par)  # the schema's defaults (a raw spec may leave keys out)
+    machine = typed.machine or DEFAULT_MACHINE
     layers, err = None, None
     if world.rank == 0:
         try:
-            chosen = plan(cfg, world.size, machine, memory_gib=par["memory_gib"],
+            chosen = plan(cfg, world.size, machine, memory_gib=typed.memory_gib,
                           batch_size=batch_size, compare=False)
             layers = chosen.parallel_layers()
             sys.stderr.write(f"{prog}: strategy auto on {world.size} rank(s), machine "
