@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from lbannpy.bench import layers  # noqa: E402
+from lbannpy.bench import layers, layers_new  # noqa: E402
 
 
 def test_model_shapes_come_from_the_zoo_specs():
@@ -45,7 +45,7 @@ def test_bench_layers_models_quick_prints_every_shape():
 
 
 def test_new_rows_cover_every_contract_type():
-    rows = layers.new_rows(8)
+    rows = layers_new.new_rows(8)
     types = {r.type for r in rows}
     assert types == {"conv_transpose", "upsample", "instancenorm", "groupnorm", "layernorm", "sigmoid",
                      "tanh", "silu", "identity", "gelu", "elu", "prelu", "softmax", "mul", "pad",
@@ -54,19 +54,19 @@ def test_new_rows_cover_every_contract_type():
                                                                               "circular"}
     assert {dict(r.params).get("mode") for r in rows if r.type == "upsample"} == {"nearest", "linear"}
     assert any(dict(r.params).get("padding_mode") == "circular" for r in rows if r.type == "conv")
-    assert len({r.id for r in rows}) == len(rows) and all(r.torch in layers.TORCH_REFS for r in rows)
+    assert len({r.id for r in rows}) == len(rows) and all(r.torch in layers_new.TORCH_REFS for r in rows)
 
 
 def test_each_registered_new_row_runs_both_sides_on_the_same_shapes():
     """Every contender of every runnable row runs once at a tiny size (the contenders check PyTorch's output
     shape against the layer's); an unregistered type or parameter says why it is skipped."""
     import numpy as np
-    for row in layers.new_rows(8):
-        why = layers.new_row_missing(row)
+    for row in layers_new.new_rows(8):
+        why = layers_new.new_row_missing(row)
         if why:
             assert "not registered" in why or "does not take" in why
             continue
-        fns = layers.new_row_contenders(row, np.dtype("float32"))
+        fns = layers_new.new_row_contenders(row, np.dtype("float32"))
         assert "ours" in fns and "torch NCHW" in fns
         for fn in fns.values():
             fn()
@@ -78,9 +78,9 @@ def test_bench_layers_new_quick_prints_every_row():
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    for row in layers.new_rows(8):
+    for row in layers_new.new_rows(8):
         mine = [ln for ln in lines if ln.startswith(row.id + " ")]
         assert len(mine) == 1, row.id
         assert "skipped: " in mine[0] or mine[0].split()[len(row.id.split()) + 2].replace(".", "").isdigit()
-    if not all(layers.new_row_missing(row) for row in layers.new_rows(8)):
+    if not all(layers_new.new_row_missing(row) for row in layers_new.new_rows(8)):
         assert any(ln.startswith("new layers ratio ours/torch") and "geometric mean" in ln for ln in lines)
