@@ -49,9 +49,10 @@ the fix. Presets ship in ``lbannpy/machines/NAME.yaml`` (P100 as in Jia et al. 2
 et al. 2019, H100; each with its sources in comments) and load by name: ``load_machine("lassen")``.
 
 The default machine, everywhere a machine may be left out (``python -m lbannpy.strategy``, ``plan()``,
-``parallel.machine`` of a config), is :data:`DEFAULT_MACHINE`, ``lassen``: it is the system of Dryden et al.
-whose spatial-parallel training lbannpy reproduces, and its gradient synchronisation is an allreduce, what
-the runtime does (the ``p100`` preset models Jia et al.'s parameter server instead).
+``parallel.machine`` of a config), is :data:`DEFAULT_MACHINE`, ``local``: the machine the run is on
+(:mod:`lbannpy.local_machine`), i.e. this host's calibration once ``python -m lbannpy.bench calibrate`` wrote
+it, else a described model of its CPU. The presets are named: ``lassen`` is the system of Dryden et al. whose
+spatial-parallel training lbannpy reproduces (the ``p100`` preset models Jia et al.'s parameter server).
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ from typing import Any, Iterator, Mapping
 import yaml
 
 from lbannpy import yamlsafe
+from lbannpy.local_machine import LOCAL, local_source
 
-DEFAULT_MACHINE = "lassen"
+DEFAULT_MACHINE = LOCAL
 MAX_FILE_BYTES = 1 << 20  # a machine file is a few kilobytes; refuse anything absurd before reading it
 GRADIENT_SYNC = ("allreduce", "parameter_server")  # schemes of the t_S term, see cost.gradient_sync_time
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "recursive_doubling")
@@ -497,6 +499,8 @@ def load_machine(source: str | os.PathLike | Mapping[str, Any] | Machine = DEFAU
     machine (returned as it is)."""
     if isinstance(source, Machine):
         return source
+    if isinstance(source, str) and source == LOCAL:  # this host: its calibration file, else the CPU model
+        source = local_source()
     if isinstance(source, Mapping):
         return machine_from_dict(source)
     path = os.fspath(source)

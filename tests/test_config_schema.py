@@ -26,7 +26,7 @@ DEFAULTS = {
     "optimizer.schedule.step_size": 1000, "optimizer.schedule.gamma": 0.1,
     "parallel.default.n": 1, "parallel.default.c": 1, "parallel.default.d": 1, "parallel.default.h": 1,
     "parallel.default.w": 1, "parallel.layers": {}, "parallel.strategy": "manual",
-    "parallel.machine": "lassen",
+    "parallel.machine": "local",
     "comm.bucket_mb": 25.0, "comm.first_bucket_mb": 1.0, "comm.overlap": True, "comm.replicate_fc": 0,
     "comm.chunks.k": 0, "runtime.kernels": "auto", "runtime.tf32": False, "runtime.cuda_graph": "auto",
     "checkpoint.keep": 3, "checkpoint.every_steps": 0, "checkpoint.at_start": False,

@@ -71,3 +71,29 @@ def test_predicted_step_on_a_recorded_calibration_is_within_2x_of_the_measured_s
     # the comparison can fail: the lassen preset (4 V100s a node) is far from this box
     far = plan(spec, measured["ranks"], load_machine("lassen"), compare=False).chosen.step_s
     assert measured["median_step_s"] / far > 2.0
+
+
+def test_the_default_machine_everywhere_is_local(tmp_path, monkeypatch):
+    """``parallel.machine`` defaults to ``local``, which loads this host's calibration or the CPU model."""
+    from lbannpy.config import validate
+    from lbannpy.machine import DEFAULT_MACHINE
+
+    assert DEFAULT_MACHINE == "local"
+    assert validate(zoo.get_spec("lenet5"), data=False, memory=False)["parallel"]["machine"] == "local"
+    monkeypatch.setenv("LBANNPY_MACHINE_DIR", str(tmp_path))
+    assert load_machine("local").name == "local-cpu"
+    shutil.copy(CALIBRATION, tmp_path / f"{local_machine.host()}.yaml")
+    assert load_machine("local").name == "cpu-2core"
+
+
+def test_calibrate_without_o_writes_the_calibration_the_default_reads(tmp_path):
+    env = dict(os.environ, LBANNPY_MACHINE_DIR=str(tmp_path / "m"), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "lbannpy.bench", "calibrate", "--max-bytes", "4096", "--gemm",
+                        "64", "--target-ms", "1", "--batches", "1", "--rate-elements", "4096"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    written = tmp_path / "m" / f"{local_machine.host()}.yaml"
+    assert f"wrote {written}" in r.stdout, r.stdout[-2000:]
+    assert {"batchnorm", "relu", "pool"} <= {rate.type for rate in load_machine(str(written)).rates}
+    out = strategy(tmp_path, tmp_path / "m")
+    assert f"machine: priced on {local_machine.host()}, measured on {local_machine.host()}" in out, out

@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from lbannpy.comm import Runtime
+from lbannpy.local_machine import calibration_path
 from lbannpy.machine import machine_from_dict, machines_dir, ring_from_fit
 
 from .kernel_choice import conv_shapes, measure_kernels
@@ -248,6 +249,9 @@ RATE_CASES: tuple[tuple[str, dict, dict, int, str], ...] = (
     ("pad", {}, {"padding": 1}, 1, "element"),
     ("global_pool", {"mode": "avg"}, {}, 1, "element"),
     ("global_pool", {"mode": "max"}, {}, 1, "element"),
+    ("batchnorm", {}, {}, 1, "element"),  # the small models' other layers: measured, not the roofline
+    ("relu", {}, {}, 1, "element"),
+    ("pool", {"mode": "max"}, {"kernel": 2, "stride": 2}, 1, "element"),
 )
 RATE_CHANNELS = 16
 
@@ -354,7 +358,7 @@ def check_output(path: str) -> None:
     target = os.path.realpath(os.path.abspath(path))
     if os.path.dirname(target) == _package_machines_dir():
         raise SystemExit(f"lbannpy.bench calibrate: refusing to write {path} into the package's machine "
-                         f"presets; write to ./machine.yaml (default) or another -o path")
+                         f"presets; write to another -o path")
     if not os.access(os.path.dirname(target), os.W_OK):
         raise SystemExit(f"lbannpy.bench calibrate: cannot write {path}: directory not writable")
 
@@ -403,8 +407,10 @@ def _memory_gib(xp, ranks_per_node: int) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate",
                                  description=describe(__doc__))
-    ap.add_argument("-o", "--output", default="machine.yaml",
-                    help="machine file to write (default ./machine.yaml)")
+    ap.add_argument("-o", "--output", default=None,
+                    help="machine file to write (default: this host's calibration, which the default "
+                         "parallel.machine, local, reads: ~/.config/lbannpy/machines/HOST.yaml, "
+                         "LBANNPY_MACHINE_DIR moves it)")
     ap.add_argument("--name", default=None, help="machine name in the file (default: the host name)")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="array backend (default cpu)")
     ap.add_argument("--backend", choices=("auto", "mpi", "nccl"), default="auto",
@@ -523,6 +529,9 @@ def measure_compute(comm, xp, hosts: list[str], gemm: int, quick: bool, local_si
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.output is None:  # this host's calibration: what parallel.machine: local (the default) reads
+        args.output = str(calibration_path())
+        os.makedirs(os.path.dirname(args.output), exist_ok=True)
     check_output(args.output)
     try:
         conv_shapes(args.kernels, args.quick)  # a model that cannot be read fails now, not after the links

@@ -317,7 +317,7 @@ def check_memory(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir:
 
         par = cfg["parallel"]
         try:
-            chosen = plan(cfg, ranks, par.get("machine") or "lassen", memory_gib=par.get("memory_gib"),
+            chosen = plan(cfg, ranks, par.get("machine") or "local", memory_gib=par.get("memory_gib"),
                           compare=False)
         except (PlanError, ValueError, OSError) as e:
             raise ConfigError("parallel.strategy", f"auto: {e}", "see python -m lbannpy.strategy") from None
