@@ -8,18 +8,15 @@
   moved) and the fixed cost of one call of a layer on a one-element tensor (seconds per local kernel);
 * compute slots of a node (``cores_per_node``): the CPU cores its ranks may run on (SLURM's allocation, else
   the union of the ranks' CPU affinity), or its GPUs; more ranks than slots share them by time slicing;
-* per-type rates (``compute.rates``) of the layer types neither γ nor the streaming rate price: the
-  activations, normalisations, upsampling, padding, global pooling and multiply per element (of the larger
-  of a block's input and output: exp, erf and tanh cost a CPU tens of cycles an element, a normalisation
-  reads its input two or three times), the transposed convolution per FLOP (its GEMM runs on other shapes
-  than a convolution's): each the registered layer on a block of every rank at once, forward and backward,
-  less the fixed cost of a call, divided by the block's work (a type not registered is left out).
+* per-type rates (``compute.rates``) of the layer types neither γ nor the streaming rate price (activations,
+  norms, upsampling, padding, pooling, mul per element of the larger of input and output: exp/erf/tanh cost
+  tens of cycles an element; the transposed convolution per FLOP): the registered layer on a block of every
+  rank at once, forward and backward, less the fixed cost of a call, over the block's work.
 
-Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike):
-point to point ``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β`` (the
-model of :func:`lbannpy.machine.ring_allreduce_time`), whatever algorithm the MPI picks underneath;
-small-message allreduce in MPI is usually recursive doubling, so the fitted α is an effective per-step
-latency. γ = GEMM time / (2 m n k) seconds per FLOP.
+Fits (least squares on relative error, so that 8-byte and 64-MiB messages weigh alike): point to point
+``t = α + β n``; allreduce with the ring model ``t = 2(p-1) α + 2(p-1)/p · n β``
+(:func:`lbannpy.machine.ring_allreduce_time`) whatever algorithm the MPI picks (small allreduces are
+usually recursive doubling: the fitted α is an effective per-step latency). γ = GEMM time / (2 m n k) s/FLOP.
 
 Needs at least 2 ranks; started alone it relaunches itself under ``mpiexec -n 2``.
 """
@@ -47,7 +44,6 @@ from .launch import relaunch_if_needed
 DEFAULT_MAX_BYTES = 64 << 20
 
 
-# -------------------------------------------------------------------------------------------------------
 # timing
 
 
@@ -324,7 +320,6 @@ def layer_rates(comm, xp, device: str, elements: int, reps: int = 5) -> tuple[li
     return rows, lines
 
 
-# -------------------------------------------------------------------------------------------------------
 # fitting
 
 
@@ -345,7 +340,6 @@ def fit_alpha_beta(points) -> tuple[float, float, float]:
     return float(a), float(b), err
 
 
-# -------------------------------------------------------------------------------------------------------
 # machine file
 
 
@@ -401,7 +395,6 @@ def _memory_gib(xp, ranks_per_node: int) -> float:
     return round(total / max(ranks_per_node, 1) / 2 ** 30, 2)
 
 
-# -------------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
