@@ -186,15 +186,6 @@ ENVIRONMENT = (
      "checkpoint before the job is aborted (default 60)"),
     ("LBANNPY_MACHINE_DIR", "run, tools", "directory of this host's calibrated machine files (default "
      "`~/.config/lbannpy/machines`)"),
-    ("LBANNPY_CONV_KERNEL", "run", "`numpy`: the CPU convolution and pooling kernels take the NumPy im2col + "
-     "GEMM path instead of the compiled C extension (read when the kernel modules are imported; results "
-     "differ in rounding only)"),
-    ("LBANNPY_BN_KERNEL", "run", "`numpy`: CPU batch-norm takes the NumPy path instead of the compiled "
-     "extension (read at import)"),
-    ("LBANNPY_NORM_KERNEL", "run", "`numpy`: CPU instance/group/layer norm take the array path instead of "
-     "the compiled extension (read at import)"),
-    ("LBANNPY_ACT_KERNEL", "run", "`numpy`: CPU activations take the NumPy path instead of the compiled "
-     "extension (read at import)"),
     ("LBANNPY_RUN_DIR", "job script", "the job's output directory (rendered default in the script); "
      "resubmit with the same value to resume"),
     ("LBANNPY_MAX_REQUEUES", "job script", "how many times a run stopped after a checkpoint (exit 4) "

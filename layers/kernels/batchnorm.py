@@ -11,17 +11,16 @@ also the parameter gradients: ``dgamma = sum_dy_xhat``, ``dbeta = sum_dy``. This
 squares is formed about the row's own mean (two passes, pairwise sums) and rows are combined in float64;
 the backward sums are taken about the global mean.
 
-Compiled path (NumPy float32/float64 C-contiguous blocks, when the ``_cbn`` extension is built; set
-``LBANNPY_BN_KERNEL=numpy`` to force the NumPy path): the statistics are one pass with float64 accumulators
-(each row about its first element), the forward one pass (optionally with the ReLU of a fused
-batch-norm + ReLU), the backward's two sums one pass and its data gradient one pass. With ``y`` (the fused
-layer's output) the backward first masks ``dy`` where ``y <= 0``: the gradient of ``relu(bn(x))``. On a GPU
-every pass is one CuPy kernel (:mod:`._bn_gpu`: reductions, per-channel and element-wise kernels) where
-the array module has ``ElementwiseKernel`` and ``ReductionKernel``, else array expressions.
+Compiled path (NumPy float32/float64 C-contiguous blocks, when the ``_cbn`` extension is built): the
+statistics are one pass with float64 accumulators (each row about its first element), the forward one pass
+(optionally with the ReLU of a fused batch-norm + ReLU), the backward's two sums one pass and its data
+gradient one pass. With ``y`` (the fused layer's output) the backward first masks ``dy`` where ``y <= 0``: the
+gradient of ``relu(bn(x))``. On a GPU every pass is one CuPy kernel (:mod:`._bn_gpu`: reductions, per-channel
+and element-wise kernels) where the array module has ``ElementwiseKernel`` and ``ReductionKernel``, else array
+expressions.
 """
 from __future__ import annotations
 
-import os
 
 import numpy
 
@@ -34,7 +33,7 @@ try:  # the compiled kernels are optional: no compiler, no extension
 except ImportError:  # pragma: no cover - depends on the build
     _cbn = None
 
-USE_COMPILED = _cbn is not None and os.environ.get("LBANNPY_BN_KERNEL", "") != "numpy"
+USE_COMPILED = _cbn is not None  # tests switch it to check both paths
 _FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
 
 

@@ -13,8 +13,8 @@ with ``o``, ``j``, ``i`` multi-indices over the spatial dimensions and ``w`` in 
 
 Two implementations, same semantics; nothing is transposed to another layout, the arrays stay NCHW.
 
-Compiled path (NumPy float32/float64 arrays, when the ``_cconv`` extension is built; set
-``LBANNPY_CONV_KERNEL=numpy`` to turn it off): a direct convolution in which every (channel, tap) pair is a
+Compiled path (NumPy float32/float64 arrays, when the ``_cconv`` extension is built; ``set_compiled(False)``
+turns it off for a benchmark of the NumPy path): a direct convolution in which every (channel, tap) pair is a
 plain shifted read of the window, ``x[off[t] + h*row_pitch + w*col_stride]`` -- dilation and row strides
 live in the offsets and the row pitch, a column stride of 2 is two vector loads and a permutation, larger
 column strides read a copy split into stride phases. Per output row, 2 vectors of outputs (32 float32)
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import numpy as np
 
@@ -75,9 +74,16 @@ try:  # the compiled kernels (built by setup.py where a C compiler is present)
     from . import _cconv
 except ImportError:  # pragma: no cover - depends on the install
     _cconv = None
-# NumPy arrays of float32/float64 go through the compiled kernels when they are built, unless
-# LBANNPY_CONV_KERNEL=numpy; tests switch this flag to check both paths against PyTorch
-USE_COMPILED = _cconv is not None and os.environ.get("LBANNPY_CONV_KERNEL", "") != "numpy"
+# NumPy arrays of float32/float64 go through the compiled kernels when they are built; tests switch this
+# flag to check both paths against PyTorch, `bench layers --conv-kernel numpy` through set_compiled
+USE_COMPILED = _cconv is not None
+
+
+def set_compiled(on: bool) -> None:
+    """Whether NumPy convolutions take the compiled kernels (where built) or im2col + GEMM: a benchmark's
+    switch (``bench layers --conv-kernel numpy``), never a run's; both compute the same convolutions."""
+    global USE_COMPILED
+    USE_COMPILED = bool(on) and _cconv is not None
 
 
 def _budget(arr) -> int:
@@ -121,7 +127,7 @@ def cpu_path() -> str:
     if _cconv is None:
         return "NumPy im2col + GEMM (_cconv not built)"
     if not USE_COMPILED:
-        return "NumPy im2col + GEMM (LBANNPY_CONV_KERNEL=numpy)"
+        return "NumPy im2col + GEMM (compiled kernels switched off)"
     if not DIRECT_FAST:
         return "NumPy im2col + GEMM (the compiled direct kernel needs AVX-512, which this CPU lacks)"
     return (f"compiled direct convolution (_cconv, AVX-512) up to {COMPILED_MAX_CHANNELS} channels on rows "

@@ -15,16 +15,14 @@ formed about a value of the row itself (the compiled path: its first element; th
 so ``var = E[x^2] - E[x]^2`` of the combined rows loses only ``log10(mean^2 / var)`` of float64's digits;
 backward sums are taken about the statistic's mean. Rows are combined in float64.
 
-Compiled path (NumPy float32/float64 C-contiguous blocks, where the ``_cnorm`` extension is built; set
-``LBANNPY_NORM_KERNEL=numpy`` to force the array path): every pass over the block is one call, the small
-per-row coefficients are formed here in float64; layer norm recomputes ``xhat`` from the input inside its
-backward passes rather than keeping it. Every other array (CuPy included) takes array expressions in the
-array module of the arguments, which keep the statistics on the device: nothing here reads a value back to
-the host.
+Compiled path (NumPy float32/float64 C-contiguous blocks, where the ``_cnorm`` extension is built): every pass
+over the block is one call, the small per-row coefficients are formed here in float64; layer norm recomputes
+``xhat`` from the input inside its backward passes rather than keeping it. Every other array (CuPy included)
+takes array expressions in the array module of the arguments, which keep the statistics on the device: nothing
+here reads a value back to the host.
 """
 from __future__ import annotations
 
-import os
 
 import numpy
 
@@ -35,7 +33,7 @@ try:  # the compiled kernels are optional: no compiler, no extension
 except ImportError:  # pragma: no cover - depends on the build
     _cnorm = None
 
-USE_COMPILED = _cnorm is not None and os.environ.get("LBANNPY_NORM_KERNEL", "") != "numpy"
+USE_COMPILED = _cnorm is not None  # tests switch it to check both paths
 _FLOATS = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
 F64 = numpy.float64
 

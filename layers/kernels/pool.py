@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 
 import numpy
 
@@ -32,8 +31,14 @@ except ImportError:  # pragma: no cover - exercised on installs without a compil
     _csmall = None
 
 # max pooling of NumPy float32/float64 arrays runs in one compiled pass (maximum and winning tap together)
-# where the extension is built; LBANNPY_CONV_KERNEL=numpy selects the NumPy path for every kernel
-USE_COMPILED = _cconv is not None and os.environ.get("LBANNPY_CONV_KERNEL", "") != "numpy"
+# where the extension is built (set_compiled(False): the NumPy path, for a benchmark)
+USE_COMPILED = _cconv is not None
+
+
+def set_compiled(on: bool) -> None:
+    """Whether NumPy pooling takes the compiled pass (where built): ``bench layers --conv-kernel numpy``."""
+    global USE_COMPILED
+    USE_COMPILED = bool(on) and _cconv is not None
 
 
 def _geometry(window_shape, kernel, stride, dilation):

@@ -508,9 +508,13 @@ def main(argv=None) -> int:
     NEW_KERNELS[0] = args.kernels or "auto"
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.conv_kernel == "numpy":
-        os.environ["LBANNPY_CONV_KERNEL"] = "numpy"  # read when the conv module is imported
     _one_thread_or_reexec(argv)
+    if args.conv_kernel == "numpy":
+        # late: loaded when the command runs, so its --help and argument errors come without it
+        from lbannpy.layers.kernels import conv as kconv, pool as kpool
+
+        kconv.set_compiled(False)
+        kpool.set_compiled(False)
 
     import numpy as np
     import torch

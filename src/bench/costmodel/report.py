@@ -258,7 +258,7 @@ def main(argv=None) -> int:
               f"cores per node {machine.cores_per_node or 'one per rank'}", flush=True)
         # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.layers.kernels import conv as kconv
-        print(f"conv kernels: {kconv.cpu_path()} (LBANNPY_CONV_KERNEL=numpy picks NumPy) in the layer table "
+        print(f"conv kernels: {kconv.cpu_path()} in the layer table "
               f"and the runs alike", flush=True)
         cases, notes = run_benchmark(models, ranks, strategies, machine, work, steps, repeats, reps,
                                      overlap=args.overlap, quiet=quiet)
