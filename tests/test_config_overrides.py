@@ -42,6 +42,21 @@ def test_the_documented_examples(cfg):
     ("data.validation.path=v.h5", ("data", "validation", "path"), "v.h5"),
     ("trainer.epochs=null", ("trainer", "epochs"), 1),
     ("model.layers.r1.parents=[x]", ("model", "layers", 1, "parents"), ["x"]),
+    # a string key takes the text as given; a value wholly in quotes is a YAML quoted string
+    ("output.dir=/p/exp #3", ("output", "dir"), "/p/exp #3"),
+    ("output.dir=it's", ("output", "dir"), "it's"),
+    ("output.dir='it''s'", ("output", "dir"), "it's"),
+    ("output.dir='null'", ("output", "dir"), "null"),
+    ("model.name=007", ("model", "name"), "007"),
+    ("model.name=a: b", ("model", "name"), "a: b"),
+    ("runtime.cuda_graph=on", ("runtime", "cuda_graph"), "on"),
+    # numbers and booleans by their type; keys of several forms stay YAML
+    ("trainer.steps= 4 ", ("trainer", "steps"), 4),
+    ("optimizer.lr=.5", ("optimizer", "lr"), 0.5),
+    ("comm.overlap=off", ("comm", "overlap"), False),
+    ("optimizer.betas[0]=0.8", ("optimizer", "betas", 0), 0.8),
+    ("model.layers.c1.kernel=3", ("model", "layers", 0, "kernel"), 3),
+    ("model.layers.c1.padding=[0, 1]", ("model", "layers", 0, "padding"), [0, 1]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_override_forms(cfg, item, path, value):
     out = apply_overrides(cfg, [item])
@@ -75,6 +90,11 @@ def test_later_overrides_win(cfg):
     ("model.layers.r1.name=c1", "model.layers[1].name", "duplicate layer name"),
     ("model.layers.c1.parents=[f1]", "model.layers[0].parents", "cycle"),
     ("trainer.steps=!!python/object:os.system ls", "trainer.steps", "cannot parse value"),
+    ("trainer.steps=3 #x", "trainer.steps", "expected an integer"),
+    ("comm.overlap=maybe", "comm.overlap", "expected true or false"),
+    ("optimizer.lr=fast", "optimizer.lr", "expected a number"),
+    ("model.layers.c1.kernel=[3, 5] # c", "model.layers[0].kernel", "YAML comment"),
+    ("output.dir='it's'", "output.dir", "YAML quoted string"),
 ], ids=lambda v: v if isinstance(v, str) and "=" in v or v == "trainer.steps" else None)
 def test_bad_override(cfg, item, path, phrase):
     with pytest.raises(ConfigError) as info:
