@@ -218,8 +218,16 @@ def _read_tree(group, where: str, depth: int):
             continue
         out[n] = _read_attr(attrs, n, f"{where}/{n}" if where else n)
     for n in members:
-        obj = group.get(n, getlink=False)
         p = f"{where}/{n}" if where else n
+        link = group.get(n, getlink=True)
+        at = f"{group.file.filename}:/{p}"
+        if isinstance(link, h5py.ExternalLink):  # checked before anything follows it
+            raise ConfigError(at, f"is an external link to {link.filename}:{link.path}; a config holds its "
+                                 f"settings itself", "rebuild the file with python -m lbannpy.config build")
+        if isinstance(link, h5py.SoftLink):
+            raise ConfigError(at, f"is a soft link to {link.path}; a config holds each setting once",
+                              "rebuild the file with python -m lbannpy.config build")
+        obj = group.get(n, getlink=False)
         if not isinstance(obj, h5py.Group):
             raise ConfigError(p, "unexpected dataset in a config file", "rebuild the file")
         out[n] = _read_tree(obj, p, depth + 1)
