@@ -175,7 +175,7 @@ def select_ids(cfg: dict, num_samples: int, subset: str) -> np.ndarray:
     frac = float((cfg["data"].get("validation") or {}).get("fraction") or 0)
     if not frac:
         raise UserError(f"--subset {subset}: the config has no data.validation.fraction to split by")
-    train, val = split_indices(num_samples, frac, int(cfg["trainer"].get("seed", 0)))
+    train, val = split_indices(num_samples, frac, int(cfg["trainer"]["seed"]))
     return np.asarray(train if subset == "train" else val, dtype=np.int64)
 
 
@@ -262,7 +262,7 @@ def predict(cfg: dict, rt, args) -> dict:
         sys.stdout.flush()
     tr = cfg["trainer"]
     # as in training: a rank that makes no progress (a peer gone, a file system stuck) aborts every rank
-    watchdog = Watchdog(float(tr.get("watchdog_s", 0) or 0), world.rank, world.abort).start()
+    watchdog = Watchdog(float(tr["watchdog_s"] or 0), world.rank, world.abort).start()
     try:
         return _predict(cfg, rt, args, watchdog)
     finally:
@@ -281,7 +281,7 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
 
     world = rt.world
     tr = cfg["trainer"]
-    ctx = LayerContext(world, rt.xp, tr.get("dtype", "float32"), int(tr.get("seed", 0)),
+    ctx = LayerContext(world, rt.xp, tr["dtype"], int(tr["seed"]),
                        overlap=False, timer=Timer(events=[]))
     watchdog.progress("building the model")
     model, loss = build_model(cfg, ctx, world, "lbannpy.predict")
@@ -354,7 +354,7 @@ def _provenance(fout, cfg: dict, args, ckpt_path: str, step: int, metrics: dict,
     fout.attrs["step"] = step
     fout.attrs["data"] = os.path.abspath(args.data)
     fout.attrs["subset"] = args.subset
-    fout.attrs["model"] = str(cfg["model"].get("name", ""))
+    fout.attrs["model"] = str(cfg["model"]["name"])
     for k, v in metrics.items():
         fout.attrs[f"metric_{k}"] = v
     fout.attrs["metric_batches"] = n_full
@@ -364,7 +364,7 @@ def _report(cfg: dict, args, ckpt_path: str, step: int, n_ids: int, ranks: int, 
             bsz: int) -> None:
     """Rank 0: what was predicted, the metrics, and the drawing when ``--png`` asks for one."""
     where = f"{n_ids} sample(s) of {args.data} ({args.subset})"
-    sys.stdout.write(f"lbannpy.predict: {cfg['model'].get('name', 'model')} at step {step} from "
+    sys.stdout.write(f"lbannpy.predict: {cfg['model']['name'] or 'model'} at step {step} from "
                      f"{ckpt_path} on {where}, {ranks} rank(s) -> {args.output}\n")
     if metrics:
         sys.stdout.write("lbannpy.predict: " + ", ".join(f"{k} {v:.6f}" for k, v in metrics.items())
@@ -477,21 +477,22 @@ def main(argv=None) -> int:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.config.run import launch_sections
 
     try:
         cfg = apply_overrides(load_config(args.config), args.overrides)
         early = None
     except ConfigError as exc:
         cfg, early = None, exc
-    rt_cfg = (cfg or {}).get("runtime", {}) if cfg else {}
-    with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu")) as rt:
+    runtime, _ = launch_sections(cfg)
+    with Runtime(backend=runtime.backend, device=runtime.device, share_gpu=runtime.share_gpu) as rt:
         world = rt.world
         err = f"{args.config}: {early}" if early is not None else None
         if err is None:
             # late: loaded when the command runs, so its --help and argument errors come without it
             from lbannpy.threads import set_threads
 
-            set_threads(world, rt_cfg.get("threads"), "lbannpy.predict")
+            set_threads(world, runtime.threads, "lbannpy.predict")
             try:
                 predict(cfg, rt, args)
             except user_errors() as exc:

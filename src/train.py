@@ -77,6 +77,7 @@ def _main(args) -> int:
                                          WriteFailed, agree_on_error, user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
     from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.config.run import launch_sections
     from lbannpy.hostmem import keep_freed_blocks
 
     keep_freed_blocks()  # freed step buffers are reused without page faults (see lbannpy.hostmem)
@@ -88,12 +89,11 @@ def _main(args) -> int:
         cfg, early = None, exc
     else:
         early = None
-    rt_cfg = (cfg or {}).get("runtime", {}) if cfg else {}
+    runtime, output = launch_sections(cfg)
     # tracebacks go to the run directory, named in the one line on stderr (from the Runtime's set-up on:
     # a missing CuPy or GPU fails there)
-    set_failure_log_dir(str(((cfg or {}).get("output") or {}).get("dir", "run")))
-    with Runtime(backend=rt_cfg.get("backend", "auto"), device=rt_cfg.get("device", "cpu"),
-                 share_gpu=bool(rt_cfg.get("share_gpu", False))) as rt:
+    set_failure_log_dir(output.dir)
+    with Runtime(backend=runtime.backend, device=runtime.device, share_gpu=runtime.share_gpu) as rt:
         world = rt.world
         # from here a signal on any rank ends every rank within seconds (SIGTERM/SIGUSR1 after a checkpoint)
         signals = SignalWatch(rt.rank, rt.size, world.abort).install()
@@ -104,9 +104,9 @@ def _main(args) -> int:
         # late: loaded when the command runs, so its --help and argument errors come without it
         from lbannpy.threads import set_threads
 
-        set_threads(world, rt_cfg.get("threads"), "lbannpy.train")
+        set_threads(world, runtime.threads, "lbannpy.train")
         try:
-            trainer = Trainer(cfg, rt, trace=args.trace or bool(cfg["output"].get("trace", False)),
+            trainer = Trainer(cfg, rt, trace=args.trace or output.trace,
                               quiet=args.quiet)
             if args.force and not args.resume:
                 raise UserError("--force only goes with --resume (it accepts a checkpoint of a changed model "

@@ -1,9 +1,10 @@
 """The run config (:mod:`lbannpy.config.run`): one frozen, typed value built once from the validated spec;
 no default is restated outside the schema.
 
-The AST check: in every module that reads a run's settings (the trainer package, the optimizer, and any
-module that imports :mod:`lbannpy.config.run`), a ``.get("key", default)`` whose key is a key of the schema
-is a second default for that key, and fails. A negative control plants one and sees it caught."""
+The AST check: in every module that reads a run's settings (the trainer package, the optimizer, the train and
+predict commands, and any module that imports :mod:`lbannpy.config.run`), a ``.get("key", default)`` whose key
+is a key of the schema is a second default for that key, and fails. A negative control plants one and sees it
+caught."""
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,7 @@ from lbannpy.config_types import Section
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 # the modules that read settings from the run config (or its sections), by path below src/
-READERS = ("training", "optim.py")
+READERS = ("training", "optim.py", "train.py", "predict.py")
 
 
 def schema_keys() -> set[str]:
@@ -61,7 +62,7 @@ def reader_modules() -> list[Path]:
 def test_no_module_that_reads_settings_restates_a_default():
     keys = schema_keys()
     modules = reader_modules()
-    assert any(p.name == "loop.py" for p in modules) and any(p.name == "optim.py" for p in modules)
+    assert {"loop.py", "optim.py", "train.py", "predict.py"} <= {p.name for p in modules}
     bad = {str(p.relative_to(ROOT)): hits for p in modules
            if (hits := restated_defaults(p.read_text(), keys))}
     assert not bad, f"defaults restated outside the schema (read the run config's typed field): {bad}"

@@ -41,7 +41,7 @@ def _model(name: str, size: int, world, xp):
     cfg = normalize(zoo.get_spec(name, batch_size=1, input_size=size))
     cfg["optimizer"] = {"type": "sgd", "lr": 0.01, "momentum": 0.9}
     cfg = validate(cfg, ranks=world.size, data=False, memory=False)  # the model alone: no data read
-    ctx = LayerContext(world, xp, cfg["trainer"].get("dtype", "float32"), 0, overlap=False,
+    ctx = LayerContext(world, xp, cfg["trainer"]["dtype"], 0, overlap=False,
                        timer=Timer(events=[]))
     model, _ = build_model(cfg, ctx, world)
     return model

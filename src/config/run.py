@@ -95,3 +95,15 @@ def run_config(spec: dict) -> RunConfig:
     sections = {k.name: (None if spec.get(k.name) is None else section_value(k, spec[k.name]))
                 for k in SCHEMA.keys if isinstance(k, Section)}
     return RunConfig(spec=spec, **sections)
+
+
+def launch_sections(cfg: dict | None) -> tuple:
+    """``(runtime, output)`` of a config in normal form (:func:`lbannpy.config.load_config`'s result, every
+    default filled), or of the schema's defaults where the config could not be read: what a command needs
+    before its full validation, to start its Runtime and to say where a traceback goes."""
+    values = []
+    for name in ("runtime", "output"):
+        section = SCHEMA.field(name)
+        tree = cfg[name] if cfg else section.check({}, name)
+        values.append(section_value(section, tree))
+    return tuple(values)
