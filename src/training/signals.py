@@ -8,8 +8,12 @@ number to a socket (``signal.set_wakeup_fd``) that a thread of its own reads; th
 - SIGTERM and SIGUSR1 (SLURM's time-limit and preemption signals; ``#SBATCH --signal=USR1@120``) while the
   step loop runs: a *stop request*. The loop combines the request across ranks after each step (a one-integer
   non-blocking allreduce, so every rank stops after the same step), writes a checkpoint and the metrics, and
-  the job exits with :data:`EXIT_STOPPED` on every rank. If that does not finish within the grace time
-  (a rank stuck in a collective, a slow file system), or a second signal comes, the job is aborted.
+  the job exits with :data:`EXIT_STOPPED` on every rank. Further SIGTERMs and SIGUSR1s while that stop is
+  under way change nothing: a pre-emption signals every task and then the launcher (SLURM signals each
+  task; the job's trap forwards TERM to ``srun``, which signals them again), and abandoning the checkpoint
+  being written would lose the run's work since the last one. Only the grace time ends a stop that does
+  not finish (a rank stuck in a collective, a slow file system): the job is aborted then. SIGKILL, which
+  comes after a scheduler's own grace, ends it without one anyway.
 - anything else, or any of them outside the step loop (set-up, where there is nothing to save): the rank
   prints one line and aborts the job (``MPI_Abort``; ``os._exit`` alone), every rank exits non-zero.
 """
@@ -98,10 +102,11 @@ class SignalWatch:
                 threading.Thread(target=self._grace, args=(name,), name="lbannpy-stop-grace",
                                  daemon=True).start()
                 return
-            if self._done.is_set() and signum in STOP_SIGNALS:
-                return  # the stop has been written; the process is on its way out
-            again = " again" if self.requested else ""
-        self._abort(f"{name} received{again}; ending the job without a checkpoint", EXIT_SIGNAL_ABORT)
+            if signum in STOP_SIGNALS and (self.requested or self._done.is_set()):
+                # the stop is under way (its grace timer bounds it) or written: nothing to add
+                return
+            during = f" while stopping on {signal_name(self.requested)}" if self.requested else ""
+        self._abort(f"{name} received{during}; ending the job without a checkpoint", EXIT_SIGNAL_ABORT)
 
     def _grace(self, name: str) -> None:
         if not self._done.wait(self.grace_s):
