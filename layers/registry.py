@@ -110,6 +110,16 @@ def reduced_dims(spec: "LayerSpec", in_shape, out_shape, dist: Distribution) -> 
                  and out_shape[i] == 1 < in_shape[i])
 
 
+def split_refusal(spec: "LayerSpec", params: Mapping[str, Any], in_shape, dist: Distribution
+                  ) -> tuple[str, str, str] | None:
+    """``(dimension, why, what to do)`` where a layer of ``spec`` with ``params`` on an input of
+    ``in_shape`` cannot compute its output in ``dist`` although its type splits those dimensions
+    (:attr:`LayerSpec.split_check`); None where it can."""
+    if spec.split_check is None:
+        return None
+    return spec.split_check(spec.resolve(params), tuple(int(n) for n in in_shape), dist)
+
+
 def _same_split(dist: Distribution, ndim_in: int) -> Distribution:
     return dist
 
@@ -132,7 +142,10 @@ class LayerSpec:
     * ``pointwise``: the planner lets it follow its parent's split instead of enumerating its own;
     * ``no_kernel``: a view (no arithmetic, no memory traffic);
     * ``dense``: where the "one weird trick" baseline turns model-parallel;
-    * ``flat_output``: the output is (n, features) whatever the input's rank.
+    * ``flat_output``: the output is (n, features) whatever the input's rank;
+    * ``split_check(params, in_shape, dist)``: for a split the type allows in general but these parameters
+      and shapes do not (a channel block cutting a group of channels), ``(dimension, why, what to do)``;
+      None where ``dist`` works. The planner drops such a split, ``validate`` and the layer refuse it.
 
     And one fact the step graph reads (:mod:`lbannpy.training.graphstep`):
 
@@ -161,6 +174,7 @@ class LayerSpec:
     flat_output: bool = False
     capturable: bool = False
     capture_note: str = "it does not declare itself capturable"
+    split_check: Callable[[Mapping[str, Any], tuple, Distribution], tuple[str, str, str] | None] | None = None
     #: where the type is listed (schema text, error messages): ascending, then in registration order
     order: int = 1000
 

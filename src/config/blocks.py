@@ -15,7 +15,7 @@ def check_blocks(cfg: dict, ranks: int, graph) -> None:
     """Raise ConfigError naming the first layer whose input or output block would be empty on some rank
     when ``cfg`` runs on ``ranks`` ranks. ``parallel.strategy: auto`` chooses valid splits itself."""
     # late: the layer registry and the model import lbannpy.config (through the layers' value types)
-    from ..layers.registry import layer_spec, reduced_dims
+    from ..layers.registry import layer_spec, reduced_dims, split_refusal
     from ..model import ModelError, effective_default, layer_dist
 
     par = cfg["parallel"]
@@ -33,6 +33,11 @@ def check_blocks(cfg: dict, ranks: int, graph) -> None:
         except ModelError as exc:
             raise ConfigError(where, f"layer '{node.name}': {exc}",
                               "split only the dimensions it has") from None
+        cut = split_refusal(layer_spec(node.type), node.params, node.in_shape, dist)
+        if cut is not None:  # a split the type makes, but not of this layer (a channel group it would cut)
+            dim, why, fix = cut
+            raise ConfigError(f"{where}.{dim}", f"layer '{node.name}' ({node.type}): {why}",
+                              f"{fix}, for this layer alone in parallel.layers.{node.name}")
         parts = dict(zip(DIM_NAMES[ndim], dist.parts))
         if parts.get("n", 1) > batch:
             raise ConfigError(f"{where}.n", f"layer '{node.name}': a batch of {batch} sample(s) cannot be "

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spec
+from lbannpy.layers.registry import activation_sharing, layer_classes, layer_spec, split_refusal
 
 from ..dist import Distribution, DIM_NAMES
 from .cost import (LayerCost, halo_geometry, layer_cost, layer_memory, max_local_shape, redistribution_matrix,
@@ -144,6 +144,9 @@ def _splits(typ: str, ndim: int, ranks: int) -> tuple[Distribution, ...]:
 
 def filter_reason(node: Node, dist: Distribution, imbalance_tol: float) -> str | None:
     """Why ``dist`` cannot or should not be used for ``node`` (None: keep it)."""
+    cut = split_refusal(layer_spec(node.type), node.params, node.in_shape, dist)
+    if cut is not None:  # a split the type makes but not with these parameters (a cut channel group)
+        return cut[1]
     # where the layer reduces a split dimension whole (global pooling), the split cuts its input there
     reduced = reduced_dims(node, dist)
     shape = tuple(node.in_shape[i] if i in reduced else n for i, n in enumerate(node.out_shape))
@@ -307,10 +310,9 @@ def baseline_strategies(graph: ModelGraph, ranks: int) -> dict[str, dict[str, Di
         nd = len(node.out_shape)
         dp = Distribution.make(nd, ranks, n=fit_degree(node.out_shape[0], ranks))
         spec = layer_spec(node.type)
-        if "c" not in spec.split_dims:  # concat, flatten
-            mp = Distribution.whole(nd, ranks)
-        else:
-            mp = Distribution.make(nd, ranks, c=fit_degree(node.out_shape[1], ranks))
+        mp = Distribution.make(nd, ranks, c=fit_degree(node.out_shape[1], ranks))
+        if "c" not in spec.split_dims or split_refusal(spec, node.params, node.in_shape, mp):
+            mp = Distribution.whole(nd, ranks)  # concat, flatten; a channel group the split would cut
         seen_fc = seen_fc or spec.dense
         data[node.name], model[node.name] = dp, mp
         owt[node.name] = mp if seen_fc else dp
