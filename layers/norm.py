@@ -10,8 +10,11 @@ average over the batch of each sample's mean and unbiased variance), as layer st
 also spans the sample split, each rank's samples in their own rows, so every rank sees the whole batch's
 statistics in that same one allreduce.
 
-Group norm does not split channels (a channel block would have to hold whole groups); instance norm and
-layer norm split every dimension.
+Group norm splits channels where every channel block holds whole groups (uneven blocks of whole groups
+included: with one channel per group any split does): a rank's statistics are then its own groups', whole
+over its channels, and the allreduce spans space only as without the split. A split that would cut a group
+is refused by ``validate``, dropped by the planner and refused by the layer (:func:`group_split_check`).
+Instance norm and layer norm split every dimension.
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ import math
 import numpy as np
 
 from lbannpy.config_types import REQUIRED, Bool, Float, Int, Key
-from lbannpy.dist import Distribution, box_shape, shape_str
+from lbannpy.dist import Distribution, block_starts, box_shape, shape_str
 
 from .base import Layer, LayerError
 from .kernels import norm as K
-from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, Statistics, needs_image, register
+from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, Statistics, needs_image, register,
+                       split_refusal)
 from .state import StateTensor, is_writer
 
 _EPS = Key("eps", Float(0.0, lo_open=True), 1e-5, "added to the variance")
@@ -56,6 +60,28 @@ def _infer_layer(lay: LayerArgs) -> Inferred:
     affine = lay.params.get("affine", True)
     return Inferred(lay.x, _flops(lay.x) + (2 * math.prod(lay.x) if affine else 0),
                     2 * per_sample if affine else 0)
+
+
+def _whole_groups(channels: int, group_size: int, parts: int) -> bool:
+    """Every block of ``channels`` split ``parts`` ways starts and ends on a group boundary."""
+    return all(b % group_size == 0 for b in block_starts(channels, parts))
+
+
+def group_split_check(params, in_shape, dist: Distribution):
+    """``("c", why, fix)`` where a channel split of group norm would cut a group (the statistic of a group
+    cut in two would need the other rank's channels), else None; the fix names the degrees that work."""
+    c, parts = in_shape[1], dist.parts_of("c")
+    g = params.get("groups")
+    if parts == 1 or not isinstance(g, int) or isinstance(g, bool) or g < 1 or c % g:
+        return None  # nothing split, or groups that shape inference refuses on its own
+    size = c // g
+    if _whole_groups(c, size, parts):
+        return None
+    blocks = sorted({b - a for a, b in zip(block_starts(c, parts), block_starts(c, parts)[1:])})
+    ok = [str(p) for p in range(1, c + 1) if _whole_groups(c, size, p)]
+    return ("c", f"a channel split of {parts} cuts its {g} groups of {size} channels (blocks of "
+                 f"{'/'.join(map(str, blocks))} channels)",
+            f"split c so that each block holds whole groups: c in {{{', '.join(ok)}}}")
 
 
 class _SampleNorm(Layer):
@@ -222,8 +248,9 @@ class InstanceNorm(_SampleNorm):
         aliases=("num_groups",)),
     _EPS,
     Key("affine", Bool(), True, "learn a scale and a shift per channel")),
-    _infer_group, split_dims=("n", "d", "h", "w"), weights_split=True, spatial_statistics=True,
-    statistics=Statistics(per=("n", "c"), groups="groups"), pointwise=True, order=32, capturable=True))
+    _infer_group, weights_split=True, spatial_statistics=True,
+    statistics=Statistics(per=("n", "c"), groups="groups"), pointwise=True, order=32, capturable=True,
+    split_check=group_split_check))
 class GroupNorm(_SampleNorm):
     def _groups(self, channels: int) -> int:
         g = self.hparams.get("groups")
@@ -233,6 +260,9 @@ class GroupNorm(_SampleNorm):
         return g
 
     def setup(self, dist: Distribution) -> None:
+        cut = split_refusal(self.spec, self.hparams, self.in_shapes[0], dist)
+        if cut is not None:
+            raise LayerError(f"layer '{self.name}' (groupnorm) under {dist}: {cut[1]}; {cut[2]}")
         super().setup(dist)
         c = self.in_shapes[0][1]
         reduce_dims = [d for d in dist.dim_names if d != "c"]

@@ -172,7 +172,9 @@ def test_layers_refuse_what_they_cannot_build():
     spec = layer_spec("groupnorm")
     with pytest.raises(ShapeError, match="divisor of the 6 channels"):
         spec.infer(LayerArgs("g", "groupnorm", spec.resolve({"groups": 4}), ("x",), ((2, 6, 5, 5),)))
-    assert "c" not in spec.split_dims and "c" in layer_spec("layernorm").split_dims
+    # channels split only into blocks of whole groups (tests/test_split_groups.py)
+    assert "c" in spec.split_dims and spec.split_check is not None
+    assert "c" in layer_spec("layernorm").split_dims
     ctx = LayerContext(SingleCommunicator(), np, "float64")
     with pytest.raises(LayerError, match="groups=4 must be a positive divisor"):
         Model({"input": {"channels": 6, "spatial": [5, 5]},
