@@ -1,5 +1,5 @@
 """Distributed transposed convolution (1-D to 3-D; stride, padding, output padding, dilation, groups), split
-over samples and every spatial dimension, uneven blocks included.
+over samples, filters and every spatial dimension, uneven blocks included.
 
 A transposed convolution ``X -> Y`` is the adjoint (the data gradient) of the convolution ``Y -> X`` with
 the same kernel, stride, padding and dilation, whose filter in PyTorch's layout ``(F, C/groups, *k)`` is
@@ -16,6 +16,15 @@ blocks of ``X`` and its windows the rows of ``Y`` each input block writes.
   convolution of the window) computed while it is in flight, then its boundary; then the filter
   gradient from the same window and the input block kept from the forward.
 
+Filter split (``c``, as a convolution's): every rank of the ``c`` group holds the input channels its filters
+read (the input's ``c`` grid axis is replicated, so the base class's redistribution gathers them) and
+computes its block of filters, whose filter weights ``(C_in, filters/groups, *k)`` are one box: a block
+inside one group reads that group's input channels and the block's columns, a block of whole groups those
+groups' rows. A block that begins or ends inside a group and reaches into another is no box and is refused
+(:func:`filter_split_check`: ``validate``, the planner and the layer). The input gradient is a partial sum
+over the filters, summed by one allreduce over the ``c`` group, in flight while the filter gradient is
+computed.
+
 Output shape per spatial dimension: ``(X - 1)*stride - 2*padding + dilation*(kernel - 1) + output_padding
 + 1``. The output padding rows (written by no input) hold the bias only, as in PyTorch.
 """
@@ -24,7 +33,7 @@ from __future__ import annotations
 import math
 
 from lbannpy.config_types import REQUIRED, Bool, Int, Key, PerDim
-from lbannpy.dist import Distribution, DistributionError, box_size, shape_str
+from lbannpy.dist import Distribution, DistributionError, block_starts, box_size, shape_str
 from lbannpy.packing import pack
 from lbannpy.stencil import Stencil
 
@@ -33,7 +42,7 @@ from .halo_layer import HaloLayer
 from .kernels import conv as K
 from .kernels import aten as CT
 from .kernels.select import own
-from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register
+from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, needs_image, register, split_refusal
 
 def _per_dim(v, nsp: int, name: str, lo: int) -> tuple[int, ...]:
     vals = list(v) if isinstance(v, (list, tuple)) else [v] * nsp
@@ -92,6 +101,44 @@ def _infer(lay: LayerArgs) -> Inferred:
     return Inferred(out, 2 * math.prod(x) * (out[1] // groups) * ksize, n_params, st, halo="adjoint")
 
 
+def _input_dist(dist: Distribution, ndim_in: int) -> Distribution:
+    # the input channels of this rank's filters: the input's c grid axis is replicated over the filter split
+    return Distribution(dist.split, dist.ranks, (1,) if dist.split[1] > 1 else ())
+
+
+def filter_block(f0: int, f1: int, fg: int, cg: int):
+    """For filters ``[f0, f1)`` of groups of ``fg`` filters reading ``cg`` input channels each:
+    ``(input channel range, weight column range, groups in the block)``, the block's weights being
+    ``weight[rows, columns]``; None where the block reaches from inside one group into another."""
+    g0, g1 = f0 // fg, (f1 - 1) // fg
+    if g0 == g1:  # inside one group (every block of an ungrouped layer)
+        return (g0 * cg, (g0 + 1) * cg), (f0 - g0 * fg, f1 - g0 * fg), 1
+    if f0 % fg or f1 % fg:
+        return None
+    return (g0 * cg, (g1 + 1) * cg), (0, fg), g1 + 1 - g0
+
+
+def _blocks_fit(filters: int, groups: int, parts: int) -> bool:
+    starts = block_starts(filters, parts)
+    return all(filter_block(a, b, filters // groups, 1) is not None for a, b in zip(starts, starts[1:]))
+
+
+def filter_split_check(params, in_shape, dist: Distribution):
+    """``("c", why, fix)`` where a filter split of a grouped transposed convolution gives some rank a
+    block reaching from inside one group into another (its weights would be no box), else None."""
+    parts = dist.parts_of("c")
+    filters, groups = params.get("filters"), params.get("groups", 1)
+    if parts == 1 or not all(isinstance(v, int) and v >= 1 for v in (filters, groups)) or filters % groups:
+        return None  # nothing split, or parameters shape inference refuses on its own
+    if _blocks_fit(filters, groups, parts):
+        return None
+    ok = [str(p) for p in range(1, filters + 1) if _blocks_fit(filters, groups, p)]
+    return ("c", f"a filter split of {parts} gives a rank filters of two of its {groups} groups of "
+                 f"{filters // groups}, but not whole groups",
+            f"split c so that each block lies inside one group or holds whole groups: c in "
+            f"{{{', '.join(ok)}}}")
+
+
 _POS = Int(1)
 SPEC = LayerSpec(
     "conv_transpose", "N-d transposed convolution (the data gradient of a convolution) over the spatial "
@@ -105,7 +152,8 @@ SPEC = LayerSpec(
         Key("dilation", PerDim(_POS), 1, "spacing of kernel taps"),
         Key("groups", _POS, 1, "input and output channels in this many independent groups"),
         Key("bias", Bool(), True, "learn an additive bias")),
-    _infer, split_dims=("n", "d", "h", "w"), reduces_channels=True, order=11, capturable=True)
+    _infer, input_dist=_input_dist, weights_split=True, reduces_channels=True, order=11, capturable=True,
+    split_check=filter_split_check)
 
 
 def _chan(sl):
@@ -135,18 +183,31 @@ class ConvTranspose(HaloLayer):
         self.output_padding = _per_dim(hp["output_padding"], len(sp), "output_padding", 0)
         self._whole_space = all(p == 1 for p in dist.parts[2:])
         self.out_dist = dist
-        self.in_dists = [dist]
+        if 1 in dist.replicate:
+            raise LayerError(f"layer '{self.name}' (conv_transpose): its output distribution {dist} cannot "
+                             f"replicate c")
+        cut = split_refusal(self.spec, hp, in_shape, dist)
+        if cut is not None:
+            raise LayerError(f"layer '{self.name}' (conv_transpose) under {dist}: {cut[1]}; {cut[2]}")
+        self.in_dists = [_input_dist(dist, len(in_shape))]
         # the adjoint convolution's plan over the output: its "input" blocks are Y's, its "output" X's
         self.plan_halo(dist, self.out_shape, self.stencil)
         cin, filters = in_shape[1], self.out_shape[1]
+        fbox = dist.box(self.out_shape, self.ctx.rank)[1]
+        rows, cols, self.local_groups = filter_block(*fbox, filters // self.groups, cin // self.groups)
+        # the input channels this rank's filters read (None: all of them)
+        self._cin = None if rows == (0, cin) else slice(*rows)
+        self._cin_local = rows[1] - rows[0]
         wshape = (cin, filters // self.groups) + self.kernel
         # He initialisation over what one output sums: C_in/groups inputs times the taps that reach it
         fan = max(1.0, cin / self.groups * math.prod(self.kernel) / math.prod(self.stride))
         w0 = self.rng("weight").standard_normal(wshape) * math.sqrt(2.0 / fan)
         reduce_dims = [d for d in dist.dim_names if d != "c"]
-        self.w = self.new_param("weight", wshape, w0, None, dist, reduce_dims, lazy=True)
-        self.b = (self.new_param("bias", (filters,), None, None, dist, reduce_dims, lazy=True)
+        wbox = (rows, cols) + tuple((0, k) for k in self.kernel)
+        self.w = self.new_param("weight", wshape, w0, wbox, dist, reduce_dims, lazy=True)
+        self.b = (self.new_param("bias", (filters,), None, (fbox,), dist, reduce_dims, lazy=True)
                   if hp["bias"] else None)
+        self.cgroup = self.ctx.grid_comm(self.in_dists[0], ["c"]) if dist.split[1] > 1 else None
         h = self.halo
         # the window of Y the whole input block writes is the output block itself (no padding to crop, no
         # ghost rows, every row written): the common stride = kernel case on one rank
@@ -174,7 +235,7 @@ class ConvTranspose(HaloLayer):
             # space whole on ATen: PyTorch's own transposed convolution (groups, output padding and bias
             # inside the operator, no window)
             self._native = k is not None and k.name == "aten" and self._whole_space
-            k = self._kern = own() if k is None or (self.groups > 1 and not self._native) else k
+            k = self._kern = own() if k is None or (self.local_groups > 1 and not self._native) else k
         return k
 
     @property
@@ -203,12 +264,14 @@ class ConvTranspose(HaloLayer):
 
     def fp_compute(self, xs):
         (x,) = xs
-        self._x = x if self.train else None
         ctx, h = self.ctx, self.halo
+        if self._cin is not None:  # the input channels this rank's filters read
+            x = ctx.xp.ascontiguousarray(x[:, self._cin])
+        self._x = x if self.train else None
         if self.native:
             return CT.conv_transpose_forward(x, self.w.value, None if self.b is None else self.b.value,
                                              self.stride, self.padding, self.output_padding, self.dilation,
-                                             self.groups)
+                                             self.local_groups)
         if self._pads is not None:
             return self._add_bias(self._scatter(x, h.local_shape, padding=self._pads))
         if self._exact:
@@ -270,7 +333,7 @@ class ConvTranspose(HaloLayer):
         win = exchange.window
         dx = None
         if want_dx and self._split:
-            dx = ctx.xp.empty(self.halo.output_local_shape[:1] + (self.in_shapes[0][1],)
+            dx = ctx.xp.empty(self.halo.output_local_shape[:1] + (self._cin_local,)
                               + self.halo.output_local_shape[2:], dtype=dy.dtype)
 
         def interior():
@@ -292,24 +355,46 @@ class ConvTranspose(HaloLayer):
             ctx.timer.add((self.name, "interior"), t0, t1)
         return win, dx
 
+    def _reduce_start(self, dx):
+        """Under a filter split: the allreduce over the ``c`` group of this rank's partial input gradient
+        (its input channels placed among all of them), started; else None."""
+        if self.cgroup is None or dx is None:
+            return None
+        if self._cin is not None:
+            full = self.ctx.xp.zeros(dx.shape[:1] + (self.in_shapes[0][1],) + dx.shape[2:], dtype=dx.dtype)
+            full[:, self._cin] = dx
+            dx = full
+        return self.cgroup.iallreduce(dx, out=dx)
+
+    def _reduce_wait(self, pending, dx):
+        if pending is None:
+            return dx
+        ctx = self.ctx
+        t0 = ctx.timer.now()
+        dx = pending.wait()
+        ctx.timer.add((self.name, "filter_allreduce"), t0, ctx.timer.now(), "comm")
+        return dx
+
     def bp_compute(self, dy):
         x, self._x = self._x, None
         if self.native:
             dx, dw, db = CT.conv_transpose_backward(dy, x, self.w.value, self.b is not None,
                                                     self.needs_input_grad, self.stride, self.padding,
-                                                    self.output_padding, self.dilation, self.groups)
+                                                    self.output_padding, self.dilation, self.local_groups)
+            pending = self._reduce_start(dx)
             self.w.accumulate(dw)
             if db is not None:
                 self.b.accumulate(db)
-            return [dx]
+            return [self._reduce_wait(pending, dx)]
         win, dx = self._window_and_dx(dy, self.needs_input_grad)
+        pending = self._reduce_start(dx)  # in flight while the filter gradient is computed
         padded = {} if self._pads is None else {"padding": self._pads}
         dw, _ = self.kern.conv_backward_params(win, x, self.w.value, False, self.stride, self.dilation,
                                                **padded)
         self.w.accumulate(dw)
         if self.b is not None:
             self.b.accumulate(_channel_sums(dy))
-        return [dx]
+        return [self._reduce_wait(pending, dx)]
 
 
 def _channel_sums(a):
