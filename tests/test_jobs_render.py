@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from lbannpy.jobs import RENDER_ALL, SITES, TEMPLATES, JobSpec, JobSpecError, render, render_all
-from lbannpy.jobs import helpers
+from lbannpy.jobs import helpers, templates
+from lbannpy.jobs.render import shell_word
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
@@ -26,6 +27,14 @@ TIMEOUT_S = 60
 
 def run(cmd, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, **kw)
+
+
+def assigned(text: str, var: str) -> str:
+    """The value a script's line ``var=...`` gives ``var``, as bash computes it."""
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"{var}="))
+    proc = run(["bash", "-c", f'{line}\nprintf "%s" "${var}"'])
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def sbatch_options(text: str) -> dict[str, str]:
@@ -102,7 +111,8 @@ def test_rendered_script_structure(case):
     assert all(i < first_cmd for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
     assert "set -euo pipefail" in text
     site = SITES[case.site]
-    assert f'SLURM_MPI_TYPE="${{SLURM_MPI_TYPE:-{site.mpi}}}"' in text
+    assert f"site_mpi={shell_word(site.mpi)}" in lines
+    assert 'export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-$site_mpi}"' in lines
     for env_line in site.env_setup:
         assert env_line in lines
     # resources come from the allocation: no srun line re-specifies them (only the sweeps' -n P)
@@ -231,8 +241,28 @@ def test_gpu_sites_train_and_calibrate_on_their_gpus(site, tmp_path):
 
 
 def test_config_default_is_baked_in_and_quoted():
-    text = render(JobSpec.for_site("resnet50", config='/data/my run/$HOME "x".h5'))
-    assert 'config="${1:-/data/my run/\\$HOME \\"x\\".h5}"' in text
+    path = '/data/my run/$HOME "x" {a}b it\'s #1.h5'
+    text = render(JobSpec.for_site("resnet50", config=path))
+    assert assigned(text, "config_default") == path
+    assert 'config="${1:-$config_default}"' in text.splitlines()
+
+
+def test_value_placeholders_stand_alone_as_shell_words():
+    # shell_word's quoting holds only where its word is not inside other quotes or a ${...}
+    fragments = [templates.PREAMBLE, templates.CONFIG_ARG, *templates.BODIES.values(),
+                 *templates.BUILDERS.values()]
+    seen = set()
+    for fragment in fragments:
+        for line in fragment.splitlines():
+            for m in re.finditer(r"@([A-Z_]+)@", line):
+                if m.group(1) not in templates.VALUES:
+                    continue
+                seen.add(m.group(1))
+                before, after = line[:m.start()], line[m.end():]
+                # a word of its own, or the whole value of an assignment word; outside double quotes
+                assert re.search(r"(^|\s)([A-Za-z_][A-Za-z_0-9]*=)?$", before), line
+                assert re.match(r"(\s|$)", after) and before.count('"') % 2 == 0, line
+    assert seen == set(templates.VALUES)
 
 
 def test_spec_is_frozen():
@@ -460,9 +490,9 @@ def test_cli_drop_points(tmp_path):
 
 def test_run_dir_and_requeue_lines():
     text = render(JobSpec.for_site("resnet50", run_dir="/scratch/me"))
-    assert 'run_dir="${LBANNPY_RUN_DIR:-/scratch/me/resnet50-$SLURM_JOB_ID}"' in text
+    assert "run_parent=/scratch/me" in text.splitlines()
+    assert 'run_dir="${LBANNPY_RUN_DIR:-$run_parent/$template-$SLURM_JOB_ID}"' in text.splitlines()
     text = render(JobSpec.for_site("resnet50"))
-    default = 'run_dir="${LBANNPY_RUN_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/run/resnet50-$SLURM_JOB_ID}"'
-    assert default in text
+    assert 'run_parent="${SLURM_SUBMIT_DIR:-$PWD}/run"' in text.splitlines()
     assert "trap 'lbannpy_forward USR1' USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert '--set "checkpoint.dir=$out/ckpt"' in text

@@ -8,14 +8,20 @@ Scripts are never edited by hand: ``jobs/*.sbatch`` are ``render_all()`` output,
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import unicodedata
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .sites import SITE_DIR, SITES, Site
-from .templates import BODIES, BUILDERS, CONFIG_ARG, PREAMBLE, TEMPLATES, USAGE
+from .templates import BODIES, BUILDERS, CONFIG_ARG, PREAMBLE, TEMPLATES, USAGE, VALUES
 
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:,[A-Za-z0-9_.-]+)*$")
+_BARE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")  # characters no shell context expands or splits on
+BASH_CHECK_TIMEOUT_S = 60
+_CONTROL = ("Cc", "Cs", "Zl", "Zp")  # what a config's string keys refuse (config_types.Str)
 
 DEVICE_NOTE = (
     "Devices: srun gives every rank all of its node's GPUs; the lbannpy runtime (comm/runtime.py) picks",
@@ -88,14 +94,14 @@ class JobSpec:
             if line.lstrip().startswith("#SBATCH"):
                 raise JobSpecError(f"env_setup line {line!r}: #SBATCH lines after commands are ignored by "
                                    f"sbatch; use the JobSpec fields (nodes, time, ...) instead")
-        if self.config is not None:
-            if not isinstance(self.config, str) or not self.config.strip() or "\n" in self.config:
-                raise JobSpecError(f"config must be a non-empty one-line path, got {self.config!r}")
-            if self.template in ("calibrate", "mpi-check", "predict"):
-                raise JobSpecError(f"template {self.template!r} takes no config")
-        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir.strip()
-                                         or "\n" in self.run_dir):
-            raise JobSpecError(f"run_dir must be a non-empty one-line path, got {self.run_dir!r}")
+        for name in ("config", "run_dir"):  # the trainer refuses control characters in paths too
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()
+                                      or any(unicodedata.category(c) in _CONTROL for c in value)):
+                raise JobSpecError(f"{name} must be a non-empty one-line path without control characters, "
+                                   f"got {value!r}")
+        if self.config is not None and self.template in ("calibrate", "mpi-check", "predict"):
+            raise JobSpecError(f"template {self.template!r} takes no config")
 
     @classmethod
     def for_site(cls, template: str, site: str | Site = "local", **overrides) -> "JobSpec":
@@ -135,9 +141,37 @@ def _fill(text: str, subs: dict[str, str]) -> str:
     return text
 
 
-def _dq(text: str) -> str:
-    """``text`` escaped for a bash double-quoted string."""
-    return re.sub(r'([\\"$`])', r"\\\1", text)
+def shell_word(value: str) -> str:
+    """``value`` as one bash word that evaluates to exactly ``value``: the one way a rendered script gets a
+    name, path or number. Where it stands alone as a word (``run_parent=WORD``, ``cmd WORD``) nothing in it
+    is expanded, split or globbed: it is left bare when made only of characters no shell context treats
+    specially, else single-quoted with each ``'`` written as ``'\\''``. Bash strings cannot hold NUL."""
+    if not isinstance(value, str) or "\0" in value:
+        raise JobSpecError(f"cannot write {value!r} into a job script: expected text without NUL")
+    if _BARE_WORD.fullmatch(value):
+        return value
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+def comment_text(text: str) -> str:
+    """``text`` for a ``#`` comment line: characters that would end the line or hide text (newlines,
+    carriage returns, other controls) written as escapes, so nothing after them becomes a command."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def check_syntax(text: str) -> None:
+    """Refuse a script that ``bash -n`` rejects: a broken ``--env-setup`` or site line would otherwise show
+    only when the job starts, after its wait in the queue."""
+    bash = shutil.which("bash")
+    if bash is None:
+        raise JobSpecError("bash is not on PATH: `jobs render` checks every script it writes with `bash -n`; "
+                           "install bash or render on the cluster's login node")
+    proc = subprocess.run([bash, "-n"], input=text, capture_output=True, text=True,
+                          timeout=BASH_CHECK_TIMEOUT_S)
+    if proc.returncode != 0:
+        first = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0]
+        raise JobSpecError(f"the rendered script fails `bash -n` ({comment_text(first)}); check the "
+                           f"--env-setup lines and the site's env_setup and comm_setup")
 
 
 def _sweep_ranks(spec: JobSpec, tpl) -> tuple[str, str]:
@@ -163,24 +197,13 @@ def _sweep_ranks(spec: JobSpec, tpl) -> tuple[str, str]:
     keep = [str(pt.ranks) for pt in points if not pt.problem]
     if not keep:
         raise JobSpecError(f"{tpl.name} on {total} ranks: no sweep point can run ({what}: {bad[0].problem})")
-    note = [f"# Rank counts checked by `jobs render` ({what})."]
-    note += [f"# Left out: {pt.ranks} rank(s) per sample ({pt.problem})" for pt in bad]
+    note = [f"# Rank counts checked by `jobs render` ({comment_text(what)})."]
+    note += [f"# Left out: {pt.ranks} rank(s) per sample ({comment_text(pt.problem)})" for pt in bad]
     return " ".join(keep), "\n".join(note) + "\n"
 
 
-def render(spec: JobSpec) -> str:
-    """The batch script for ``spec`` (a complete bash file)."""
-    tpl = TEMPLATES[spec.template]
-    site = site_of(spec)
-    subs = {
-        "TEMPLATE": tpl.name,
-        "MODEL": tpl.model,
-        "SIZE": str(tpl.size),
-        "SAMPLES": str(tpl.samples),
-        "STEPS": str(tpl.steps),
-        "SITE": site.name,
-        "MPI": site.mpi,
-    }
+def _header(spec: JobSpec, tpl, site: Site) -> list[str]:
+    """The ``#!``, ``#SBATCH`` and comment lines (comments: the usage, filled with the values as text)."""
     sbatch = [
         f"--job-name=lbannpy-{tpl.name}",
         f"--nodes={spec.nodes}",
@@ -198,37 +221,45 @@ def render(spec: JobSpec) -> str:
         sbatch.append(f"--partition={spec.partition}")
     if spec.account:
         sbatch.append(f"--account={spec.account}")
-
-    # a job that holds GPUs computes on them: one rank per GPU (checked in JobSpec), CuPy arrays, NCCL; the
-    # overrides win over whatever runtime the config names, so a CPU config trains on the GPUs as well
-    gpu = spec.gpus_per_node > 0
-    subs["TRAIN_DEVICE"] = " --set runtime.device=gpu --set runtime.backend=nccl" if gpu else ""
-    subs["BENCH_DEVICE"] = " --device gpu --backend nccl" if gpu else ""
-    parent = _dq(spec.run_dir) if spec.run_dir else "${SLURM_SUBMIT_DIR:-$PWD}/run"
-    subs["RUN_DIR"] = f"{parent}/{tpl.name}-$SLURM_JOB_ID"
-    subs["RUN_DIR_SHOWN"] = f"{spec.run_dir or 'SUBMIT_DIR/run'}/{tpl.name}-JOBID"
-
+    shown = {"TEMPLATE": tpl.name, "MODEL": tpl.model, "SIZE": str(tpl.size), "SAMPLES": str(tpl.samples),
+             "STEPS": str(tpl.steps), "RUN_DIR_SHOWN": f"{spec.run_dir or 'SUBMIT_DIR/run'}/{tpl.name}-JOBID"}
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {opt}" for opt in sbatch]
     lines += [
         "#",
         f"# lbannpy job '{tpl.name}': {tpl.description}.",
-        f"# Site '{site.name}': {site.description}.",
+        f"# Site '{comment_text(site.name)}': {comment_text(site.description)}.",
         "# Rendered by `python -m lbannpy.jobs render` from src/jobs/templates.py and the site in",
-        "#   " + (f"{site.file}" if spec.site is site else f"src/jobs/sites/{site.name}.yaml")
+        "#   " + comment_text(f"{site.file}" if spec.site is site else f"src/jobs/sites/{site.name}.yaml")
         + "; do not edit, re-render",
         "# (jobs/*.sbatch: `python -m lbannpy.jobs render-all`).",
         "#",
     ]
-    lines += ["# " + _fill(u, subs) for u in USAGE[tpl.kind]]
+    lines += ["# " + comment_text(_fill(u, shown)) for u in USAGE[tpl.kind]]
     lines += [
         "# sbatch options on the command line (--nodes, --ntasks-per-node, --time, ...) win over the #SBATCH",
         "#   lines above; srun lines take their sizes from the allocation.",
     ]
     if tpl.kind != "strategy":
         lines += ["# " + line for line in DEVICE_NOTE]
-    lines.append("")
+    return lines + [""]
 
+
+def render(spec: JobSpec) -> str:
+    """The batch script for ``spec`` (a complete bash file, checked with ``bash -n``)."""
+    tpl = TEMPLATES[spec.template]
+    site = site_of(spec)
+    values = {"TEMPLATE": tpl.name, "SITE": site.name, "MPI": site.mpi, "MODEL": tpl.model,
+              "SIZE": str(tpl.size), "SAMPLES": str(tpl.samples), "STEPS": str(tpl.steps),
+              "CONFIG_DEFAULT": spec.config or ""}
+    assert set(values) == set(VALUES), "every value placeholder is filled by shell_word"
+    subs = {name: shell_word(value) for name, value in values.items()}
+    # shell code: the run directory's parent, and for a job that holds GPUs the overrides that compute on
+    # them (one rank per GPU, checked in JobSpec; CuPy arrays, NCCL), winning over the config's runtime
+    subs["RUN_PARENT"] = shell_word(spec.run_dir) if spec.run_dir else '"${SLURM_SUBMIT_DIR:-$PWD}/run"'
+    gpu = spec.gpus_per_node > 0
+    subs["TRAIN_DEVICE"] = " --set runtime.device=gpu --set runtime.backend=nccl" if gpu else ""
+    subs["BENCH_DEVICE"] = " --device gpu --backend nccl" if gpu else ""
     env_lines = list(site.env_setup if spec.env_setup is None else spec.env_setup)
     origin = "site" if spec.env_setup is None else "replaced with --env-setup"
     subs["SITE_ENV"] = (f"# environment set-up ({origin})\n" + "\n".join(env_lines) + "\n"
@@ -238,14 +269,12 @@ def render(spec: JobSpec) -> str:
                              + "\n".join(site.comm_setup) + "\n")
     if tpl.kind == "sweep":
         subs["RANKS"], subs["RANK_NOTE"] = _sweep_ranks(spec, tpl)
-    text = "\n".join(lines) + "\n" + _fill(PREAMBLE, subs)
+    text = "\n".join(_header(spec, tpl, site)) + "\n" + _fill(PREAMBLE, subs)
     if tpl.kind in BUILDERS:
-        # the default sits inside "${1:-...}": escape what double quotes would expand
-        config_default = _dq(spec.config or "")
-        subs["CONFIG_DEFAULT"] = config_default
         subs["BUILD"] = _fill(BUILDERS[tpl.kind], subs)
         text += _fill(CONFIG_ARG, subs)
     text += _fill(BODIES[tpl.kind], subs)
+    check_syntax(text)
     return text
 
 

@@ -2,8 +2,12 @@
 
 A template is a frozen record (name, kind, defaults); :func:`lbannpy.jobs.render.render` puts the
 ``#SBATCH`` header, the common preamble and the template's body together. Placeholders are ``@NAME@``
-(shell uses ``$`` and ``%`` itself). Rendered scripts must be self-contained: sbatch copies the script into
-its spool directory, so nothing next to the script can be sourced; helpers run as ``python -m lbannpy.jobs``.
+(shell uses ``$`` and ``%`` itself). A value placeholder (:data:`VALUES`: names, paths, numbers) stands only
+where one shell word goes, outside any quotes (``template=@TEMPLATE@``), and is filled with
+:func:`lbannpy.jobs.render.shell_word`; the script reads the variable, so no value is parsed as shell code.
+The other placeholders are shell code written by the renderer (or the site's set-up lines). Rendered
+scripts must be self-contained: sbatch copies the script into its spool directory, so nothing next to the
+script can be sourced; helpers run as ``python -m lbannpy.jobs``.
 
 Resources are never re-specified on srun lines: srun takes them from the allocation, so sbatch command-line
 options (which win over ``#SBATCH`` lines) decide them. The only size on an srun line is ``-n P`` of the
@@ -14,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("sweep", "train", "calibrate", "strategy", "mpi-check", "predict")
+
+# Placeholders filled with one quoted shell word each (render.shell_word); each stands alone as a word.
+VALUES = ("TEMPLATE", "SITE", "MPI", "MODEL", "SIZE", "SAMPLES", "STEPS", "CONFIG_DEFAULT")
 
 
 @dataclass(frozen=True)
@@ -54,21 +61,51 @@ TEMPLATES: dict[str, Template] = {
 PREAMBLE = r"""set -euo pipefail
 
 : "${SLURM_JOB_ID:?submit this script with sbatch (SLURM_JOB_ID is not set)}"
+# What the job was rendered with, one shell word each; the lines below only read these variables.
+template=@TEMPLATE@
+job_site=@SITE@
+site_mpi=@MPI@
+run_parent=@RUN_PARENT@
+
+# lbannpy_int VAR NAME DEFAULT MIN: VAR = the environment variable NAME (DEFAULT when unset or empty) as a
+# whole number >= MIN; anything else ends the job at its start with one line naming NAME (exit 2), instead
+# of in shell arithmetic hours later. An empty DEFAULT leaves VAR empty when NAME is unset.
+lbannpy_int() {
+    local value="${!2:-$3}"
+    if [[ -z "$value" && -z "$3" ]]; then
+        printf -v "$1" '%s' ""
+        return 0
+    fi
+    if [[ ! "$value" =~ ^[0-9]{1,9}$ ]] || (( 10#$value < $4 )); then
+        printf 'error: %s=%q is not a whole number >= %s; unset it or give one, e.g. %s=%s\n' \
+            "$2" "$value" "$4" "$2" "${3:-$4}" >&2
+        exit 2
+    fi
+    printf -v "$1" '%d' "$(( 10#$value ))"
+}
+# lbannpy_str VAR NAME DEFAULT: VAR = the environment variable NAME, or DEFAULT when unset or empty
+lbannpy_str() {
+    local value="${!2:-}"
+    printf -v "$1" '%s' "${value:-$3}"
+}
+
 # srun's MPI plugin for this site; an environment value from the submitter wins.
-export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-@MPI@}"
+export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-$site_mpi}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
 # a rank that dies (in MPI_Init, say) ends its srun step, instead of leaving the other ranks waiting for it
 export SLURM_KILL_BAD_EXIT="${SLURM_KILL_BAD_EXIT:-1}"
 @SITE_ENV@
-template=@TEMPLATE@
+# numbers the job reads from its environment, checked before anything runs
+lbannpy_int max_requeues LBANNPY_MAX_REQUEUES 10 0
+lbannpy_int restarts SLURM_RESTART_COUNT 0 0
 # Every output of the job (inputs it builds, runs, checkpoints) goes under one run directory, keyed by the
 # job id: a requeued job keeps its id, so its next start finds its checkpoints there.
-run_dir="${LBANNPY_RUN_DIR:-@RUN_DIR@}"
-mkdir -p "$run_dir"
-run_dir="$(cd "$run_dir" && pwd)"
+run_dir="${LBANNPY_RUN_DIR:-$run_parent/$template-$SLURM_JOB_ID}"
+mkdir -p -- "$run_dir"
+run_dir="$(CDPATH='' cd -- "$run_dir" && pwd)"
 
 lbannpy_job_info() {
-    echo "lbannpy job $SLURM_JOB_ID: template=$template site=@SITE@ host=$(hostname) cwd=$PWD"
+    echo "lbannpy job $SLURM_JOB_ID: template=$template site=$job_site host=$(hostname) cwd=$PWD"
     echo "  nodes=${SLURM_JOB_NUM_NODES:-?} ntasks=${SLURM_NTASKS:-?}" \
          "tasks_per_node=${SLURM_NTASKS_PER_NODE:-?}" \
          "cpus_per_task=${SLURM_CPUS_PER_TASK:-1} gpus_per_node=${SLURM_GPUS_PER_NODE:-0}" \
@@ -103,7 +140,7 @@ lbannpy_train() {
     fi
     if compgen -G "$out/ckpt/ckpt-*/index.h5" >/dev/null; then
         resume=(--resume)
-        echo "  $out: resuming from the newest checkpoint in $out/ckpt (start ${SLURM_RESTART_COUNT:-0})"
+        echo "  $out: resuming from the newest checkpoint in $out/ckpt (start $restarts)"
     fi
     srun "${srun_opts[@]}" python -m lbannpy.train "$@" --set "output.dir=$out" \
         --set "checkpoint.dir=$out/ckpt" "${resume[@]}" &
@@ -119,14 +156,13 @@ lbannpy_train() {
         return 0
     fi
     if (( rc == 4 )); then
-        local max="${LBANNPY_MAX_REQUEUES:-10}"
-        if (( ${SLURM_RESTART_COUNT:-0} < max )) && scontrol requeue "$SLURM_JOB_ID"; then
+        if (( restarts < max_requeues )) && scontrol requeue "$SLURM_JOB_ID"; then
             echo "lbannpy job $SLURM_JOB_ID: stopped after a checkpoint (exit 4); requeued, the next start" \
                  "resumes from $out/ckpt"
             exit 0
         fi
         echo "error: stopped after a checkpoint (exit 4) and not requeued" \
-             "(restarts ${SLURM_RESTART_COUNT:-0}, LBANNPY_MAX_REQUEUES=$max);" \
+             "(restarts $restarts, LBANNPY_MAX_REQUEUES=$max_requeues);" \
              "resubmit with LBANNPY_RUN_DIR=$run_dir to resume" >&2
         exit 4
     fi
@@ -137,7 +173,8 @@ lbannpy_train() {
 
 # Config resolution: $1, else the rendered --config, else the template's built-in default (@BUILD@).
 CONFIG_ARG = r"""
-config="${1:-@CONFIG_DEFAULT@}"
+config_default=@CONFIG_DEFAULT@
+config="${1:-$config_default}"
 if [[ -n "$config" ]]; then
     if [[ ! -f "$config" ]]; then
         echo "error: config '$config' not found (cwd $PWD); pass an existing CONFIG.h5 as the first" \
@@ -154,11 +191,11 @@ fi
 """
 
 # Default config from the zoo: the spec is resized to the env-given sizes before it is built.
-BUILD_MESH = r"""    model="${LBANNPY_MODEL:-@MODEL@}"
-    mesh_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
-    mesh_samples="${LBANNPY_MESH_SAMPLES:-@SAMPLES@}"
-    steps="${LBANNPY_STEPS:-@STEPS@}"
-    batch_size="${LBANNPY_BATCH_SIZE:-}"
+BUILD_MESH = r"""    lbannpy_str model LBANNPY_MODEL @MODEL@
+    lbannpy_int mesh_size LBANNPY_MESH_SIZE @SIZE@ 1
+    lbannpy_int mesh_samples LBANNPY_MESH_SAMPLES @SAMPLES@ 1
+    lbannpy_int steps LBANNPY_STEPS @STEPS@ 1
+    lbannpy_int batch_size LBANNPY_BATCH_SIZE '' 1
     echo "  building default config: model=$model size=$mesh_size samples=$mesh_samples steps=$steps" \
          "batch_size=${batch_size:-zoo}"
     input_dir="$run_dir/input"
@@ -172,15 +209,16 @@ BUILD_MESH = r"""    model="${LBANNPY_MODEL:-@MODEL@}"
     config="$input_dir/config.h5"
 """
 
-BUILD_IMAGES = r"""    image_size="${LBANNPY_IMAGE_SIZE:-@SIZE@}"
-    samples="${LBANNPY_SAMPLES:-@SAMPLES@}"
-    steps="${LBANNPY_STEPS:-@STEPS@}"
-    batch_size="${LBANNPY_BATCH_SIZE:-}"
-    echo "  building default config: model=@MODEL@ size=$image_size samples=$samples steps=$steps" \
+BUILD_IMAGES = r"""    model=@MODEL@
+    lbannpy_int image_size LBANNPY_IMAGE_SIZE @SIZE@ 1
+    lbannpy_int samples LBANNPY_SAMPLES @SAMPLES@ 1
+    lbannpy_int steps LBANNPY_STEPS @STEPS@ 1
+    lbannpy_int batch_size LBANNPY_BATCH_SIZE '' 1
+    echo "  building default config: model=$model size=$image_size samples=$samples steps=$steps" \
          "batch_size=${batch_size:-zoo}"
     input_dir="$run_dir/input"
     mkdir -p "$input_dir"
-    python -m lbannpy.config zoo @MODEL@ -o "$input_dir/zoo.yaml"
+    python -m lbannpy.config zoo "$model" -o "$input_dir/zoo.yaml"
     python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" \
         --data "$input_dir/images.h5" --size "$image_size" --samples "$samples" --steps "$steps" \
         ${batch_size:+--batch-size "$batch_size"}
@@ -190,8 +228,8 @@ BUILD_IMAGES = r"""    image_size="${LBANNPY_IMAGE_SIZE:-@SIZE@}"
     config="$input_dir/config.h5"
 """
 
-BUILD_MODEL_ONLY = r"""    model="${LBANNPY_MODEL:-@MODEL@}"
-    model_size="${LBANNPY_MESH_SIZE:-@SIZE@}"
+BUILD_MODEL_ONLY = r"""    lbannpy_str model LBANNPY_MODEL @MODEL@
+    lbannpy_int model_size LBANNPY_MESH_SIZE @SIZE@ 1
     echo "  building default config: model=$model size=$model_size (no data needed to choose a strategy)"
     input_dir="$run_dir/input"
     mkdir -p "$input_dir"
@@ -216,6 +254,10 @@ for p in @RANKS@; do if (( p <= SLURM_NTASKS )); then ranks+=("$p"); fi; done
 echo "  sweeps=$sweeps ranks_per_sample=${ranks[*]}"
 if [[ " $sweeps " == *" weak "* ]]; then
     base_batch="$(python -m lbannpy.jobs config-value "$config" trainer.batch_size)"
+    if [[ ! "$base_batch" =~ ^[0-9]{1,9}$ ]]; then
+        printf 'error: trainer.batch_size of %q is %q, not a whole number\n' "$config" "$base_batch" >&2
+        exit 2
+    fi
     echo "  weak scaling base batch_size=$base_batch (from the config)"
 fi
 for sweep in $sweeps; do
@@ -304,7 +346,8 @@ srun python -m mpi4py -c "$check_py"
 BODY_PREDICT = r"""
 # Arguments: CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]; run with the task count the model was trained on (or
 # one its parallel.* settings divide).
-usage="usage: sbatch jobs/@TEMPLATE@.sbatch CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]"
+usage="usage: sbatch jobs/$template.sbatch CONFIG.h5 CHECKPOINT DATA.h5 [OUT.h5]"
+lbannpy_int png LBANNPY_PNG 4 0
 config="${1:?$usage}"
 checkpoint="${2:?$usage}"
 data="${3:?$usage}"
@@ -314,7 +357,7 @@ for f in "$config" "$checkpoint" "$data"; do
 done
 echo "== predicting $data with $checkpoint on $SLURM_NTASKS rank(s) -> $out"
 srun python -m lbannpy.predict "$config" --checkpoint "$checkpoint" --data "$data" -o "$out" \
-    --png "${LBANNPY_PNG:-4}"
+    --png "$png"
 echo "done: $out"
 """
 
