@@ -6,6 +6,7 @@ branches on the backend itself.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 
@@ -27,9 +28,68 @@ def get_xp(name: str = "numpy") -> types.ModuleType:
             return importlib.import_module("cupy")
         except Exception as exc:  # ImportError, or a CUDA runtime error raised while importing
             raise BackendError(
-                f"the 'cupy' backend needs CuPy and a CUDA GPU ({exc}); install lbannpy[gpu] on a GPU node, "
-                f"or use backend 'numpy'") from exc
+                f"GPU arrays need CuPy and a CUDA GPU ({exc}); install lbannpy[gpu] on a GPU node, or run "
+                f"on the CPU (runtime.device: cpu)") from exc
     raise BackendError(f"unknown array backend {name!r}; use one of {', '.join(_BACKENDS)}")
+
+
+def launched_ranks_on_node(env=None) -> int | None:
+    """The ranks the launcher started on this node, from its environment (``srun``, Hydra's ``mpiexec``,
+    Open MPI's ``mpirun``); None when it does not say. Needs no MPI: it is read before MPI starts."""
+    env = os.environ if env is None else env
+    for var in ("SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        v = env.get(var, "").strip()
+        if v.isdigit():
+            return int(v)
+    # SLURM without --ntasks-per-node: "2(x3),1" lists each node's count; SLURM_NODEID picks this node's
+    per_node: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        n, _, times = part.strip().partition("(x")
+        times = times.rstrip(")") or "1"
+        if not (n.isdigit() and times.isdigit()):
+            return None
+        per_node += [int(n)] * int(times)
+    node = env.get("SLURM_NODEID", "0").strip()
+    return per_node[int(node)] if per_node and node.isdigit() and int(node) < len(per_node) else None
+
+
+def device_problem(device: str, backend: str = "auto", share_gpu: bool = False,
+                   ranks_on_node: int | None = None) -> str | None:
+    """Why ``runtime.device``, ``runtime.backend`` and ``runtime.share_gpu`` cannot run on this machine, as
+    one line naming the key to change and its values; None when they can. ``ranks_on_node`` (when known:
+    :func:`launched_ranks_on_node`) adds the check of ranks against the GPUs they would share.
+
+    One check for ``validate`` and for the commands that start a Runtime, before MPI starts: each rank of a
+    node finds the same answer, so each can end on it alone (exit 2) instead of failing inside the
+    Runtime's set-up. Imports CuPy only for ``device: gpu``; touches no GPU (it counts them)."""
+    if backend == "nccl" and device != "gpu":
+        return (f"runtime.backend: nccl runs on GPUs, but runtime.device is {device!r}; set runtime.backend: "
+                f"mpi (or auto) to run on the CPU, or runtime.device: gpu on a GPU node")
+    if device != "gpu":
+        return None
+    key = "runtime.backend: nccl" if backend == "nccl" else "runtime.device: gpu"
+    try:
+        cupy = get_xp("cupy")
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no CuPy, or a CUDA runtime without a driver
+        cause = (f"{exc.__cause__ or exc}".splitlines() or [type(exc).__name__])[0]
+        also = " and runtime.backend: mpi (or auto)" if backend == "nccl" else ""
+        return (f"{key} needs CuPy and a CUDA GPU, which this machine lacks ({cause}); set runtime.device: "
+                f"cpu{also}, or run on a GPU node with lbannpy[gpu] installed")
+    if count < 1:
+        return (f"{key}, but no CUDA device is visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); set runtime.device: cpu, or run on a GPU node")
+    if ranks_on_node is None or ranks_on_node <= count:
+        return None
+    where = f"{ranks_on_node} ranks on this node but {count} GPU(s) visible"
+    if not share_gpu:
+        return (f"runtime.device: gpu: {where}, so ranks would share a GPU; launch at most {count} rank(s) "
+                f"per node, or set runtime.share_gpu: true to allow it")
+    if backend == "nccl":
+        return (f"runtime.backend: nccl with runtime.share_gpu: true: {where}, and NCCL cannot run two "
+                f"ranks on one GPU; set runtime.backend: mpi (or auto), which stages GPU arrays through host "
+                f"memory")
+    return None
 
 
 def array_module(arr) -> types.ModuleType:

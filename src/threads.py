@@ -43,6 +43,26 @@ def choose(configured: int | None, env: dict, cores: int, ranks_on_node: int) ->
     return ThreadChoice(n, f"{cores} core(s) / {ranks_on_node} rank(s) on this node")
 
 
+THREADS_PER_CPU = 4  # runtime.threads above this many per CPU of the node is refused
+
+
+def threads_problem(configured: int | None, cpus: int | None = None) -> str | None:
+    """Why ``runtime.threads`` cannot be used on this node (one line naming the key and the bound), or None.
+
+    More BLAS/OpenMP threads than the node has CPUs only oversubscribes it; far more exhausts its memory
+    maps and thread limits (100000 crashed the process with a segmentation fault), so a value above
+    :data:`THREADS_PER_CPU` per CPU of the node is refused before any pool starts."""
+    if not configured:
+        return None
+    cpus = cpus or os.cpu_count() or 1
+    bound = THREADS_PER_CPU * cpus
+    if int(configured) > bound:
+        return (f"runtime.threads: {configured} is more than {THREADS_PER_CPU} per CPU of this node ({cpus} "
+                f"CPUs: at most {bound}); set it to the cores one rank may use, or leave it out (the node's "
+                f"cores divided among its ranks)")
+    return None
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -71,6 +91,9 @@ def set_threads(world, configured: int | None = None, prog: str = "lbannpy") -> 
 
     import numpy  # noqa: F401  (its BLAS must be loaded for threadpoolctl to see it)
 
+    problem = threads_problem(configured)
+    if problem is not None:  # a caller that did not check first: refused before any pool starts
+        raise ValueError(problem)
     choice = choose(configured, os.environ, _cores(), ranks_on_node())
     _LIMITS = threadpool_limits(limits=choice.threads)
     # pools started later (a library imported after this call) read the variable

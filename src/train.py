@@ -76,19 +76,11 @@ def _main(args) -> int:
     from lbannpy.training.errors import (EXIT_NONFINITE, EXIT_WRITE_FAILED, DataStop, NonFinite, Stopped,
                                          WriteFailed, agree_on_error, user_errors)
     from lbannpy.training.signals import EXIT_STOPPED, SignalWatch
-    from lbannpy.config import ConfigError, apply_overrides, load_config
     from lbannpy.config.run import launch_sections
     from lbannpy.hostmem import keep_freed_blocks
 
     keep_freed_blocks()  # freed step buffers are reused without page faults (see lbannpy.hostmem)
-    # the config decides the backend; reading it needs no communicator (every rank reads the same file)
-    try:
-        cfg = load_config(args.config)
-        cfg = apply_overrides(cfg, args.overrides + ([f"model.init={args.init}"] if args.init else []))
-    except ConfigError as exc:
-        cfg, early = None, exc
-    else:
-        early = None
+    cfg, early = _read_config(args)  # the config decides the backend
     runtime, output = launch_sections(cfg)
     # tracebacks go to the run directory, named in the one line on stderr (from the Runtime's set-up on:
     # a missing CuPy or GPU fails there)
@@ -148,6 +140,31 @@ def _main(args) -> int:
                 sys.stderr.flush()
             return EXIT_WRITE_FAILED if isinstance(exc, WriteFailed) else EXIT_USER_ERROR
     return 0
+
+
+def _read_config(args):
+    """``(cfg, None)``, or ``(None, the ConfigError)`` to report once the ranks can agree. Reading it needs no
+    communicator (every rank reads the same file); a config this machine cannot run (the device, backend,
+    GPUs or threads: the same on every rank of a node) ends every rank here with exit status 2, before MPI
+    starts."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.backend import device_problem, launched_ranks_on_node
+    from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.config.run import launch_sections
+    from lbannpy.threads import threads_problem
+    from lbannpy.training.errors import refuse_before_mpi
+
+    try:
+        cfg = load_config(args.config)
+        cfg = apply_overrides(cfg, args.overrides + ([f"model.init={args.init}"] if args.init else []))
+    except ConfigError as exc:
+        return None, exc
+    runtime = launch_sections(cfg)[0]
+    problem = device_problem(runtime.device, runtime.backend, runtime.share_gpu, launched_ranks_on_node()) \
+        or threads_problem(runtime.threads)
+    if problem is not None:
+        raise SystemExit(refuse_before_mpi("lbannpy.train", f"{args.config}: {problem}"))
+    return cfg, None
 
 
 def _resumed(trainer, rank: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from lbannpy.checkpoint import CheckpointError
+from lbannpy.comm.runtime import launched_rank_size
 from lbannpy.config import ConfigError
 from lbannpy.data.dataset import DataError
 from lbannpy.dist import DistributionError
@@ -46,6 +47,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types a user can fix (config, data, layer, distribution, checkpoint, file system): these
     are reported as one line, everything else as a failure with its traceback in the run directory."""
     return (UserError, ConfigError, DataError, LayerError, DistributionError, CheckpointError, OSError)
+
+
+def refuse_before_mpi(prog: str, msg: str) -> int:
+    """A problem every rank finds alike before MPI starts (the device, backend and GPUs against this
+    machine: :func:`lbannpy.backend.device_problem`): the launcher's rank 0 prints ``<prog>: error:
+    <msg>`` and every rank ends with :data:`EXIT_USER_ERROR`, none having started MPI."""
+    if launched_rank_size()[0] == 0:
+        sys.stderr.write(f"{prog}: error: {msg}\n")
+        sys.stderr.flush()
+    return EXIT_USER_ERROR
 
 
 def agree_on_error(world, err: str | None, prog: str) -> bool:

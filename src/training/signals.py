@@ -114,18 +114,68 @@ class SignalWatch:
                         f"({GRACE_ENV}); ending the job", EXIT_SIGNAL_ABORT)
 
     def _abort(self, reason: str, code: int) -> None:
-        try:
-            sys.stderr.write(f"lbannpy: rank {self.rank} of {self.size}: {reason}\n")
-            sys.stderr.flush()
-        except Exception:  # a closed stderr must not stop the abort
-            pass
-        if self.size > 1:
-            self.abort(code)
-        os._exit(code)
+        end_job(f"lbannpy: rank {self.rank} of {self.size}: {reason}", self.abort if self.size > 1 else None,
+                code)
 
 
 def _ignore(signum, frame) -> None:
     return None
+
+
+class _OnlyFrom:
+    """A stream that passes on what one thread writes and drops what any other writes."""
+
+    def __init__(self, stream, thread: int):
+        self._stream, self._thread = stream, thread
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() != self._thread:
+            return len(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    @property
+    def inner(self):
+        return self._stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def only_this_thread_speaks() -> None:
+    """From now on only the calling thread's writes reach stderr: it is ending the job, and what the other
+    threads report from here on are consequences of that, not causes."""
+    if not isinstance(sys.stderr, _OnlyFrom) and sys.stderr is not None:
+        sys.stderr = _OnlyFrom(sys.stderr, threading.get_ident())
+
+
+def every_thread_speaks() -> None:
+    """Undo :func:`only_this_thread_speaks` (an abort that returned: one rank's world ends the thread, not
+    the process)."""
+    if isinstance(sys.stderr, _OnlyFrom):
+        sys.stderr = sys.stderr.inner
+
+
+def end_job(line: str, abort, code: int) -> None:
+    """End this rank (and through ``abort(code)``, when given, the job) after ``line`` on stderr, from a
+    thread that is not the one doing the work (the signal thread, the watchdog).
+
+    Ending the job tears down what the main thread is using: an NCCL world aborts its communicator first,
+    so the step in flight fails with "communicator destroyed" while MPI_Abort is still on its way, and that
+    failure would be reported after ``line`` as if it were the cause: from here on only this thread's
+    writes reach stderr (:func:`only_this_thread_speaks`; the consequences' tracebacks still go to their
+    failure logs). Never returns."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # a closed stderr must not stop the abort
+        pass
+    only_this_thread_speaks()
+    if abort is not None:
+        abort(code)
+    os._exit(code)
 
 
 class StopReason(enum.IntEnum):

@@ -5,6 +5,8 @@ import sys
 import threading
 import time
 
+from .signals import every_thread_speaks, only_this_thread_speaks
+
 
 class Watchdog:
     """Aborts the job when no progress is reported for ``timeout`` seconds, naming what each rank waits in.
@@ -40,7 +42,12 @@ class Watchdog:
                                  f"{self.timeout:g} s); waiting in: {self.op}\n")
                 sys.stderr.flush()
                 time.sleep(1.0)  # let the other ranks' watchdogs print theirs
-                self.abort(3)
+                # the abort fails the operation the main thread waits in: that is not the cause
+                only_this_thread_speaks()
+                try:
+                    self.abort(3)
+                finally:
+                    every_thread_speaks()
                 return
 
     def stop(self):
