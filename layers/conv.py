@@ -88,6 +88,10 @@ WINDOWLESS_MAX_BOUNDARY = 1 / 16
 
 def _infer(lay: LayerArgs) -> Inferred:
     needs_image(lay, "move the layer before the fully-connected layers")
+    if len(lay.x) == 3:  # the layer computes over planes and volumes (its set-up refuses a line)
+        raise ShapeError(f"layer {lay.name!r} (conv) needs 2 or 3 spatial dimensions, got the 1-D "
+                         f"input {tuple(lay.x)}; give a line of W as model.input.spatial [1, W] "
+                         f"(data (N, C, 1, W)) with kernel [1, k]")
     x, p = lay.x, lay.params
     filters = int_param(lay, "filters")
     groups = int_param(lay, "groups", 1)

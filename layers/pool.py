@@ -22,6 +22,10 @@ from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, ne
 
 def _infer(lay: LayerArgs) -> Inferred:
     needs_image(lay, "pool before flattening")
+    if len(lay.x) == 3:  # the layer computes over planes and volumes (its set-up refuses a line)
+        raise ShapeError(f"layer {lay.name!r} (pool) needs 2 or 3 spatial dimensions, got the 1-D "
+                         f"input {tuple(lay.x)}; give a line of W as model.input.spatial [1, W] "
+                         f"(data (N, C, 1, W)) with kernel [1, k]")
     x, p = lay.x, lay.params
     if p["mode"] not in ("max", "avg"):
         raise ShapeError(f"layer {lay.name!r}: pool mode must be 'max' or 'avg', got {p['mode']!r}")

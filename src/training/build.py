@@ -2,6 +2,12 @@
 
 :func:`build_model` and :func:`build_readers` need no optimizer, so inference (a ``predict`` command) can
 re-use them; :func:`build` adds the training-only parts.
+
+What a run refuses at start-up is decided here once: :func:`start_checks` (the config, the rank count, the
+data files, the device) and then :func:`build` itself. ``train`` runs both on its ranks; :func:`check_run`
+(``config validate`` and the jobs' in-job check) runs the same two for a rank count it does not have, with
+:func:`build` on a stand-in world, so a config one accepts the other accepts, and a refusal has the same
+words in both.
 """
 from __future__ import annotations
 
@@ -12,14 +18,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import UserError
+from lbannpy.backend import BackendError, get_xp
+from lbannpy.comm.loopback import LoopbackCommunicator
+from lbannpy.config_errors import ConfigError
+from lbannpy.data.dataset import DataError
+from lbannpy.dist import DistributionError
+from lbannpy.layers.base import LayerError
+from lbannpy.layers.context import LayerContext
 from lbannpy.machine import DEFAULT_MACHINE
 from lbannpy.strategy.planner import PlanError, plan
 from lbannpy.layers.loss import Loss
-from lbannpy.model import Model
+from lbannpy.model import Model, ModelError
 from lbannpy.data.dataset import split_indices, validate_dataset
 from lbannpy.data.reader import HDF5Reader
-from lbannpy.config import check_memory
-from lbannpy.config.run import RunConfig, section_config
+from lbannpy.config import check_memory, validate
+from lbannpy.config.run import RunConfig, run_config, section_config
 from lbannpy.optim import make_optimizer
 
 
@@ -111,8 +124,10 @@ def build_model(cfg: dict, ctx, world, prog: str = "lbannpy.train"):
     return model, loss
 
 
-def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
-    """The training reader and the validation reader (or None): every rank reads its own hyperslab."""
+def build_readers(cfg: dict, model, loss, world, shuffle: bool = True, dry: bool = False):
+    """The training reader and the validation reader (or None): every rank reads its own hyperslab.
+    ``dry``: readers of the stand-in world of :func:`check_run`, which set up (every check of the real
+    one) but read no sample, preload nothing and start no thread."""
     data, tr = cfg["data"], cfg["trainer"]
     train = data["train"]
     batch_size, seed = tr["batch_size"], tr["seed"]
@@ -136,6 +151,9 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
                   label_factors=loss.factors,  # per-pixel labels reduced to prediction cells once, as read
                   label_shape=loss.label_shape, targets=loss.targets)  # float targets, dice labels
     depth = data["prefetch"]
+    if dry:  # a stand-in world gathers nothing: each check raises its own error
+        common.update(comm=None, preload="never", metadata_only=True)
+        depth = 0
     reader = HDF5Reader(train["path"], seed=seed, shuffle=shuffle, indices=train_idx,
                         prefetch=depth > 0, depth=max(depth, 1), name=f"data.train ({train['path']})",
                         **common)
@@ -152,16 +170,83 @@ def build_readers(cfg: dict, model, loss, world, shuffle: bool = True):
     return reader, val_reader
 
 
-def build(run: RunConfig, ctx, world) -> Parts:
-    """Everything training needs but gradient synchronisation, from a run config."""
+def build(run: RunConfig, ctx, world, dry: bool = False, data: bool = True,
+          prog: str = "lbannpy.train") -> Parts:
+    """Everything training needs but gradient synchronisation, from a run config. ``dry`` (from
+    :func:`check_run`): the same set-up on a stand-in world, with readers that read nothing (none without
+    ``data``) and no optimizer state."""
     cfg = run.spec
     if cfg["parallel"]["strategy"] == "auto":
-        cfg["parallel"] = auto_strategy(cfg, world, run.trainer.batch_size)
+        cfg["parallel"] = auto_strategy(cfg, world, run.trainer.batch_size, prog)
     # every rank refuses a run whose estimated peak exceeds runtime.memory_gib before allocating any of it
-    est = check_memory(cfg, world.size, planned=False)
-    model, loss = build_model(cfg, ctx, world)
-    reader, val_reader = build_readers(cfg, model, loss, world, run.data.train.shuffle)
+    est = check_memory(cfg, world.size, data=data, planned=False)
+    model, loss = build_model(cfg, ctx, world, prog)
+    if not data:
+        return Parts(cfg=cfg, settings=None, model=model, loss=loss, reader=None, val_reader=None,
+                     optimizer=None, memory=est)
+    reader, val_reader = build_readers(cfg, model, loss, world, run.data.train.shuffle, dry)
     st = settings(run, len(reader.indices))
-    optimizer = make_optimizer(run.optimizer, model.params, st.total_steps)
+    optimizer = None if dry else make_optimizer(run.optimizer, model.params, st.total_steps)
     return Parts(cfg=cfg, settings=st, model=model, loss=loss, reader=reader, val_reader=val_reader,
                  optimizer=optimizer, memory=est)
+
+
+def check_device(cfg: dict) -> None:
+    """``runtime.device: gpu`` (or ``runtime.backend: nccl``) needs CuPy and a GPU here; refused as
+    the key that asks for them (:func:`lbannpy.backend.get_xp` says what is missing)."""
+    rt = cfg["runtime"]
+    if rt["backend"] == "nccl" and rt["device"] != "gpu":
+        raise ConfigError("runtime.backend", "'nccl' moves device arrays and needs runtime.device: gpu",
+                          "set runtime.device: gpu, or runtime.backend: auto for a CPU run")
+    if rt["device"] != "gpu":
+        return
+    try:
+        get_xp("cupy")
+    except BackendError as exc:
+        raise ConfigError("runtime.device", f"'gpu' needs CuPy and a CUDA GPU on this machine: "
+                                            f"{exc.__cause__ or exc}",
+                          "run on a GPU node with lbannpy[gpu] installed, or set runtime.device: cpu and "
+                          "runtime.backend: auto") from None
+
+
+def start_checks(cfg: dict, ranks: int | None, data: bool = True, base_dir: str | None = None,
+                 device: bool = True) -> dict:
+    """The checks a run makes before it builds anything: the config (schema, references, shapes), the
+    rank count, the data files (``data``) and this machine's device (``device``). Returns the normal
+    form; raises :class:`ConfigError` naming the key. Train's set-up calls it on its rank count."""
+    cfg = validate(cfg, ranks=ranks, data=data, base_dir=base_dir, memory=False)
+    if device:
+        check_device(cfg)
+    return cfg
+
+
+def check_run(cfg: dict, ranks: int | None, data: bool = True, base_dir: str | None = None,
+              prog: str = "lbannpy.config") -> tuple[dict, object]:
+    """Everything ``train`` checks at start-up on ``ranks`` ranks, here without them: :func:`start_checks`,
+    then :func:`build` for rank 0 of ``ranks`` on a stand-in world (:class:`LoopbackCommunicator`, NumPy):
+    the model's, the loss's and the readers' own set-up checks, the memory estimate. Returns the normal form
+    and the memory estimate; a refusal is a :class:`ConfigError` with train's words. Without ``ranks``
+    the set-up is tried on the ranks the written split needs, where that is one rank."""
+    cfg = start_checks(cfg, ranks, data, base_dir)
+    n = ranks if ranks is not None else 1
+    if ranks is None and not _fits_one_rank(cfg):  # validate without --ranks: the config's own checks only
+        return cfg, check_memory(cfg, 1, data=data, base_dir=base_dir)
+    world = LoopbackCommunicator(n, 0)
+    run = run_config(cfg)
+    ctx = LayerContext(world, np, run.trainer.dtype, run.trainer.seed, overlap=False)
+    try:
+        parts = build(run, ctx, world, dry=True, data=data, prog=prog)
+    except ConfigError:
+        raise
+    except (UserError, LayerError, ModelError, DataError, DistributionError) as exc:
+        raise ConfigError("", f"{exc}") from None
+    for reader in (parts.reader, parts.val_reader):
+        if reader is not None:
+            reader.close()
+    return cfg, parts.memory
+
+
+def _fits_one_rank(cfg: dict) -> bool:
+    par = cfg["parallel"]
+    splits = [par["default"]] + list(par["layers"].values())
+    return par["strategy"] != "auto" and all(int(v) == 1 for d in splits for v in d.values())
