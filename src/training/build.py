@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import UserError
-from lbannpy.backend import BackendError, get_xp
+from lbannpy.backend import device_problem
 from lbannpy.comm.loopback import LoopbackCommunicator
 from lbannpy.config_errors import ConfigError
 from lbannpy.data.dataset import DataError
@@ -27,6 +27,7 @@ from lbannpy.layers.base import LayerError
 from lbannpy.layers.context import LayerContext
 from lbannpy.machine import DEFAULT_MACHINE
 from lbannpy.strategy.planner import PlanError, plan
+from lbannpy.threads import threads_problem
 from lbannpy.layers.loss import Loss
 from lbannpy.model import Model, ModelError
 from lbannpy.data.dataset import split_indices, validate_dataset
@@ -192,21 +193,13 @@ def build(run: RunConfig, ctx, world, dry: bool = False, data: bool = True,
 
 
 def check_device(cfg: dict) -> None:
-    """``runtime.device: gpu`` (or ``runtime.backend: nccl``) needs CuPy and a GPU here; refused as
-    the key that asks for them (:func:`lbannpy.backend.get_xp` says what is missing)."""
+    """What this machine cannot run (``runtime.device``, ``backend``, ``share_gpu``, ``threads``), refused
+    by the checks train makes before MPI starts (:func:`lbannpy.backend.device_problem`,
+    :func:`lbannpy.threads.threads_problem`), in their words, which name the key."""
     rt = cfg["runtime"]
-    if rt["backend"] == "nccl" and rt["device"] != "gpu":
-        raise ConfigError("runtime.backend", "'nccl' moves device arrays and needs runtime.device: gpu",
-                          "set runtime.device: gpu, or runtime.backend: auto for a CPU run")
-    if rt["device"] != "gpu":
-        return
-    try:
-        get_xp("cupy")
-    except BackendError as exc:
-        raise ConfigError("runtime.device", f"'gpu' needs CuPy and a CUDA GPU on this machine: "
-                                            f"{exc.__cause__ or exc}",
-                          "run on a GPU node with lbannpy[gpu] installed, or set runtime.device: cpu and "
-                          "runtime.backend: auto") from None
+    problem = device_problem(rt["device"], rt["backend"], rt["share_gpu"]) or threads_problem(rt["threads"])
+    if problem:
+        raise ConfigError("", problem)
 
 
 def start_checks(cfg: dict, ranks: int | None, data: bool = True, base_dir: str | None = None,
