@@ -80,8 +80,7 @@ def _load(path: str, sets: list[str]) -> dict:
 
 def run(args) -> int:
     # late: loaded when the command runs, so its --help and argument errors come without it
-    from . import (ConfigError, check_graph, check_memory, check_ranks, save_config, schema_text, to_yaml,
-                   validate)
+    from . import ConfigError, check_graph, check_ranks, save_config, schema_text, to_yaml, validate
     from ..strategy.memory import memory_limit
 
     if args.command == "schema":
@@ -103,9 +102,10 @@ def run(args) -> int:
     elif args.command == "show":
         sys.stdout.write(to_yaml(_load(args.config, args.overrides)))
     elif args.command == "validate":
-        cfg = validate(_load(args.config, args.overrides), ranks=args.ranks, data=not args.no_data,
-                       memory=False)
-        est = check_memory(cfg, args.ranks or 1, data=not args.no_data)  # refuses over runtime.memory_gib
+        # late, as above; train's own start-up checks and set-up, for --ranks ranks without them
+        from ..training.build import check_run
+
+        cfg, est = check_run(_load(args.config, args.overrides), args.ranks, data=not args.no_data)
         ranks = f" on {args.ranks} ranks" if args.ranks is not None else ""
         model = cfg["model"]
         print(f"{args.config}: ok{ranks} (model {model['name']!r}, {len(model['layers'])} layers)")

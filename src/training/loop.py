@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from . import ckpt
-from .build import build
+from .build import build, start_checks
 from .clock import Clock, make_clock
 from .gradsync import GradSync
 from .graphloop import GraphRun, choose
@@ -26,7 +26,6 @@ from .errors import DataStop, NonFinite, Stopped, UserError, WriteFailed, agree_
 from .report import Report
 from .signals import StopReason, StopVote, signal_name
 from .watchdog import Watchdog
-from lbannpy.config import validate
 from lbannpy.config.run import run_config
 from lbannpy.layers.context import LayerContext
 from lbannpy.layers.timer import Timer
@@ -67,7 +66,7 @@ class Trainer:
         world = self.world
         # the memory estimate is checked in build(), under the distributions the run uses (strategy auto's
         # choice included), before the model or a reader allocates anything
-        cfg = self.cfg = validate(self.cfg, ranks=world.size, memory=False)
+        cfg = self.cfg = start_checks(self.cfg, world.size)  # what check_run (validate) checks first
         # the settings as one typed value, built once: nothing below reads the tree for a setting
         run = self.run_cfg = run_config(cfg)
         # overflow and invalid operations are found by the health checks (one line naming the step and
