@@ -196,12 +196,19 @@ BUILD_MESH = r"""    lbannpy_str model LBANNPY_MODEL @MODEL@
     lbannpy_int mesh_samples LBANNPY_MESH_SAMPLES @SAMPLES@ 1
     lbannpy_int steps LBANNPY_STEPS @STEPS@ 1
     lbannpy_int batch_size LBANNPY_BATCH_SIZE '' 1
-    echo "  building default config: model=$model size=$mesh_size samples=$mesh_samples steps=$steps" \
-         "batch_size=${batch_size:-zoo}"
     input_dir="$run_dir/input"
     mkdir -p "$input_dir"
-    python -m lbannpy.data mesh --size "$mesh_size" --samples "$mesh_samples" -o "$input_dir/mesh.h5"
     python -m lbannpy.config zoo "$model" -o "$input_dir/zoo.yaml"
+    if [[ -z "${LBANNPY_MESH_SAMPLES:-}" && " ${LBANNPY_SWEEPS:-strong weak} " == *" weak "* ]]; then
+        # the weak sweep's largest point reads a mini-batch of B*P samples: the data holds that many
+        weak_b="${batch_size:-$(python -m lbannpy.jobs config-value "$input_dir/zoo.yaml" trainer.batch_size)}"
+        for p in @RANKS@; do
+            if (( p <= SLURM_NTASKS && weak_b * p > mesh_samples )); then mesh_samples=$(( weak_b * p )); fi
+        done
+    fi
+    echo "  building default config: model=$model size=$mesh_size samples=$mesh_samples steps=$steps" \
+         "batch_size=${batch_size:-zoo}"
+    python -m lbannpy.data mesh --size "$mesh_size" --samples "$mesh_samples" -o "$input_dir/mesh.h5"
     python -m lbannpy.jobs adapt-spec "$input_dir/zoo.yaml" -o "$input_dir/spec.yaml" \
         --data "$input_dir/mesh.h5" --size "$mesh_size" --samples "$mesh_samples" --steps "$steps" \
         ${batch_size:+--batch-size "$batch_size"}
@@ -268,7 +275,7 @@ for sweep in $sweeps; do
             *) echo "error: LBANNPY_SWEEPS holds '$sweep'; use 'strong', 'weak' or both" >&2; exit 2 ;;
         esac
         point=(--set parallel.default.n=1 --set "parallel.default.h=$p" "${extra[@]}")
-        if ! why="$(python -m lbannpy.config validate "$config" --ranks "$p" --no-data "${point[@]}" 2>&1)"
+        if ! why="$(python -m lbannpy.config validate "$config" --ranks "$p" "${point[@]}"@TRAIN_DEVICE@ 2>&1)"
         then
             echo "note: $sweep-$p left out, it cannot run: ${why##*$'\n'}" | tee -a "$run_dir/skipped.txt"
             continue
