@@ -1,13 +1,15 @@
 """The upsampling kernels (layers/kernels/upsample.py) on one process: against ``F.interpolate`` and its
 gradient (float64 to 1e-12, float32 to float32 round-off), on whole tensors and on any box of the output
 computed from an input array that covers only the box's source (what a split layer hands them), 1-D to 3-D,
-nearest and linear with ``align_corners`` either way, scales 1 to 3 and per dimension."""
+nearest and linear with ``align_corners`` either way, scales 1 to 3 and per dimension; host float arrays on
+the compiled kernels (``_cupsample``) and on the NumPy path."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_util import require_built
 
 from lbannpy.layers.kernels import upsample as U
 from lbannpy.layers.kernels._geometry import KernelShapeError
@@ -51,11 +53,13 @@ def test_whole_tensor_matches_interpolate_and_its_gradient(shape, mode, corners)
         assert dx is not dy and dx.shape == shape
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
-def test_any_box_from_its_source_alone(shape, mode, corners):
+def test_any_box_from_its_source_alone(monkeypatch, shape, mode, corners, compiled):
     """A box of the output from an input array holding only the box's source (at its global origin), and
-    the box's gradient, added into the whole input, equal to the whole tensor's."""
+    the box's gradient, added into the whole input, equal to the whole tensor's (both host paths)."""
+    monkeypatch.setattr(U, "USE_COMPILED", compiled and U.USE_COMPILED)
     rng = np.random.default_rng(2)
     for scale in _scales(shape)[1:]:
         x = rng.standard_normal(shape)
@@ -146,3 +150,63 @@ def test_refusals():
         U.Plan(axes, [(0, 17)], (0,))
     with pytest.raises(KernelShapeError, match="per spatial dimension"):
         U.upsample(np.zeros((1, 1, 2, 2)), [2, 2, 2])
+
+
+@pytest.mark.parametrize("mode,corners", MODES, ids=["nearest", "linear", "linear-corners"])
+def test_compiled_kernels_match_the_numpy_path_and_interpolate(monkeypatch, mode, corners):
+    """The compiled one-pass kernels (host float32/float64 plans) against the NumPy path and PyTorch: whole
+    tensors 1-D to 3-D at scales 2, 3 and per dimension (float64 to 1e-12, float32 to its round-off), boxes
+    from their source alone written into strided parts of larger arrays, and the adjoint."""
+    require_built(getattr(U, "_cupsample", None), "_cupsample")
+    rng = np.random.default_rng(5)
+    for shape in SHAPES[:3] + [(1, 3, 33, 20)]:
+        for scale in _scales(shape)[1:]:
+            for dtype, tol in ((np.float64, 1e-12), (np.float32, 2e-6)):
+                x = rng.standard_normal(shape).astype(dtype)
+                axes = U._axes(shape, scale, mode, corners)
+                whole = [(0, a.out) for a in axes]
+                plan = U.Plan(axes, whole, (0,) * len(axes), np, dtype)
+                assert plan.compiled is not None
+                y = plan.forward(x)
+                dy = rng.standard_normal(y.shape).astype(dtype)
+                dx = plan.backward(dy)
+                ty, tdx = _torch(x, scale, mode, corners, dy)
+                assert y.dtype == dx.dtype == dtype
+                assert np.abs(y - ty).max() <= tol * np.abs(ty).max(), (shape, scale, dtype)
+                assert np.abs(dx - tdx).max() <= tol * 4 * np.abs(tdx).max(), (shape, scale, dtype)
+                monkeypatch.setattr(U, "USE_COMPILED", False)
+                ref = U.Plan(axes, whole, (0,) * len(axes), np, dtype)
+                monkeypatch.setattr(U, "USE_COMPILED", True)
+                assert ref.compiled is None
+                assert np.abs(y - ref.forward(x)).max() <= tol * np.abs(ty).max()
+                assert np.abs(dx - ref.backward(dy)).max() <= tol * 4 * np.abs(tdx).max()
+                for _ in range(3):
+                    box = []
+                    for a in axes:
+                        o0 = int(rng.integers(0, a.out))
+                        box.append((o0, int(rng.integers(o0 + 1, a.out + 1))))
+                    probe = U.Plan(axes, box, (0,) * len(axes))
+                    part = U.Plan(axes, box, [lo for lo, _ in probe.source], np, dtype)
+                    sl = (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box)
+                    out = np.full((shape[0], 2 * shape[1]) + y.shape[2:], np.nan, dtype=dtype)[:, ::2]
+                    part.forward(x[probe.source_slices], out=out[sl])
+                    assert np.abs(out[sl] - ty[sl]).max() <= tol * np.abs(ty).max(), box
+                    gx = np.zeros(shape, dtype)
+                    gx[probe.source_slices] += part.backward(np.ascontiguousarray(dy[sl]))
+                    big = np.zeros_like(dy)
+                    big[sl] = dy[sl]
+                    assert np.abs(gx - ref.backward(big)).max() <= tol * 4 * np.abs(tdx).max(), box
+
+
+def test_compiled_kernels_refuse_arrays_that_do_not_fit_their_tables():
+    require_built(getattr(U, "_cupsample", None), "_cupsample")
+    axes = U._axes((1, 2, 4, 5), 2, "linear", False)
+    plan = U.Plan(axes, [(0, 8), (0, 10)], (0, 0), np, np.float32)
+    with pytest.raises(ValueError, match="tables for"):
+        plan.compiled(U._cupsample.forward, np.zeros((1, 2, 4, 6), np.float32), np.zeros((1, 2, 8, 10),
+                                                                                          np.float32))
+    with pytest.raises(ValueError, match="table ftab"):  # float64 arrays, float32 tables
+        plan.compiled(U._cupsample.forward, np.zeros((1, 2, 4, 5)), np.zeros((1, 2, 8, 10)))
+    with pytest.raises(ValueError, match="5-d array of float32"):
+        plan.compiled(U._cupsample.forward, np.zeros((1, 2, 4, 5), np.float32), np.zeros((1, 2, 8, 10)))
+    assert not plan.compiled.takes(np.zeros(1))

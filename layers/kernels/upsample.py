@@ -17,10 +17,12 @@ least) the inputs that box reads (:meth:`Plan.source`), whatever its place in th
 distributed layer hands it its halo window. The last spatial dimension is upsampled first (on the smallest
 array: its strided writes are the slowest), then the others. Arrays are NumPy or CuPy (the module is taken
 from the arguments), every temporary is made by that module, and index tables live on the arrays' device.
-On the host (NumPy runs a pass as inner loops over the runs it cannot merge, each costing as much to start as
-a row of floats to add): nearest is one broadcast copy (:func:`_nearest_forward`), linear x2 along an unsplit
-dimension shifted passes over flattened arrays (:meth:`_Step._linear2_forward`), and a plan runs blocks of
-channels one at a time so its temporaries stay in cache (:data:`BLOCK_BYTES`).
+Host float arrays go through the compiled kernels of ``_cupsample`` where they are built (:class:`_Compiled`:
+each way one call, every (sample, channel) plane done in cache with one pass over the output). Without them,
+NumPy (a pass is inner loops over the runs it cannot merge, each costing as much to start as a row of floats
+to add): nearest is one broadcast copy (:func:`_nearest_forward`), linear x2 along an unsplit dimension
+shifted passes over flattened arrays (:meth:`_Step._linear2_forward`), and a plan runs blocks of channels
+one at a time so its temporaries stay in cache (:data:`BLOCK_BYTES`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ from lbannpy.backend import array_module
 
 from ._buffers import scratch as _scratch
 from ._geometry import KernelShapeError
+
+try:  # the compiled kernels (built by setup.py where a C compiler is present)
+    from . import _cupsample
+except ImportError:  # pragma: no cover - depends on the install
+    _cupsample = None
+USE_COMPILED = _cupsample is not None  # host float plans made while it holds use them (tests switch it)
 
 MODES = ("nearest", "linear")
 
@@ -128,33 +136,57 @@ def _strided(o0: int, s: int, a: int, qa: int, qb: int) -> slice:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gather_tables(axis: Axis, o0: int, o1: int, lo: int, hi: int):
-    """Host tables of the general (align_corners) path for outputs ``[o0, o1)`` from inputs ``[lo, hi)``:
-    forward ``i0, i1`` (relative to ``lo``) and ``lam`` per output; backward, per input ``j``, the first
-    output ``start[j]`` (relative to ``o0``) of the contiguous run that reads it and the weight ``w[k, j]``
-    of output ``start[j] + k`` (0 past the run)."""
-    i0 = np.empty(o1 - o0, dtype=np.int64)
-    i1 = np.empty(o1 - o0, dtype=np.int64)
-    lam = np.empty(o1 - o0)
+def _compiled_tables(axis: Axis, o0: int, o1: int, lo: int, hi: int, char: str):
+    """The tables of ``_cupsample`` for outputs ``[o0, o1)`` from inputs ``[lo, hi)`` (see its header):
+    ``(itab, ftab, (nin, nout, taps, nearest))``, ``ftab`` in the arrays' type ``char``."""
+    taps_of = [axis.taps(o) for o in range(o0, o1)]
+    i0, i1, lam = ([a - lo for a, _, _ in taps_of], [b - lo for _, b, _ in taps_of], [t for *_, t in taps_of])
     feeds: dict[int, dict[int, float]] = {}
-    for k, o in enumerate(range(o0, o1)):
-        a, b, t = axis.taps(o)
-        i0[k], i1[k], lam[k] = a - lo, b - lo, t
+    for k, (a, b, t) in enumerate(taps_of):
         for j, wt in ((a, 1.0 - t), (b, t)):
             if wt != 0.0 or j == a:
                 d = feeds.setdefault(j - lo, {})
                 d[k] = d.get(k, 0.0) + wt
-    m = hi - lo
-    runs = [sorted(feeds.get(j, {0: 0.0}).items()) for j in range(m)]
-    taps = max(r[-1][0] - r[0][0] + 1 for r in runs)
-    start = np.array([r[0][0] for r in runs], dtype=np.int64)
+    m, n = hi - lo, o1 - o0
+    runs = [sorted(feeds.get(j, {}).items()) for j in range(m)]
+    taps = max([1] + [r[-1][0] - r[0][0] + 1 for r in runs if r])  # each input gathers `taps` outputs,
+    start = [min(r[0][0] if r else 0, n - taps) for r in runs]  # weights 0 past its run; late ones earlier
     w = np.zeros((taps, m))
     for j, r in enumerate(runs):
         for k, wt in r:
             w[k - start[j], j] = wt
-    last = o1 - o0 - 1
-    idx = np.minimum(start[None, :] + np.arange(taps)[:, None], last)
-    return i0, i1, lam, idx, w
+    itab = np.array(i0 + i1 + start, dtype=np.int64)
+    ftab = np.concatenate([np.array(lam), w.reshape(-1)]).astype(char)
+    return itab, ftab, (m, n, taps, int(not any(lam)))
+
+
+def _gather_tables(axis: Axis, o0: int, o1: int, lo: int, hi: int):
+    """Host tables of the NumPy general (align_corners) path, from :func:`_compiled_tables`: forward ``i0,
+    i1`` (relative to ``lo``) and ``lam`` per output; backward, per input ``j``, the outputs
+    ``idx[k, j]`` whose gradients it gathers with the weights ``w[k, j]``."""
+    itab, ftab, (m, n, taps, _) = _compiled_tables(axis, o0, o1, lo, hi, "d")
+    idx = itab[2 * n:][None, :] + np.arange(taps)[:, None]
+    return itab[:n], itab[n:2 * n], ftab[:n], idx, ftab[n:].reshape(taps, m)
+
+
+class _Compiled:
+    """A host plan's passes as one call of ``_cupsample`` each way over ``(N, C, D, H, W)`` views (missing
+    leading spatial dimensions as extents of 1)."""
+
+    def __init__(self, axes, out_box, source, char: str):
+        pad = 3 - len(axes)
+        self.index = (slice(None), slice(None)) + (None,) * pad
+        tabs = [_compiled_tables(Axis(1, 1), 0, 1, 0, 1, char)] * pad + [
+            _compiled_tables(ax, o0, o1, lo, hi, char)
+            for ax, (o0, o1), (lo, hi) in zip(axes, out_box, source)]
+        self.args = [a for t in tabs for a in t[:2]] + [tuple(v for t in tabs for v in t[2])]
+
+    def takes(self, a) -> bool:
+        return a.dtype == self.args[1].dtype
+
+    def __call__(self, fn, src, dst):
+        fn(src.dtype.itemsize, src[self.index], dst[self.index], *self.args)
+        return dst
 
 
 class _Step:
@@ -302,12 +334,9 @@ class _Step:
             dx[_sl(dim, slice(0, n - 1))] -= dd
         return dx
 
-    # -- linear x2 over a whole axis (host arrays) ---------------------------------------------------------
-    # With n inputs along the axis, output 2j is 3/4 x[j] + 1/4 x[j-1] and 2j+1 is 3/4 x[j] + 1/4 x[j+1]
-    # (x[0] and x[n-1] copied at the clamped ends). Every elementwise pass runs over the flattened arrays,
-    # a neighbour along the axis being ``step`` elements away (the product of the later extents), so NumPy
-    # makes a few long inner loops, not one per row (a row of 256 floats costs as much to start as to add);
-    # the entries that wrap into the next row are overwritten from the end planes afterwards.
+    # -- linear x2 over a whole axis (host arrays): output 2j is 3/4 x[j] + 1/4 x[j-1], 2j+1 is 3/4 x[j] +
+    # 1/4 x[j+1] (ends copied). Each pass runs over the flattened arrays (a neighbour along the axis is
+    # ``step`` elements away) in a few long inner loops; entries that wrap into the next row are redone.
 
     def _linear2_forward(self, x, out):
         dim, n, dt = self.dim, x.shape[self.dim], x.dtype
@@ -429,6 +458,8 @@ class Plan:
         aligned = all(o0 % ax.scale == 0 == o1 % ax.scale for ax, (o0, o1) in zip(self.axes, self.out_box))
         self.nearest = tuple(ax.scale for ax in self.axes) if (
             xp is np and aligned and all(ax.mode == "nearest" or ax.identity for ax in self.axes)) else None
+        self.compiled = (_Compiled(self.axes, self.out_box, self.source, np.dtype(dtype).char)
+                         if xp is np and USE_COMPILED and np.dtype(dtype).char in "fd" else None)
 
     def _check(self, x):
         need = tuple(hi - org for (_, hi), org in zip(self.source, self.x_origin))
@@ -465,6 +496,8 @@ class Plan:
             return out
         if out is None:
             out = xp.empty(self.out_shape(cur.shape), dtype=x.dtype)
+        if self.compiled is not None and self.compiled.takes(x):
+            return self.compiled(_cupsample.forward, cur, out)
         blocks = self._blocks(xp, cur.shape, x.dtype)
         if blocks is None:
             return self._forward(xp, cur, out)
@@ -493,6 +526,8 @@ class Plan:
         for step in reversed(self.steps):
             shape = step.in_shape(shape)
         dx = xp.empty(shape, dtype=dy.dtype)
+        if self.compiled is not None and self.compiled.takes(dy):
+            return self.compiled(_cupsample.backward, dy, dx)
         blocks = self._blocks(xp, dx.shape, dy.dtype)
         if blocks is None:
             return self._backward(xp, dy, dx)
@@ -508,9 +543,8 @@ class Plan:
         return g
 
 
-#: a host plan upsamples blocks of channels of about this many output bytes one after the other, so that the
-#: temporaries of its passes stay in cache and only the input and the output go through memory (1x32x128²
-#: float32 to 256², bilinear: 3.1 -> 2.4 ms forward on the 2-core box, one thread)
+#: a NumPy host plan upsamples blocks of channels of about this many output bytes one after the other, so
+#: that the temporaries of its passes stay in cache and only the input and the output go through memory
 BLOCK_BYTES = 2 << 20
 
 
