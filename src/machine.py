@@ -40,6 +40,10 @@ A machine file is YAML (read with :func:`lbannpy.yamlsafe.load`: never evaluated
                                                            # or per forward FLOP; params: the values it was
                                                            # timed with that select the row (a layer of the
                                                            # type with other values takes a row without)
+      shared:                                              # optional, from the calibration benchmark: what
+        - {procs: 2, factor: 1.6, sync_s: 1.5e-4}          # a step loses when procs ranks compute in lockstep
+                                                           # on a node (factor on compute beyond the median
+                                                           # per-call times; sync_s per blocking exchange)
     measured_on: {date: ..., host: ...}                    # optional, written by `lbannpy.bench calibrate`
     fit: {...}                                             # optional, the calibration's fit errors (not read)
 
@@ -188,6 +192,11 @@ class Machine:
     measured_on: Mapping[str, str] = field(default_factory=dict, compare=False)  # date, host of a calibration
     # per-type rates of layers that neither γ nor the streaming rate price well (see Rate); none: roofline
     rates: tuple[Rate, ...] = ()
+    # (procs, factor, sync_s) rows measured by `bench calibrate`: with procs ranks computing in lockstep on a
+    # node (and whatever else runs there), a step's compute takes factor times the median per-call times
+    # that γ, the rates and the measured rows are, and each blocking exchange waits sync_s beyond its α-β
+    # time for the partner (see shared_at); none: 1 and 0
+    shared: tuple[tuple[int, float, float], ...] = ()
 
     def rate(self, typ: str, params: Mapping[str, Any]) -> Rate | None:
         """The rate row of layer type ``typ`` for a layer with (resolved) ``params``: the matching row with
@@ -227,11 +236,22 @@ class Machine:
     def compute_slowdown(self, ranks: int) -> float:
         """Factor (>= 1) on every rank's compute time, and on its messages (shared-memory copies its core
         makes), when the ranks of a node outnumber its compute slots:
-        ``ranks_on_node / cores_per_node`` ranks share each core by time slicing. Nodes are filled in rank
-        order, ``ranks_per_node`` each; 1 when ``cores_per_node`` is 0 (one slot per rank)."""
-        if self.cores_per_node <= 0:
-            return 1.0
-        return max(1.0, self.ranks_on_node(ranks) / self.cores_per_node)
+        ``ranks_on_node / cores_per_node`` ranks share each core by time slicing (nodes are filled in rank
+        order, ``ranks_per_node`` each; 1 when ``cores_per_node`` is 0, one slot per rank); times the
+        measured lockstep factor of that many ranks (:meth:`shared_at`)."""
+        over = 1.0 if self.cores_per_node <= 0 else max(1.0, self.ranks_on_node(ranks) / self.cores_per_node)
+        return over * self.shared_at(ranks)[0]
+
+    def shared_at(self, ranks: int) -> tuple[float, float]:
+        """``(factor, sync_s)`` of the measured ``shared`` row for the ranks a job of ``ranks`` puts on a
+        node: the row of the most procs not above them (a calibration measures the counts it ran), else
+        ``(1, 0)``."""
+        on_node = self.ranks_on_node(ranks)
+        rows = [r for r in self.shared if r[0] <= on_node]
+        if not rows:
+            return 1.0, 0.0
+        _, factor, sync = max(rows)
+        return factor, sync
 
     def ranks_on_node(self, ranks: int) -> int:
         """Ranks that run on one node when a job has ``ranks`` in all (nodes filled in rank order)."""
@@ -254,7 +274,7 @@ _TOP_KEYS = ("name", "source", "comment", "ranks_per_node", "cores_per_node", "m
 _SECTION_KEYS = {"intra": _LINK_KEYS, "inter": _LINK_KEYS, "redistribution": _LINK_KEYS,
                  "allreduce": _LINK_KEYS + ("threshold_bytes", "algorithm"),
                  "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured",
-                             "rates")}
+                             "rates", "shared")}
 _RATE_KEYS = ("type", "per", "params", "fwd_s", "bwd_data_s", "bwd_weights_s")
 _MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s", "kernel")
 KERNEL_SETS = ("own", "aten")  # the conv kernel sets a measured row may name (layers/kernels/select.py)
@@ -342,6 +362,22 @@ class _Reader:
         return out, kernels
 
 
+    def shared(self, rows: Any) -> tuple[tuple[int, float, float], ...]:
+        """The ``compute.shared`` rows, by procs (see :meth:`Machine.shared_at`)."""
+        if rows is None:
+            return ()
+        if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+            raise self.fail("compute.shared must be a list of mappings {procs, factor, sync_s}")
+        out = []
+        for i, row in enumerate(rows):
+            unknown = sorted(set(row) - {"procs", "factor", "sync_s"})
+            if unknown or "procs" not in row or "factor" not in row:
+                raise self.fail(f"compute.shared[{i}] needs procs and factor (and sync_s), got {dict(row)!r}")
+            out.append((self.integer(row["procs"], f"compute.shared[{i}].procs", 1, "a positive integer"),
+                        self.number(row["factor"], f"compute.shared[{i}].factor", positive=True),
+                        self.number(row.get("sync_s", 0.0), f"compute.shared[{i}].sync_s")))
+        return tuple(sorted(out))
+
     def rates(self, rows: Any) -> tuple[Rate, ...]:
         """The ``compute.rates`` rows (see :class:`Rate`)."""
         if rows is None:
@@ -416,6 +452,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
         redistribution_link=None if rd is None else r.link(rd, "redistribution"),
         dtype_bytes=r.integer(tree.get("dtype_bytes", 4), "dtype_bytes", 1, "a positive integer (bytes)"),
         measured=measured, kernels=kernels, rates=r.rates(comp.get("rates")),
+        shared=r.shared(comp.get("shared")),
         cores_per_node=r.integer(tree.get("cores_per_node", 0), "cores_per_node", 0,
                                  "an integer >= 0 (0: one compute slot per rank)"),
         gradient_sync=sync, source=str(tree.get("source") or tree.get("comment") or ""),
@@ -447,6 +484,8 @@ def _to_dict(m: Machine) -> dict[str, Any]:
         compute["rates"] = [{"type": r.type, **({"params": dict(r.params)} if r.params else {}), "per": r.per,
                              "fwd_s": r.fwd_s, "bwd_data_s": r.bwd_data_s, "bwd_weights_s": r.bwd_weights_s}
                             for r in m.rates]
+    if m.shared:
+        compute["shared"] = [{"procs": p, "factor": f, "sync_s": s} for p, f, s in m.shared]
     d: dict[str, Any] = {"name": m.name, "source": m.source, "ranks_per_node": m.ranks_per_node}
     if m.cores_per_node:  # 0, one compute slot per rank, is the default
         d["cores_per_node"] = m.cores_per_node

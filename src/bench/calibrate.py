@@ -38,6 +38,9 @@ from lbannpy.comm import Runtime
 from lbannpy.local_machine import calibration_path
 from lbannpy.machine import machine_from_dict, machines_dir, ring_from_fit
 
+from .calibrate_layers import measure_split_layers
+from .calibrate_node import compute_slots, measure_sharing, memory_gib
+from .calibrate_priority import raise_priority
 from .kernel_choice import conv_shapes, measure_kernels
 from .launch import relaunch_if_needed
 
@@ -367,36 +370,6 @@ def write_machine(path: str, data: dict, header: str) -> None:
     os.replace(tmp, target)
 
 
-def compute_slots(comm, xp, hosts: list[str]) -> int:
-    """Compute slots of rank 0's node. GPU: the devices it has. CPU: ``SLURM_CPUS_ON_NODE`` inside a SLURM
-    job (its allocation), else the union of the CPUs that the ranks on the node may run on (a launcher that
-    binds ranks to cores shows only those), else ``os.cpu_count()``. Collective over ``comm``."""
-    if xp.__name__ == "cupy":
-        return int(xp.cuda.runtime.getDeviceCount())
-    try:
-        mine = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = []
-    every = comm.allgather_obj(mine)
-    slurm = os.environ.get("SLURM_CPUS_ON_NODE", "")
-    if slurm.isdigit() and int(slurm) > 0:
-        return int(slurm)
-    cpus = set()
-    for host, c in zip(hosts, every):
-        if host == hosts[0]:
-            cpus.update(c)
-    return len(cpus) or os.cpu_count() or 1
-
-
-def _memory_gib(xp, ranks_per_node: int) -> float:
-    if xp.__name__ == "cupy":
-        return round(xp.cuda.runtime.memGetInfo()[1] / 2 ** 30, 2)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return round(total / max(ranks_per_node, 1) / 2 ** 30, 2)
-
-
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lbannpy.bench calibrate",
                                  description=describe(__doc__))
@@ -422,7 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernels", nargs="+", metavar="MODEL", default=[],
                     help="also time lbannpy's own and PyTorch's ATen conv kernels at every conv shape of "
                          "these models (zoo names, NAME:SIZE:BATCH, or spec/config files) and write the "
-                         "faster set per shape (runtime.kernels: auto takes it; CPU only; default: none)")
+                         "faster set per shape (runtime.kernels: auto takes it; CPU only; default: none), "
+                         "and every layer of theirs on the block one rank computes under each split up to "
+                         "the ranks calibrated")
+    ap.add_argument("--priority", type=int, default=None, metavar="NICE",
+                    help="every rank measures at this scheduling priority, its session's and its own, e.g. "
+                         "-15 on a box others load (root; default: as started)")
     return ap
 
 
@@ -510,13 +488,15 @@ def measure_compute(comm, xp, hosts: list[str], gemm: int, quick: bool, local_si
     mem = stream_rate(comm, xp, 16 << 20 if quick else 64 << 20)
     overhead = layer_call_overhead(comm, xp)
     slots = compute_slots(comm, xp, hosts)
+    shared, shared_lines = measure_sharing(comm, xp) if xp.__name__ != "cupy" else ([], [])
     kind = "GPUs" if xp.__name__ == "cupy" else "CPU cores"
     tables = [f"GEMM float32 {gemm}^3 on every rank: gamma {gamma:.3e} s/FLOP ({1 / gamma / 1e9:.2f} "
               f"GFLOP/s per rank; ranks {[f'{1 / g / 1e9:.1f}' for g in per_rank]})",
               f"streaming c = a + b on every rank: {mem:.3e} s/B ({1 / mem / 1e9:.2f} GB/s per rank); fixed "
               f"cost of a layer call {overhead * 1e6:.1f} us",
-              f"compute slots on {hosts[0]}: {slots} ({kind}; {local_size} rank(s) ran there)"]
-    return {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem, "kernel_overhead_s": overhead}, slots, tables
+              f"compute slots on {hosts[0]}: {slots} ({kind}; {local_size} rank(s) ran there)", *shared_lines]
+    compute = {"gamma_s_per_flop": gamma, "mem_s_per_byte": mem, "kernel_overhead_s": overhead}
+    return {**compute, **({"shared": shared} if shared else {})}, slots, tables
 
 
 def main(argv=None) -> int:
@@ -537,6 +517,7 @@ def main(argv=None) -> int:
         args.max_bytes = min(args.max_bytes, 4 << 20)
         args.batches = min(args.batches, 3)
         args.gemm = min(args.gemm, 512)
+    refused = [] if args.priority is None else raise_priority(args.priority)
     backend = "mpi" if args.device == "cpu" and args.backend == "auto" else args.backend
     with Runtime(backend=backend, device=args.device) as rt:
         comm, xp, p = rt.world, rt.xp, rt.size
@@ -546,6 +527,7 @@ def main(argv=None) -> int:
         sizes = message_sizes(args.max_bytes)
         target = args.target_ms / 1e3
         if comm.rank == 0:
+            print("".join(f"priority {args.priority}: {r}\n" for r in refused), end="")
             print(f"calibrating on {p} ranks ({len(set(hosts))} node(s)), backend {rt.backend}, device "
                   f"{rt.device}, messages {sizes[0]} B .. {sizes[-1]} B", flush=True)
         links, fits, tables, note = measure_links(comm, xp, hosts, sizes, target, args.batches)
@@ -563,6 +545,9 @@ def main(argv=None) -> int:
             rows, lines = (measure_kernels(comm, args.kernels, args.quick) if rt.device == "cpu" else
                            ([], ["conv kernels: timed on the CPU only (a GPU run takes cuDNN through ATen "
                                  "where torch sees the GPU)"]))
+            if rt.device == "cpu":
+                more, more_lines = measure_split_layers(comm, xp, args.kernels, args.quick)
+                rows, lines = rows + more, lines + more_lines
             compute_tables.append("\n".join(lines))
             if rows:
                 compute["measured"] = rows
@@ -574,7 +559,7 @@ def main(argv=None) -> int:
                            f"{rt.backend}, device {rt.device}. {note}").strip(),
                 "ranks_per_node": rt.local_size,
                 "cores_per_node": slots,
-                "memory_per_device_gib": _memory_gib(xp, rt.local_size),
+                "memory_per_device_gib": memory_gib(xp, rt.local_size),
                 "intra": links["intra"],
                 "inter": links["inter"],
                 "allreduce": ar,

@@ -143,12 +143,13 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
 
     A measured entry keyed by (type, local input shape, local output shape, split degrees, ranks on the node)
     wins: it was timed while as many ranks ran on the node as this job puts there, so whatever sharing the
-    node's cores and memory costs is in it, and it is used as it is. Then one keyed without the rank count,
-    then one without the split (a block timed alone, in no particular split's code path); otherwise the
-    roofline ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel overhead``. Conv and fc: dL/dx and dL/dw cost a
-    forward each; pointwise layers: backward costs what forward does and there is no dL/dw. These are times
-    of a rank with a compute slot to itself, scaled by :meth:`MachineModel.compute_slowdown` where ranks
-    share cores.
+    node's cores and memory costs a call is in it, and it is used as it is but for the measured lockstep
+    factor (:meth:`MachineModel.shared_at`: medians of calls leave out the time slices other work takes).
+    Then one keyed without the rank count, then one without the split (a block timed alone, in no
+    particular split's code path); otherwise the roofline ``max(γ·FLOPs, bytes·mem_s_per_byte) + kernel
+    overhead``. Conv and fc: dL/dx and dL/dw cost a forward each; pointwise layers: backward costs what
+    forward does and there is no dL/dw. These are times of a rank with a compute slot to itself, scaled by
+    :meth:`MachineModel.compute_slowdown` where ranks share cores.
     """
     out_local = max_local_shape(node.out_shape, dist)
     in_dist = required_input(node, dist, node.in_shape)
@@ -156,8 +157,9 @@ def compute_times(node: Node, dist: Distribution, machine: MachineModel,
     key = (node.type, in_local, out_local)
     split = key + (tuple(dist.split),)
     entry = machine.measured.get(split + (machine.ranks_on_node(dist.ranks),))
-    if entry is not None:
-        return entry[0], (entry[1] if needs_dx else 0.0), entry[2]
+    if entry is not None:  # the medians of calls: what lockstep ranks lose besides is the shared factor
+        shared = machine.shared_at(dist.ranks)[0]
+        return entry[0] * shared, (entry[1] * shared if needs_dx else 0.0), entry[2] * shared
     slow = machine.compute_slowdown(dist.ranks)
     entry = machine.measured.get(split, machine.measured.get(key))
     if entry is not None:
@@ -423,8 +425,13 @@ def layer_cost(node: Node, dist: Distribution, machine: MachineModel, reads_inpu
     # where ranks share cores, their messages are copies through shared memory that those cores make, time-
     # sliced as their compute is: the same factor (1 with a compute slot, e.g. a GPU, per rank)
     slow = machine.compute_slowdown(dist.ranks)
+    # every blocking exchange also waits for its partner's time slices lost to other work (a pass forward,
+    # one backward where dL/dx is wanted): the measured sync_s of ranks computing in lockstep
+    waits = (2 if needs_dx else 1) * machine.shared_at(dist.ranks)[1]
     halo = halo_time(node, dist, machine, needs_dx) * slow
+    halo += waits if halo else 0.0
     internal = internal_comm_time(node, dist, machine, needs_dx) * slow
+    internal += waits if internal else 0.0
     ar = gradient_sync_time(node, dist, machine) * slow
     pers, trans = layer_memory(node, dist, machine, reads_input, optimizer)
     inp = 0.0
@@ -538,16 +545,19 @@ def redistribution_matrix(shape: tuple[int, ...], srcs: Sequence[Distribution], 
 @lru_cache(maxsize=4096)
 def _redistribution_matrix(shape, srcs, dsts, machine) -> np.ndarray:
     t = shuffle_times(shape, srcs, dsts, machine) + shuffle_times(shape, dsts, srcs, machine).T
-    return t * np.array([machine.compute_slowdown(d.ranks) for d in dsts])[None, :]  # see redistribution_time
+    t = t * np.array([machine.compute_slowdown(d.ranks) for d in dsts])[None, :]  # see redistribution_time
+    waits = np.array([2 * machine.shared_at(d.ranks)[1] for d in dsts])[None, :]
+    return t + np.where(t > 0, waits, 0.0)
 
 
 def redistribution_time(shape: tuple[int, ...], src: Distribution, dst: Distribution,
                         machine: MachineModel) -> float:
     """t_X of an edge: the activation from ``src`` to ``dst`` forward, the error signal back from ``dst`` to
     ``src`` backward (partial sums are already reduced by the consumer); time-sliced where ranks share cores
-    (see :func:`layer_cost`)."""
-    return ((shuffle_time(shape, src, dst, machine) + shuffle_time(shape, dst, src, machine))
-            * machine.compute_slowdown(dst.ranks))
+    (see :func:`layer_cost`), each way also waiting the measured ``sync_s`` for the partners."""
+    t = ((shuffle_time(shape, src, dst, machine) + shuffle_time(shape, dst, src, machine))
+         * machine.compute_slowdown(dst.ranks))
+    return t + 2 * machine.shared_at(dst.ranks)[1] if t > 0 else t
 
 
 # --------------------------------------------------------------------------------------------------------
