@@ -500,6 +500,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _numpy_conv_kernels() -> None:
+    """``--conv-kernel numpy``: the conv and pool modules take their NumPy paths in this process."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.layers.kernels import conv as kconv, pool as kpool
+
+    kconv.set_compiled(False)
+    kpool.set_compiled(False)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -510,11 +519,7 @@ def main(argv=None) -> int:
         parser.error("--repeats must be >= 1")
     _one_thread_or_reexec(argv)
     if args.conv_kernel == "numpy":
-        # late: loaded when the command runs, so its --help and argument errors come without it
-        from lbannpy.layers.kernels import conv as kconv, pool as kpool
-
-        kconv.set_compiled(False)
-        kpool.set_compiled(False)
+        _numpy_conv_kernels()
 
     import numpy as np
     import torch
