@@ -75,10 +75,12 @@ def cases(size: int) -> list:
                 continue  # 2/2/1/1 filters would cut a group: refused (tests/test_split_groups.py)
             out.append(Case(_name("convT-filters", kw), (_ct(**kw),), (N, cin, H, W), _own(par)))
     if size == 4:  # the filter split mixed with samples and space, uneven blocks everywhere
-        for dims in ({"c": 2, "h": 2}, {"n": 2, "c": 2}, {"c": 2, "w": 2}):
-            for kw in (dict(kernel=3, stride=2, padding=1, output_padding=1), dict(kernel=2, stride=2),
-                       dict(kernel=3, groups=2, filters=6)):
-                out.append(Case(_name("convT-filters", kw), (_ct(**kw),), (N, C, H, W), _own(dims)))
+        for dims, kw in (({"c": 2, "h": 2}, dict(kernel=3, stride=2, padding=1, output_padding=1)),
+                         ({"c": 2, "h": 2}, dict(kernel=3, groups=2, filters=6)),
+                         ({"n": 2, "c": 2}, dict(kernel=2, stride=2)),
+                         ({"c": 2, "w": 2}, dict(kernel=3, stride=2, padding=1, output_padding=1)),
+                         ({"c": 2, "w": 2}, dict(kernel=2, stride=2, groups=4, filters=8))):
+            out.append(Case(_name("convT-filters", kw), (_ct(**kw),), (N, C, H, W), _own(dims)))
         for kw in (dict(kernel=2, stride=2), dict(kernel=3, stride=2, padding=1, output_padding=1)):
             out.append(Case(_name("convT3d-filters", kw), (_ct(**kw),), (5, 3, 5, 7, 6),
                             _own({"c": 2, "d": 2})))
