@@ -303,14 +303,15 @@ def _check_labels(name: str, full: str, loss: str, form, n: int, spatial: tuple,
 
 
 def check_memory(cfg: dict, ranks: int, graph=None, data: bool = True, base_dir: str | None = None,
-                 planned: bool = True):
+                 planned: bool = True, chosen_by: str = ""):
     """The per-rank memory estimate of :mod:`lbannpy.strategy.memory` (the cost model's accounting, the
     readers' buffers and sample ids) against ``runtime.memory_gib``; returns the estimate, raises
     ConfigError when it exceeds the limit. ``strategy: auto`` is estimated under the planner's choice
-    (``planned``), else under ``parallel`` as written. Nothing is allocated from the sizes."""
+    (``planned``), else under ``parallel`` as written (``chosen_by`` says who wrote it, where the planner
+    already did). Nothing is allocated from the sizes."""
     from ..strategy import memory as M  # imported late, as check_graph
 
-    dists, how = None, ""
+    dists, how = None, chosen_by
     if planned and cfg["parallel"].get("strategy") == "auto":
         # imported late, as check_graph
         from ..strategy.planner import PlanError, plan

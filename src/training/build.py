@@ -177,10 +177,12 @@ def build(run: RunConfig, ctx, world, dry: bool = False, data: bool = True,
     :func:`check_run`): the same set-up on a stand-in world, with readers that read nothing (none without
     ``data``) and no optimizer state."""
     cfg = run.spec
-    if cfg["parallel"]["strategy"] == "auto":
+    auto = cfg["parallel"]["strategy"] == "auto"
+    if auto:
         cfg["parallel"] = auto_strategy(cfg, world, run.trainer.batch_size, prog)
     # every rank refuses a run whose estimated peak exceeds runtime.memory_gib before allocating any of it
-    est = check_memory(cfg, world.size, data=data, planned=False)
+    est = check_memory(cfg, world.size, data=data, planned=False,
+                       chosen_by="strategy auto: the planner's choice" if auto else "")
     model, loss = build_model(cfg, ctx, world, prog)
     if not data:
         return Parts(cfg=cfg, settings=None, model=model, loss=loss, reader=None, val_reader=None,
