@@ -55,7 +55,10 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm.runtime import set_failure_log_dir
+    from lbannpy.training.errors import GuardedStdout
 
+    # a closed stdout, a reader that left or a full device: the run goes on and keeps its work
+    GuardedStdout("lbannpy.train").install()
     set_failure_log_dir("")  # a failure before the config names the run directory: a temporary file
     try:
         return _main(args)

@@ -3,7 +3,8 @@
 
 CONFIG is a YAML spec (``*.yaml``/``*.yml``) or a ``config.h5`` (read and written through
 :mod:`lbannpy.config`). ``--write`` stores the chosen split degrees in ``parallel.layers`` of CONFIG.
-Exit status: 0 on success, 2 on a usage or input error (with a message saying what to change).
+Exit status: 0 on success, 2 on a usage or input error (with a message saying what to change), 141 when
+the reader of its output left (``| head -1``).
 """
 from __future__ import annotations
 
@@ -118,12 +119,24 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Exit status: 0 done; 2 a usage or input error, or a standard output that could not be written (a
+    full device: named); 141 when the reader of its output left (``| head``), as any program a shell runs
+    reports when SIGPIPE ends it, so a pipeline under ``set -o pipefail`` tells a cut-short table from a
+    complete one. ``--write`` still writes the config in both cases."""
     args = build_parser().parse_args(argv)
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.training.errors import EXIT_READER_GONE, GuardedStdout
+
+    out = GuardedStdout("python -m lbannpy.strategy").install()
     try:
-        return run(args)
+        code = run(args)
     except (PlanError, ShapeError, MachineError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    out.flush()
+    if out.reader_gone:
+        return EXIT_READER_GONE
+    return 2 if out.failed is not None else code
 
 
 if __name__ == "__main__":

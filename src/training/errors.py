@@ -1,6 +1,8 @@
 """Errors the trainer reports to the user (agreed on by all ranks, printed once, no traceback)."""
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
 from lbannpy.checkpoint import CheckpointError
@@ -96,3 +98,81 @@ def agree_on_data(world, err: str | None) -> None:
     bad = [(r, e) for r, e in enumerate(errors) if e]
     r, e = bad[0]
     raise DataStop(e if all(x == e for _, x in bad) else f"{e} (rank {r})")
+
+
+EXIT_READER_GONE = 141  # what a shell reports for a program SIGPIPE ended (128 + 13), as in `yes | head`
+
+
+class GuardedStdout:
+    """``sys.stdout`` for a command whose standard output may be closed, a pipe whose reader left (``| head``)
+    or a full device: writing to it never fails the command. The first failure switches file descriptor 1
+    to ``/dev/null`` (so no later flush, at exit either, fails again) and is kept in :attr:`failed`; a full
+    or failing device (not a reader that left, not a closed stdout) is named once on stderr as it happens,
+    so the command's work (a training run's checkpoints and metrics, a written config) goes on and is kept.
+
+    :meth:`install` at the start of ``main``; at its end :attr:`reader_gone` and :attr:`failed` say what
+    happened (a command whose output is its product ends with :data:`EXIT_READER_GONE` or an error)."""
+
+    def __init__(self, prog: str):
+        self.prog = prog
+        self.failed: OSError | None = None
+        self.closed_at_start = False
+        self._stream = None
+
+    def install(self) -> "GuardedStdout":
+        """Make this ``sys.stdout`` (the one already installed, when a command runs twice in a process)."""
+        if isinstance(sys.stdout, GuardedStdout):
+            return sys.stdout
+        stream = sys.stdout
+        if stream is None:  # descriptor 1 closed: /dev/null takes it, so no file opened later lands there
+            self.closed_at_start = True
+            self._to_devnull()
+            stream = open(1, "w", closefd=False)
+        self._stream = stream
+        sys.stdout = self
+        return self
+
+    @property
+    def reader_gone(self) -> bool:
+        return self.failed is not None and self.failed.errno in (errno.EPIPE, errno.ECONNRESET)
+
+    def write(self, text: str) -> int:
+        if self.failed is None:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError) as exc:
+                self._fail(exc)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.failed is None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError) as exc:
+                self._fail(exc)
+
+    def isatty(self) -> bool:
+        return self.failed is None and self._stream.isatty()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not isinstance(exc, OSError):  # ValueError: the stream was closed under us
+            exc = OSError(errno.EBADF, "standard output was closed")
+        self.failed = exc
+        self._to_devnull()
+        if not self.reader_gone:
+            try:
+                sys.stderr.write(f"{self.prog}: standard output could not be written "
+                                 f"({exc.strerror or exc}); its lines are dropped from here on\n")
+                sys.stderr.flush()
+            except Exception:  # a closed stderr too: nothing left to tell
+                pass
+
+    @staticmethod
+    def _to_devnull() -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != 1:
+            os.dup2(null, 1)
+            os.close(null)
