@@ -19,9 +19,28 @@ class ConfigError(ValueError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        where = f"{self.path}: " if self.path else ""
-        tail = f" (hint: {self.hint})" if self.hint else ""
-        return f"{where}{self.message}{tail}"
+        where = f"{clip(self.path)}: " if self.path else ""
+        tail = f" (hint: {clip(self.hint)})" if self.hint else ""
+        return f"{where}{clip(self.message)}{tail}"
+
+
+MAX_WORD = 200  # characters of one key, value or path a message repeats before it is shortened
+
+
+def clip(text: str, limit: int = MAX_WORD) -> str:
+    """``text`` with every run of more than ``limit`` non-blank characters (a 60,000-character key, a pasted
+    blob) shortened to its start and end around ``...[N characters]...``: a message repeats what it names,
+    and a whole screen of it would hide the message."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    out = []
+    for word in text.split(" "):
+        if len(word) > limit:
+            keep = limit // 2
+            word = f"{word[:keep]}...[{len(word)} characters]...{word[-keep // 4:]}"
+        out.append(word)
+    return " ".join(out)
 
 
 def did_you_mean(word: str, choices: Iterable[str], what: str = "") -> str:

@@ -221,11 +221,13 @@ def _open_data(cfg: dict, path: str, model, loss):
     import h5py
 
     # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.data.check import data_file_problem
     from lbannpy.data.dataset import DataError, validate_dataset
 
     train = cfg["data"]["train"]
-    if not os.path.isfile(path):
-        raise UserError(f"--data {path}: no such file")
+    problem = data_file_problem(path)  # missing, a directory, empty, unreadable, locked, not HDF5
+    if problem is not None:
+        raise UserError(f"--data {path}: {problem}")
     with h5py.File(path, "r") as f:
         has_labels = train["labels"] in f
         if train["inputs"] not in f:

@@ -7,6 +7,7 @@ outside ``[0, 1]``, and a file that does not fit the model of a spec
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -65,6 +66,39 @@ def spec_expectations(path: str) -> Expect:
                   classes=None if form is not None and form.floating else int(out[1]),
                   per_pixel=None if form is not None else loss == "pixel_cross_entropy", source=path,
                   form=form)
+
+
+def data_file_problem(path: str, exc: OSError | None = None) -> str | None:
+    """Why ``path`` cannot be opened as an HDF5 data file (what a message after the file's name says), or
+    None when it opens. ``exc``: the error opening it raised, when the caller already tried.
+
+    Each cause is told apart, so the user knows what to do: no such file, a directory, not a regular file,
+    an empty (0-byte) file, no permission, a file another process is writing (HDF5 locks a file open for
+    writing), or not HDF5 at all."""
+    import h5py
+
+    if not os.path.lexists(path):
+        return "no such file"
+    if not os.path.exists(path):
+        return f"a broken symbolic link (to {os.readlink(path)})"
+    if os.path.isdir(path):
+        return "is a directory, not an HDF5 file"
+    if not os.path.isfile(path):
+        return "is not a regular file"
+    if os.path.getsize(path) == 0:
+        return "is empty (0 bytes), not an HDF5 file"
+    if exc is None:
+        try:
+            with h5py.File(path, "r"):
+                return None
+        except OSError as err:
+            exc = err
+    if isinstance(exc, BlockingIOError) or "unable to lock file" in f"{exc}":
+        return ("is locked: another process has it open for writing; wait until it has finished (or set "
+                "HDF5_USE_FILE_LOCKING=FALSE to read it anyway)")
+    if isinstance(exc, PermissionError) or not os.access(path, os.R_OK) or "Permission denied" in f"{exc}":
+        return "cannot be read: permission denied"
+    return f"is not a readable HDF5 file ({f'{exc}'.splitlines()[0] if f'{exc}' else type(exc).__name__})"
 
 
 def _chunk_samples(info, chunk_bytes: int) -> int:
@@ -255,6 +289,9 @@ def check_file(path: str, want: Expect, chunk_bytes: int = CHUNK_BYTES, quiet: b
         check_complete(path, (want.inputs, want.labels))
     except DataError as exc:
         out.write(f"file: {exc}\n")
+        return 1
+    except OSError as exc:  # HDF5 could not open it (locked by a writer, unreadable): the file, named
+        out.write(f"file: data file {path} {data_file_problem(path, exc) or exc}\n")
         return 1
     problems = _shape_problems(path, info, want) if want.source else []
     progress = None if quiet else _Progress(info.num_samples, "check", stream)
