@@ -32,17 +32,27 @@ its own digest over all of it. Every restore (resume, ``--init``, ``export``, ``
 reads on every rank; a mismatch is damage, treated like a missing shard (the previous checkpoint is tried,
 with a note naming the file and block).
 
+Which entries are checkpoints (:func:`candidates`, the one rule every reader, the pruner and the trainer
+use): a directory ``ckpt-<digits>`` (eight digits written, any number read) or a regular HDF5 file
+``ckpt-<digits>.h5``; never a symbolic link, a ``.tmp`` directory or anything else. Readers take the newest
+that verifies, and list the directory again when the one they picked is deleted under them (a live run
+pruned it). Pruning (:func:`prune`) deletes only checkpoints of the writing run (its run id) older than the
+one it just wrote, and only after reading their indexes and files back: never one it cannot read, one of
+another run, or what is not a checkpoint. Nothing of another run is deleted: what stands in a checkpoint's
+name, or a fresh run's way, is moved aside (:func:`set_aside`).
+
 Version 2 checkpoints (the same layout without checksums) and version 1 (one file ``ckpt-<step>.h5`` of
 global tensors) are still read, unverified.
 """
 from .plan import (FORMAT, VERSION, CheckpointError, Piece, SavePlan, StateReader, StateTensor, assemble,
                    blocks_meeting, is_writer, param_pieces, rank_pieces, restore_plan, save_plan)
-from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, newest_sound, resolve,
-                   restore_weights, resume)
+from .read import (Checkpoint, CheckpointRefused, candidates, load, load_newest, newest_first, newest_sound,
+                   resolve, restore_newest, restore_weights, resume, step_of)
 from .integrity import crc32
-from .write import parallel_hdf5, prune, save
+from .write import parallel_hdf5, prune, save, set_aside, verified_identity
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "CheckpointRefused", "Checkpoint", "Piece", "SavePlan",
            "StateReader", "StateTensor", "assemble", "blocks_meeting", "candidates", "crc32", "is_writer",
-           "load", "load_newest", "newest_sound", "param_pieces", "parallel_hdf5", "prune", "rank_pieces",
-           "resolve", "restore_plan", "restore_weights", "resume", "save", "save_plan"]
+           "load", "load_newest", "newest_first", "newest_sound", "param_pieces", "parallel_hdf5", "prune",
+           "rank_pieces", "resolve", "restore_newest", "restore_plan", "restore_weights", "resume", "save",
+           "save_plan", "set_aside", "step_of", "verified_identity"]

@@ -3,7 +3,6 @@ restore on any rank count, fallback to an older checkpoint."""
 from __future__ import annotations
 
 import copy
-import glob
 import json
 import math
 import os
@@ -17,11 +16,16 @@ import numpy as np
 from .integrity import INDEX_ATTRS, check_block, check_finite, index_digest
 from .plan import FORMAT, VERSION, Box, CheckpointError, StateReader, blocks_meeting, box_slices
 
-_V1_NAME = re.compile(r"ckpt-(\d{8})\.h5$")
-_V2_NAME = re.compile(r"ckpt-(\d{8})$")
+# the one rule for what is a checkpoint in a directory: any number of digits after "ckpt-" (steps past
+# 99,999,999 included); a directory (version 2 and 3) or a regular HDF5 file with ".h5" (version 1), never a
+# symbolic link (its target may be anything, anywhere), a temporary ".tmp" write, or a file of another kind
+_V1_NAME = re.compile(r"^ckpt-(\d+)\.h5$")
+_V2_NAME = re.compile(r"^ckpt-(\d+)$")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MAX_NDIM = 8
 _MAX_ELEMENTS = 1 << 40  # refuses absurd shapes read from a damaged index before allocating anything
 _MAX_BLOCKS = 1 << 24  # blocks of one tensor in an index (one per writing rank at most)
+_RELISTS = 64  # times a reader lists the directory again after the checkpoint it picked was deleted
 # what a damaged checkpoint raises (h5py: OSError for unreadable blocks, RuntimeError "Object visitation
 # failed" for a damaged group); CheckpointError is a RuntimeError
 _DAMAGE = (OSError, KeyError, ValueError, RuntimeError)
@@ -31,18 +35,48 @@ class CheckpointRefused(CheckpointError):
     """A readable checkpoint that does not belong to this run (``check`` of :func:`resume` refused it)."""
 
 
+def step_of(path: str) -> int | None:
+    """The step a checkpoint's name says (``ckpt-<digits>`` or ``ckpt-<digits>.h5``), None for another
+    name."""
+    m = _V2_NAME.match(os.path.basename(path.rstrip("/"))) or _V1_NAME.match(os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
 def candidates(directory: str) -> list[str]:
-    """Complete checkpoints (directories of version 2, files of version 1), newest first; temporary
-    directories and files of interrupted writes are ignored."""
+    """Complete checkpoints in ``directory``, newest (highest step) first, found by one rule: a directory
+    ``ckpt-<digits>`` (versions 2 and 3) or a regular file ``ckpt-<digits>.h5`` that is an HDF5 file
+    (version 1), for any number of digits. Symbolic links, temporary directories of interrupted writes and
+    anything else (a file another command wrote there, a FIFO) are not checkpoints: ignored, so they are
+    never read as the newest nor deleted by pruning."""
+    import stat
+
     found = []
-    for path in glob.glob(os.path.join(directory, "ckpt-*")):
-        m2 = _V2_NAME.search(path)
-        m1 = _V1_NAME.search(path)
-        if m2 and os.path.isdir(path):
-            found.append((int(m2.group(1)), 1, path))
-        elif m1 and os.path.isfile(path):
-            found.append((int(m1.group(1)), 0, path))
-    return [p for _, _, p in sorted(found, reverse=True)]
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        m2, m1 = _V2_NAME.match(name), _V1_NAME.match(name)
+        if not (m1 or m2):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:  # gone since the listing
+            continue
+        if m2 and stat.S_ISDIR(mode):
+            found.append((int(m2.group(1)), 1, name, path))
+        elif m1 and stat.S_ISREG(mode) and _is_hdf5(path):
+            found.append((int(m1.group(1)), 0, name, path))
+    return [p for _, _, _, p in sorted(found, reverse=True)]
+
+
+def _is_hdf5(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+    except OSError:
+        return False
 
 
 def _check_shape(shape, what: str) -> tuple:
@@ -109,12 +143,28 @@ class Checkpoint:
                     if crcs.shape != (n,):
                         raise CheckpointError(f"{ipath} tensor {key}: {crcs.shape} checksums for {n} blocks")
                     self.crcs[key] = crcs
-            m = _V2_NAME.search(path.rstrip("/"))
-            if m and int(m.group(1)) != self.step:
+            named = step_of(path)
+            if named is not None and named != self.step:
                 raise CheckpointError(f"{ipath}: step {self.step} disagrees with the directory name "
                                       f"{os.path.basename(path.rstrip('/'))}")
             if version >= 3:
                 self._check_index(f, ipath)
+            self._check_shards_named(ipath)
+
+    def _check_shards_named(self, ipath: str) -> None:
+        """Every block's file is one this layout has: ``data.h5`` (-1) in a single file, a shard rank
+        (version 3: one the index holds a digest for) otherwise; anything else is a damaged or edited
+        index, refused here like any other damage."""
+        for key, (_, _, shards) in self.index.items():
+            if self.layout == "single":
+                bad = shards[shards != -1]
+            elif self.shard_digests:
+                bad = shards[~np.isin(shards, list(self.shard_digests))]
+            else:
+                bad = shards[shards < 0]
+            if bad.size:
+                raise CheckpointError(f"{ipath} tensor {key}: its shard table names file {int(bad[0])}, "
+                                      f"which a checkpoint of layout {self.layout!r} does not have")
 
     def _check_index(self, f, ipath: str) -> None:
         """Version 3: the index's digest over its attributes, tables and shard digests."""
@@ -131,7 +181,7 @@ class Checkpoint:
         self.ident = {"step": self.step, "run_id": str(f.attrs["run_id"]), "ckpt_id": str(f.attrs["ckpt_id"])}
 
     def _open_v1(self, path):
-        self.layout = "v1"
+        self.layout, self.version = "v1", 1
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not an lbannpy checkpoint "
@@ -192,6 +242,34 @@ class Checkpoint:
         if str(f.attrs.get("digest", "")) != self.shard_digests.get(shard):
             raise CheckpointError(f"{name}: its digest is not the one the index holds for shard {shard}")
 
+    def _check_box(self, ds, key: str, want) -> None:
+        """A shard's block carries its place in the global tensor (``box``): it must be the index row's,
+        or the block would land elsewhere (an index whose rows were swapped, a block of another write)."""
+        got = ds.attrs.get("box")
+        if got is None and self.version < 3:
+            return  # written before blocks carried their boxes
+        got = None if got is None else np.asarray(got, dtype=np.int64)
+        if got is None or got.shape != want.shape or not np.array_equal(got, want):
+            raise CheckpointError(f"{ds.file.filename}: block {key} is the block at "
+                                  f"{None if got is None else got.tolist()}, the index puts it at "
+                                  f"{want.tolist()}: the index is damaged or was edited")
+
+    def check_files(self) -> None:
+        """Open every file the index names and check, without reading any data, that it belongs to this
+        checkpoint (version 3: identity and digest) and holds each block where the index says, with its
+        shape and box; raises :class:`CheckpointError` (or an h5py error) otherwise."""
+        for key, (gshape, boxes, shards) in self.index.items():
+            for i, shard in enumerate(shards.tolist()):
+                if shard == -2:
+                    continue
+                ds = self._file(int(shard))[key]
+                want = tuple(e - a for a, e in boxes[i].tolist()) if self.layout == "shards" else gshape
+                if tuple(ds.shape) != tuple(want):
+                    raise CheckpointError(f"{self.path}: {key} in shard {shard} has shape {ds.shape}, the "
+                                          f"index says {tuple(want)}")
+                if self.layout == "shards":
+                    self._check_box(ds, key, boxes[i])
+
     def read(self, key: str, box: Box, dtype=np.float64) -> np.ndarray:
         """The values of tensor ``key`` in ``box``, assembled from the blocks that meet it."""
         if key not in self.index:
@@ -210,6 +288,8 @@ class Checkpoint:
                 if tuple(ds.shape) != want:
                     raise CheckpointError(f"{self.path}: {key} in shard {shards[i]} has shape {ds.shape}, "
                                           f"the index says {want}")
+                if self.layout == "shards":
+                    self._check_box(ds, key, boxes[i])
                 origin = [a for a, _ in src] if self.layout == "shards" else [0] * len(src)
                 if self.verify and key in self.crcs:  # the whole block: its checksum covers all of it
                     block = ds[box_slices(src, origin)]
@@ -281,47 +361,108 @@ def restore_weights(path: str, params, layers, xp) -> int:
         ck.close()
 
 
+def newest_first(directory: str, attempt: Callable[[str], object],
+                 failed: Callable[[str, str, bool], None], comm=None):
+    """``(path, attempt(path))`` for the newest checkpoint in ``directory`` that ``attempt`` reads without
+    damage, ``(None, None)`` when there is none. A checkpoint that fails (on any rank of ``comm``) is
+    reported to ``failed(path, reason, more)`` (``more``: another one is left to try) and the previous one
+    tried; one deleted while it was being read (a live run pruned it, having written a newer one) is no
+    failure: the directory is listed again and the newest not yet tried is taken. With ``comm``,
+    collective: rank 0 lists and decides, every rank reads the same checkpoint, and the ranks agree on each
+    attempt (the first failing rank's reason is reported)."""
+    def agreed(value):
+        return comm.bcast_obj(value if comm.rank == 0 else None) if comm is not None else value
+
+    tried: set[str] = set()
+    for _ in range(_RELISTS):
+        listed = agreed(candidates(directory))
+        relist = False
+        left = [p for p in listed if p not in tried]
+        for i, path in enumerate(left):
+            tried.add(path)
+            err, out = None, None
+            try:
+                out = attempt(path)
+            except _DAMAGE as exc:
+                err = f"{exc}"
+            if comm is not None:
+                bad = [(r, e) for r, e in enumerate(comm.allgather_obj(err)) if e]
+                err = None if not bad else bad[0][1] if comm.size == 1 else f"rank {bad[0][0]}: {bad[0][1]}"
+            if err is None:
+                return path, out
+            if not agreed(os.path.lexists(path)):  # pruned under the reader: look again
+                relist = True
+                break
+            failed(path, err, i + 1 < len(left))
+        if not relist:
+            break
+    return None, None
+
+
 def load_newest(directory: str, note: Callable[[str], None] | None = None
                 ) -> tuple[str, dict] | tuple[None, None]:
     """Not collective (tools and tests): the newest readable checkpoint in ``directory`` (every block
     verified) with every tensor assembled in its global shape, skipping damaged ones (``note`` says
-    which and why)."""
+    which and why) and listing the directory again when the one picked is deleted under it."""
     errors = []
-    for path in candidates(directory):
-        ck = None
-        try:
-            ck = Checkpoint(path)
-            data = {"step": ck.step, "optimizer_steps": ck.optimizer_steps, "meta": ck.meta,
-                    "tensors": ck.read_global()}
-            return path, data
-        except _DAMAGE as exc:
-            errors.append(f"{path}: {exc}")
-            if note is not None:
-                note(f"checkpoint {path} cannot be used ({exc}); trying the previous one")
-        finally:
-            if ck is not None:
-                ck.close()
-    if errors:
+
+    def failed(path, err, more):
+        errors.append(f"{path}: {err}")
+        if note is not None:
+            note(f"checkpoint {path} cannot be used ({err}); trying the previous one")
+
+    path, data = newest_first(directory, load, failed)
+    if path is None and errors:
         raise CheckpointError("no readable checkpoint in " + directory + ": " + "; ".join(errors))
-    return None, None
+    return path, data
 
 
 def newest_sound(directory: str) -> str | None:
     """Not collective (rank 0, after a failure): the newest checkpoint in ``directory`` whose every block
     verifies (checksums, finite values), read one tensor at a time; None when there is none."""
-    for path in candidates(directory):
-        ck = None
+    def verify(path):
+        ck = Checkpoint(path)
         try:
-            ck = Checkpoint(path)
             for key, (gshape, _, _) in ck.index.items():
                 ck.read(key, tuple((0, s) for s in gshape))
-            return path
-        except _DAMAGE:
-            continue
         finally:
-            if ck is not None:
-                ck.close()
-    return None
+            ck.close()
+
+    return newest_first(directory, verify, lambda path, err, more: None)[0]
+
+
+def restore_newest(comm, path: str, params, layers, xp,
+                   failed: Callable[[str, str, bool], None]) -> tuple[str | None, int]:
+    """Collective over ``comm`` (inference): parameters and layer state from the checkpoint ``path``, or
+    from the newest usable one when ``path`` is a directory of checkpoints, each rank reading its own
+    blocks. Every rank reads the same checkpoint (rank 0 lists the directory); one that fails on any rank
+    goes to ``failed(path, reason, more)`` and the previous one is tried; one deleted under the readers
+    (pruned by a live run) makes the directory be listed again. ``comm`` None: this process alone.
+    Returns ``(checkpoint, step)``, ``(None, -1)`` when there is none; raises :class:`CheckpointError`
+    when a single checkpoint named by ``path`` fails."""
+    if os.path.basename(path) == "index.h5" and os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
+
+    def attempt(found):
+        return restore_weights(found, params, layers, xp)
+
+    # a directory of checkpoints (rank 0 decides: one checkpoint directory holds none)
+    mine = os.path.isdir(path) and bool(candidates(path))
+    if comm.bcast_obj(mine if comm.rank == 0 else None) if comm is not None else mine:
+        found, step = newest_first(path, attempt, failed, comm)
+        return (found, int(step)) if found is not None else (None, -1)
+    if not os.path.exists(path):
+        return None, -1
+    err, step = None, -1
+    try:
+        step = attempt(path)
+    except _DAMAGE as exc:
+        err = f"{exc}"
+    errs = comm.allgather_obj(err) if comm is not None else [err]
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise CheckpointError(bad[0][1] if len(errs) == 1 else f"rank {bad[0][0]}: {bad[0][1]}")
+    return path, int(step)
 
 
 def resume(comm, directory: str, params, optimizer, layers, xp,

@@ -9,6 +9,9 @@ import math
 import os
 import re
 import shutil
+import stat
+import sys
+import time
 import uuid
 from typing import Sequence
 
@@ -19,7 +22,7 @@ from lbannpy.backend import to_numpy
 
 from .integrity import INDEX_ATTRS, crc32, index_digest, shard_digest
 from .plan import FORMAT, VERSION, CheckpointError, Piece, box_slices, layer_state, param_pieces
-from .read import candidates
+from .read import Checkpoint, candidates, step_of
 
 
 def _fsync_dir(path: str) -> None:
@@ -58,8 +61,7 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
     if comm.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
+            _remove_tmp(tmp)
             os.makedirs(tmp)
         except OSError as exc:
             err = f"cannot create {tmp}: {_reason(exc)}"
@@ -94,8 +96,8 @@ def save(comm, directory: str, step: int, params, optimizer, meta: dict, layers=
             _write_index(tmp, step, optimizer, meta, small, index, "single" if single else "shards",
                          comm.size, ident, digests)
             _fsync_dir(tmp)  # the shard files' directory entries are durable before the rename
-            if os.path.exists(final):  # an older complete checkpoint of the same step is replaced
-                shutil.rmtree(final)
+            if os.path.lexists(final):  # whatever holds the name is kept, moved aside
+                _in_the_way(directory, final, step)
             os.replace(tmp, final)
             _fsync_dir(directory)
         except _WRITE_ERRORS + (CheckpointError,) as exc:
@@ -142,15 +144,79 @@ def _disk_full(exc: Exception, where: str) -> bool:
         return False
 
 
-def prune(directory: str, keep: int) -> list[str]:
-    """Not collective (rank 0, after a complete write): delete all but the newest ``keep`` complete
-    checkpoints in ``directory`` (``keep`` 0: none), oldest first; returns the deleted paths. Directories of
+def _remove_tmp(tmp: str) -> None:
+    """An interrupted write's temporary directory is the writer's to replace; a link or file of that name
+    is removed as a link or file (never followed)."""
+    if os.path.islink(tmp) or os.path.isfile(tmp):
+        os.unlink(tmp)
+    elif os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+
+
+def _in_the_way(directory: str, final: str, step: int) -> None:
+    """Rank 0: something already holds the name of the checkpoint being written (a checkpoint that failed
+    to read, so the run went on from an older one; a symbolic link; a file another command wrote): moved
+    aside with a note, never deleted."""
+    mode = os.lstat(final).st_mode
+    what = ("a symbolic link" if stat.S_ISLNK(mode) else "a checkpoint directory" if stat.S_ISDIR(mode)
+            else "a file")
+    dest = set_aside(directory, [final], f"step{int(step)}")
+    print(f"lbannpy: {final} ({what}) held the name of the new checkpoint of step {step}; moved it to "
+          f"{dest}/", file=sys.stderr, flush=True)
+
+
+def set_aside(directory: str, paths: Sequence[str], label: str) -> str:
+    """Not collective: move ``paths`` (entries of ``directory``, links moved as links) into a new directory
+    ``directory/aside-<label>-<time>/`` under their own names, and return it. Nothing is deleted, and
+    nothing there is a checkpoint candidate of ``directory`` any more (nor pruned)."""
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", label) or "unknown"
+    base = os.path.join(directory, f"aside-{label}-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest, n = base, 1
+    while os.path.lexists(dest):
+        dest, n = f"{base}-{n}", n + 1
+    os.mkdir(dest)
+    for path in paths:
+        os.rename(path, os.path.join(dest, os.path.basename(path.rstrip("/"))))
+    _fsync_dir(dest)
+    _fsync_dir(directory)
+    return dest
+
+
+def verified_identity(path: str) -> dict | None:
+    """Not collective: the identity (step, run id, write id) of the checkpoint at ``path`` when its index
+    verifies and every file it names belongs to it and holds each block where the index says (no data is
+    read); None when it does not (damaged, unreadable, or of a version without identities)."""
+    ck = None
+    try:
+        ck = Checkpoint(path)
+        if not ck.ident:
+            return None
+        ck.check_files()
+        return dict(ck.ident)
+    except (OSError, KeyError, ValueError, RuntimeError):  # what a damaged checkpoint raises
+        return None
+    finally:
+        if ck is not None:
+            ck.close()
+
+
+def prune(directory: str, keep: int, *, run_id: str, newest: str) -> list[str]:
+    """Not collective (rank 0, after writing the checkpoint ``newest`` of run ``run_id``): delete this
+    run's checkpoints older than ``newest`` beyond the newest ``keep`` (``keep`` 0: none), oldest first;
+    returns the deleted paths. Only when ``newest`` verifies (:func:`verified_identity`), and only
+    checkpoints that verify and carry ``run_id``: one that cannot be read, one of another run, a newer one
+    and anything that is not a checkpoint (:func:`candidates`) are never deleted. Directories of
     interrupted writes (``.tmp``) are left to the writer, which replaces them."""
     if keep <= 0:
         return []
+    ref = verified_identity(newest)
+    if ref is None or ref["run_id"] != run_id or not run_id:
+        return []
+    older = [p for p in candidates(directory) if p != newest and step_of(p) < ref["step"]]
+    mine = [p for p in older if (verified_identity(p) or {}).get("run_id") == run_id]
     gone = []
-    for path in reversed(candidates(directory)[keep:]):
-        if os.path.isdir(path):
+    for path in reversed(mine[keep - 1:]):
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.remove(path)

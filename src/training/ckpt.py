@@ -91,8 +91,9 @@ def _note(msg: str) -> None:
 def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, evals: list,
          record: dict, keep: int) -> None:
     """Who calls: every rank (collective): each unique block of the parameters, optimizer state and layer
-    state is written once, by the rank that holds replica 0 of it; then rank 0 deletes all but the newest
-    ``keep`` checkpoints."""
+    state is written once, by the rank that holds replica 0 of it; then rank 0 deletes this run's older
+    checkpoints beyond the newest ``keep`` (:func:`lbannpy.checkpoint.prune`: never another run's, never
+    one it cannot read)."""
     if ckpt_dir not in _RUN_IDS:  # the first checkpoint of a fresh run: rank 0's id on every rank
         _RUN_IDS[ckpt_dir] = world.bcast_obj(uuid.uuid4().hex[:16] if world.rank == 0 else None)
     run_id = _RUN_IDS[ckpt_dir]
@@ -100,12 +101,13 @@ def save(world, ckpt_dir: str, step: int, model, optimizer, reader, rows: list, 
             "computation_digest": digest(record), "run_id": run_id}
     optimizer.unshard_state()  # collective where the state is sharded: checkpoints hold it whole
     try:
-        checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers, run_id=run_id)
+        final = checkpoint.save(world, ckpt_dir, step, model.params, optimizer, meta, model.layers,
+                                run_id=run_id)
     finally:
         optimizer.reshard_state()
     if world.rank == 0:
-        try:
-            checkpoint.prune(ckpt_dir, keep)
+        try:  # only this run's checkpoints older than the one just written, each read back first
+            checkpoint.prune(ckpt_dir, keep, run_id=run_id, newest=final)
         except OSError as exc:  # the new checkpoint is complete; an old one that stays is no failure
             _note(f"warning: could not delete an old checkpoint in {ckpt_dir}/ (checkpoint.keep {keep}): "
                   f"{exc}")
@@ -124,6 +126,11 @@ def resume(world, ckpt_dir: str, model, optimizer, reader, xp, record: dict,
     # only regular files (and checkpoint directories) are opened: opening a FIFO (or a device) named like a
     # checkpoint blocks forever; a dangling link is skipped with a note (the checkpoint it named is gone)
     for cand in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt-*"))):
+        if os.path.islink(cand) and os.path.exists(cand) and not cand.endswith(".tmp"):
+            if world.rank == 0:  # what a link names may be anything, anywhere: not a checkpoint here
+                _note(f"--resume: skipping {cand}: a symbolic link; a checkpoint is read from a directory "
+                      f"of {ckpt_dir}/ itself (copy it in to resume from it)")
+            continue
         try:
             mode = os.stat(cand).st_mode
         except OSError as exc:

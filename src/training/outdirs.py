@@ -5,6 +5,11 @@ exists or can be created, is a directory, is writable, is not under ``/proc`` or
 directory) has room for one checkpoint of the estimated size. A lock file in each (``flock``: released by the
 kernel when the process ends, however it ends) names the run that holds it, so two runs writing into one
 directory get one clear line instead of mixing their files.
+
+A run owns its checkpoint directory: a fresh run (no ``--resume``) into a directory that holds another
+run's checkpoints is refused in one line naming them and the choices (``--resume``, another directory, or
+``--force-new-run``, which moves them aside into a subdirectory and never deletes them). Otherwise the new
+run's checkpoints would sit among the old ones: ``predict`` and ``export`` would take the old run's newest.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
 import time
 
 from .errors import UserError
@@ -77,6 +83,35 @@ def lock_dir(path: str, key: str, run: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{run}\n".encode(), 0)
     _held[real] = fd
+
+
+def claim_checkpoint_dir(path: str, key: str, force_new_run: bool) -> str:
+    """Rank 0, a run without ``--resume``, its lock on ``path`` held: :class:`UserError` when ``path``
+    holds checkpoints (:func:`lbannpy.checkpoint.candidates`: another run's, since this run has written
+    none); with ``force_new_run`` they are moved aside instead (a line says where). Returns that
+    directory, '' when there was nothing to move."""
+    # late: the checkpoint package (h5py) is loaded by the runs that write checkpoints
+    from lbannpy import checkpoint
+
+    found = checkpoint.candidates(path)
+    if not found:
+        return ""
+    names = ", ".join(os.path.basename(p) for p in found[:3]) + (f" and {len(found) - 3} more"
+                                                                   if len(found) > 3 else "")
+    if not force_new_run:
+        raise UserError(f"{key}: {path}/ holds {len(found)} checkpoint(s) of another run ({names}); continue "
+                        f"that run with --resume, write to another output.dir (or {key}), or add "
+                        f"--force-new-run to move them aside and start a new run")
+    ident = checkpoint.verified_identity(found[0]) or {}
+    try:
+        dest = checkpoint.set_aside(path, found, f"run-{ident.get('run_id') or 'unknown'}")
+    except OSError as exc:
+        raise UserError(f"--force-new-run: cannot move the checkpoints in {path}/ aside: "
+                        f"{exc.strerror or exc}") from None
+    sys.stderr.write(f"lbannpy.train: --force-new-run: moved the {len(found)} checkpoint(s) of the earlier "
+                     f"run in {path}/ ({names}) to {dest}/; nothing was deleted\n")
+    sys.stderr.flush()
+    return dest
 
 
 def this_run(model: str) -> str:
