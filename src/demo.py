@@ -72,7 +72,9 @@ def main(argv=None) -> int:
             return 2
     # no thread settings here: lbannpy.train gives each rank the node's cores / its ranks (and prints it), so
     # the printed command, rerun by hand, runs as fast as it does here
-    cmd = [py, "-m", "lbannpy.train", config, "--quiet"]
+    # a demo run again (or its printed command rerun by hand) is a new run: the earlier run's checkpoints are
+    # moved aside in the checkpoint directory, not refused
+    cmd = [py, "-m", "lbannpy.train", config, "--quiet", "--force-new-run"]
     if args.ranks > 1 or mpiexec:
         cmd = [mpiexec, "-n", str(args.ranks)] + cmd
     run(cmd)

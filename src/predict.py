@@ -73,34 +73,29 @@ def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy import checkpoint
 
-    # a directory of checkpoints: newest first; a checkpoint (file or directory, or a checkpoint
-    # directory's index.h5) itself: that one alone
-    if os.path.basename(path) == "index.h5" and os.path.isfile(path):
-        path = os.path.dirname(os.path.abspath(path))
-    paths = (checkpoint.candidates(path) if os.path.isdir(path) else []) or ([path] if os.path.exists(path)
-                                                                             else [])
-    if not paths:
-        raise UserError(f"--checkpoint {path}: no checkpoint there (no such file or directory, or an empty "
-                        f"checkpoint directory)")
+    # a directory of checkpoints: newest first, every rank reading the one rank 0 picked (listed again when
+    # a live run prunes it); a checkpoint (file or directory, or a checkpoint directory's index.h5) itself:
+    # that one alone
     rank = world.rank if world is not None else 0
     errors = []
-    for i, found in enumerate(paths):
-        err, step = None, -1
-        try:
-            step = checkpoint.restore_weights(found, model.params, model.layers, xp)
-        except (OSError, KeyError, ValueError, RuntimeError) as exc:  # CheckpointError is a RuntimeError
-            err = f"{exc}"
-        bad = [(r, e) for r, e in enumerate(world.allgather_obj(err) if world is not None else [err]) if e]
-        if not bad:
-            return found, int(step)
-        r, e = bad[0]
-        msg = e if world is None or world.size == 1 else f"rank {r}: {e}"
+
+    def failed(found, msg, more):
         errors.append(f"{found}: {msg}")
-        if rank == 0 and i + 1 < len(paths):
+        if rank == 0 and more:
             sys.stderr.write(f"lbannpy.predict: checkpoint {found} cannot be used ({msg}); trying the "
                              f"previous one\n")
             sys.stderr.flush()
-    raise UserError(f"--checkpoint {path}: no usable checkpoint: " + "; ".join(errors))
+
+    try:
+        found, step = checkpoint.restore_newest(world, path, model.params, model.layers, xp, failed)
+    except checkpoint.CheckpointError as exc:
+        raise UserError(f"--checkpoint {path}: no usable checkpoint: {path}: {exc}") from None
+    if found is not None:
+        return found, step
+    if errors:
+        raise UserError(f"--checkpoint {path}: no usable checkpoint: " + "; ".join(errors))
+    raise UserError(f"--checkpoint {path}: no checkpoint there (no such file or directory, or an empty "
+                    f"checkpoint directory)")
 
 
 def _refuse_overwriting_inputs(args) -> None:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--force", action="store_true", help="with --resume: continue even when the model, "
                     "optimizer or dtype changed (the weights must still fit: same parameter names and "
                     "shapes)")
+    ap.add_argument("--force-new-run", action="store_true", help="start a new run even though checkpoint.dir "
+                    "holds another run's checkpoints: they are moved aside into a subdirectory of it (never "
+                    "deleted); without it such a run is refused")
     ap.add_argument("--init", metavar="FILE", help="initial weights (sets model.init): an lbannpy checkpoint "
                     "or a safetensors file from python -m lbannpy.export")
     ap.add_argument("--trace", action="store_true", help="write one Chrome-trace JSON per rank")
@@ -106,7 +109,7 @@ def _main(args) -> int:
             if args.force and not args.resume:
                 raise UserError("--force only goes with --resume (it accepts a checkpoint of a changed model "
                                 "or optimizer)")
-            trainer.setup(resume=args.resume, force=args.force)
+            trainer.setup(resume=args.resume, force=args.force, force_new_run=_new_run(args))
             err = None
         except user_errors() as exc:
             err = f"{exc}"
@@ -143,6 +146,13 @@ def _main(args) -> int:
                 sys.stderr.flush()
             return EXIT_WRITE_FAILED if isinstance(exc, WriteFailed) else EXIT_USER_ERROR
     return 0
+
+
+def _new_run(args) -> bool:
+    """``--force-new-run``, refused with ``--resume`` (one starts a new run, the other continues one)."""
+    if args.force_new_run and args.resume:
+        raise UserError("--force-new-run starts a new run and --resume continues one: choose one")
+    return args.force_new_run
 
 
 def _read_config(args):

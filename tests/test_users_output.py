@@ -3,6 +3,7 @@ config named once, help texts with descriptions and defaults."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -165,6 +166,7 @@ def test_a_large_checkpoint_write_is_announced_and_timed(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def run(threshold, *args):
+        shutil.rmtree(tmp_path / "ck", ignore_errors=True)  # each run a fresh one (a run owns its directory)
         r = subprocess.run([PY, "-c", script, str(tmp_path / "c.yaml"), str(threshold), *args], cwd=tmp_path,
                            capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == 0, r.stderr

@@ -60,9 +60,10 @@ class Trainer:
         self.step_mode = None  # the graphstep.Decision of set-up
 
     # -- set-up ------------------------------------------------------------------------------------------
-    def setup(self, resume: bool = False, force: bool = False) -> None:
+    def setup(self, resume: bool = False, force: bool = False, force_new_run: bool = False) -> None:
         """Who calls: every rank (builds group communicators: collective). ``force``: resume from a
-        checkpoint of another computation (``--resume --force``)."""
+        checkpoint of another computation (``--resume --force``); ``force_new_run``: a fresh run moves
+        another run's checkpoints in its checkpoint directory aside instead of refusing."""
         world = self.world
         # the memory estimate is checked in build(), under the distributions the run uses (strategy auto's
         # choice included), before the model or a reader allocates anything
@@ -119,6 +120,8 @@ class Trainer:
             outdirs.lock_dir(s.out_dir, "output.dir", owner)
             outdirs.check_dir(s.ckpt_dir, "checkpoint.dir", outdirs.checkpoint_bytes(self.model))
             outdirs.lock_dir(s.ckpt_dir, "checkpoint.dir", owner)
+            if not resume:  # a fresh run owns its checkpoint directory, before a metrics row is written
+                outdirs.claim_checkpoint_dir(s.ckpt_dir, "checkpoint.dir", force_new_run)
             self.report.start_metrics()
 
     def _resume(self, force: bool) -> None:
