@@ -57,6 +57,7 @@ from .base import LayerError
 from .halo_layer import HaloLayer
 from .registry import (Inferred, LayerArgs, LayerSpec, ShapeError, int_param, needs_image, register,
                        window_stencil)
+from .kernels import aten
 from .kernels.select import own
 
 #: how a convolution (and the pad layer) fills its padding: PyTorch's ``padding_mode`` values
@@ -290,7 +291,7 @@ class Conv(HaloLayer):
         # window from step to step, which also spares the page faults of a fresh one
         if self.keeps_window:
             if self._window_buf is None or self._window_buf.dtype != x.dtype:
-                self._window_buf = self.ctx.xp.empty(self.halo.window_shape, dtype=x.dtype)
+                self._window_buf = self._window_space(x.dtype, kept=True)
             self._window, y = self.halo_forward(x, self._conv, self._window_buf)
             return y
         _, y = self.halo_forward(x, self._conv, self._window_space(x.dtype))
@@ -330,8 +331,30 @@ class Conv(HaloLayer):
         self._x, self._received = (x, received) if self.train else (None, None)
         return y
 
-    def _window_space(self, dtype):
-        return self.ctx.workspace("conv window", self.halo.window_shape, dtype)
+    def _window_space(self, dtype, kept=False):
+        """The window's array (a workspace shared by every layer, or one of its own that the layer ``kept``),
+        laid out channels-last where the layer hands the kernels that layout (:meth:`_channels_last`): the
+        halo fill then lays the input out so in the one pass that copies it anyway."""
+        shape, xp = self.halo.window_shape, self.ctx.xp
+        if not self._channels_last(dtype):
+            return xp.empty(shape, dtype=dtype) if kept else self.ctx.workspace("conv window", shape, dtype)
+        cl = aten.channels_last_shape(shape)
+        buf = xp.empty(cl, dtype=dtype) if kept else self.ctx.workspace("conv window", cl, dtype)
+        return aten.channels_last_view(buf, len(shape))
+
+    def _channels_last(self, dtype) -> bool:
+        """Whether this layer's window and output gradient go to the kernels channels-last: ATen's kernels on
+        the host, a window built (not kernel-padded), one segment of filters, and the layout measured faster
+        for this convolution here (:func:`.kernels.aten.prefers_channels_last`)."""
+        key = ("_cl", getattr(dtype, "char", dtype))
+        hit = self.__dict__.get(key)
+        if hit is None:
+            kern, pads, _ = self._padded()
+            hit = (kern.name == "aten" and getattr(self.ctx.xp, "__name__", "") == "numpy" and pads is None
+                   and self._segs is None and self.cgroup is None and aten.prefers_channels_last(
+                       self.halo.window_shape, self.w.value.shape, self.stride, self.dilation, dtype))
+            self.__dict__[key] = hit
+        return hit
 
     # -- backward --------------------------------------------------------------------------------------
     def _planned_backward(self, plan, x, dy):
@@ -404,6 +427,10 @@ class Conv(HaloLayer):
             self._x = self._received = None
 
         padded = {} if pads is None else {"padding": pads}
+        if pads is None and self._channels_last(dy.dtype):  # laid out once for both gradients
+            cl = aten.channels_last_shape(dy.shape)
+            g = aten.channels_last_view(ctx.workspace("conv output gradient", cl, dy.dtype), dy.ndim)
+            dy = aten.copy_into(g, dy)
 
         def weight_grads():
             if self._segs is not None:

@@ -223,3 +223,100 @@ def test_unsplit_layers_hand_their_blocks_to_kernels_that_pad(monkeypatch):
         model = Model(spec, 4, ctx, {})
         got = {lay.name: lay.kernel_pads for lay in model.layers if hasattr(lay, "kernel_pads")}
         assert {k: v for k, v in got.items() if v is not None} == want, got
+
+
+def _channels_last(a):
+    out = aten.channels_last_view(np.empty(aten.channels_last_shape(a.shape), a.dtype), a.ndim)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 3, (13, 12), 5, 3, 1, 1), (1, 18, (20, 21), 16, 3, 2, 1),
+                                   (2, 4, (7, 8, 9), 3, 3, 1, 2)], ids=["2d", "2d-stride", "3d-dilation"])
+def test_channels_last_operands_give_the_nchw_results(shape):
+    """A window and an output gradient laid out channels-last (what a layer hands over where that layout
+    measures faster) give the NCHW operands' forward and gradients (float64 to 1e-10); the output and the
+    filter gradient come back C-contiguous."""
+    x, w, b, s, d = _case(shape, np.float64)
+    xc = _channels_last(x)
+    assert not xc.flags.c_contiguous and aten._is_channels_last(aten._t(xc))
+    y = aten.conv_forward(x, w, b, s, d)
+    yc = aten.conv_forward(xc, w, b, s, d)
+    assert yc.flags.c_contiguous and np.abs(yc - y).max() <= 1e-10 * np.abs(y).max()
+    dy = np.random.default_rng(1).standard_normal(y.shape)
+    dyc = _channels_last(dy)
+    dx, dxc = aten.conv_backward_input(dy, w, x, s, d), aten.conv_backward_input(dyc, w, xc, s, d)
+    assert dx.flags.c_contiguous  # dxc: in whichever layout oneDNN computed it (never copied to NCHW)
+    assert np.abs(dxc - dx).max() <= 1e-10 * np.abs(dx).max()
+    (dw, db), (dwc, dbc) = (aten.conv_backward_params(x, dy, w, True, s, d),
+                            aten.conv_backward_params(xc, dyc, w, True, s, d))
+    assert dwc.flags.c_contiguous and np.abs(dwc - dw).max() <= 1e-10 * np.abs(dw).max()
+    assert np.abs(dbc - db).max() <= 1e-10 * np.abs(db).max()
+
+
+def test_the_layout_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
+    calls, real = [], aten._measure_layouts
+
+    def measure(*key):
+        calls.append(key)
+        return True
+    monkeypatch.setattr(aten, "_LAYOUTS", {})
+    monkeypatch.setattr(aten, "_measure_layouts", measure)
+    assert aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3), 1, 1, np.float32)
+    assert aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3), (1, 1), [1, 1], "float32")
+    assert len(calls) == 1
+    assert not aten.prefers_channels_last((1, 1, 34, 34), (16, 1, 3, 3))  # nothing to lay out
+    assert not aten.prefers_channels_last((1, 4, 34), (4, 4, 3))  # 1-D: no channels-last format
+    monkeypatch.setattr(aten, "LAYOUT", "nchw")
+    assert not aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3))
+    monkeypatch.setattr(aten, "LAYOUT", "channels_last")
+    assert aten.prefers_channels_last((1, 5, 9, 9, 9), (2, 5, 3, 3, 3))
+    monkeypatch.setattr(aten, "LAYOUT", None)
+    monkeypatch.setattr(aten, "_measure_layouts", real)  # a shape measured on a smaller stand-in
+    monkeypatch.setattr(aten, "MEASURE_ELEMENTS", 1 << 12)
+    assert aten.prefers_channels_last((1, 6, 600, 700), (4, 6, 3, 3), 1, 1, np.float64) in (True, False)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "circular", "zeros"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
+    """The conv layer (one rank, ATen kernels, a window built for its padding mode) with its window and
+    output gradient channels-last or NCHW: forward, input, filter and bias gradients equal PyTorch's
+    (float64 to 1e-10), twice in a row (the window workspace reused)."""
+    import torch.nn.functional as F
+
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.registry import layer_classes
+    from lbannpy.tensor import DistTensor
+
+    monkeypatch.setattr(aten, "LAYOUT", layout)
+    shape = (2, 5, 11, 12)
+    ctx = LayerContext(SingleCommunicator(), np, np.float64, seed=0)
+    ctx.conv_kernels = conv_kernels("aten")
+    layer = layer_classes()["conv"]("c", filters=4, kernel=3, padding=1, padding_mode=mode)
+    dist = Distribution.make(4, 1)
+    layer.configure(ctx, [shape], [dist], dist)
+    if mode == "zeros":  # unsplit zero padding: the kernels pad the block, no window
+        assert layer.kernel_pads is not None and not layer._channels_last(np.dtype("float64"))
+    else:
+        assert layer._channels_last(np.dtype("float64")) == (layout == "channels_last")
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        x = rng.standard_normal(shape)
+        dy = rng.standard_normal(layer.out_shape)
+        y = layer.forward([DistTensor(x, shape, dist, 0)])
+        dx = layer.backward(DistTensor(dy, layer.out_shape, dist, 0))
+        xt = torch.tensor(x, requires_grad=True)
+        wt = torch.tensor(layer.w.value, requires_grad=True)
+        bt = torch.tensor(layer.b.value, requires_grad=True)
+        pad = xt if mode == "zeros" else F.pad(xt, (1, 1, 1, 1), mode=mode)
+        yt = F.conv2d(pad, wt, bt, padding=1 if mode == "zeros" else 0)
+        yt.backward(torch.tensor(dy))
+        for ours, ref in ((y, yt), (dx[0], xt.grad), (layer.w.grad, wt.grad), (layer.b.grad, bt.grad)):
+            ours = getattr(ours, "local", ours)
+            ref = ref.detach().numpy()
+            assert np.abs(np.asarray(ours) - ref).max() <= 1e-10 * np.abs(ref).max()
+        layer.w.grad[...] = 0
+        layer.b.grad[...] = 0

@@ -93,11 +93,101 @@ def _t(a):
     return torch().from_numpy(a) if _host(a) else _torch.from_dlpack(a)
 
 
-def _back(result, like, out=None):
+def _back(result, like, out=None, keep=False):
+    """``result`` as an array of ``like``'s kind (into ``out`` when given); on the host C-contiguous unless
+    ``keep``: a channels-last result (from channels-last operands) is laid out NCHW in the same copy."""
     if out is not None:
         _t(out).copy_(result)
         return out
-    return result.numpy() if _host(like) else _xp(like).from_dlpack(result)
+    if not _host(like):
+        return _xp(like).from_dlpack(result)
+    return (result if keep else result.contiguous()).numpy()
+
+
+# -- the host layout: oneDNN's NCHW kernels are several times slower than its channels-last ones for some
+# channel counts (and faster for others), so a layer may hand its window and output gradient over laid out
+# channels-last (``Conv`` does, see :func:`channels_last_view`) where that measures faster here
+
+#: None: measured per convolution shape (:func:`prefers_channels_last`); "nchw" or "channels_last" forces one
+LAYOUT = None
+#: channels-last is taken where it is at least this much faster (its conversions included), so that a shape
+#: whose two layouts time alike keeps NCHW from run to run
+CHANNELS_LAST_MARGIN = 1.15
+#: the measurement runs on the shape with its spatial extents halved until a window holds at most this many
+#: elements (the layouts' ratio is set by the channels and the filter; the memory is not the run's to take)
+MEASURE_ELEMENTS = 1 << 21
+_LAYOUTS: dict = {}
+
+
+def channels_last_view(buf, ndim: int):
+    """An NCHW-shaped view of ``buf`` (shaped ``(N, *spatial, C)``, C-contiguous): channels-last strides."""
+    return buf.transpose((0, ndim - 1) + tuple(range(1, ndim - 1)))
+
+
+def copy_into(dst, src):
+    """``dst[...] = src`` for host arrays of different layouts, by torch's copy (faster than NumPy's at
+    transposing NCHW to channels-last)."""
+    _t(dst).copy_(_t(src))
+    return dst
+
+
+def channels_last_shape(shape) -> tuple:
+    return (shape[0],) + tuple(shape[2:]) + (shape[1],)
+
+
+def prefers_channels_last(x_shape, w_shape, stride=1, dilation=1, dtype="float32") -> bool:
+    """Whether a host convolution of the window ``x_shape`` with filters ``w_shape`` (one group) runs its
+    forward and backward faster with the window and the output gradient channels-last, the copies that lays
+    them out so (output gradient in, output and input gradient out) included: timed once per shape and
+    type in this process (CPU time of both layouts, interleaved, the best of two rounds each)."""
+    import numpy as np
+
+    if LAYOUT is not None:
+        return LAYOUT == "channels_last"
+    if len(x_shape) not in (4, 5) or x_shape[1] == 1 or w_shape[1] != x_shape[1]:
+        return False
+    nd = len(x_shape) - 2
+    key = (tuple(x_shape), tuple(w_shape), _tuple(stride, nd), _tuple(dilation, nd), np.dtype(dtype).char)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        hit = _LAYOUTS[key] = _measure_layouts(*key)
+    return hit
+
+
+def _measure_layouts(x_shape, w_shape, stride, dilation, char) -> bool:
+    import time
+
+    import numpy as np
+
+    shape, span = list(x_shape), [(k - 1) * d + s for k, d, s in zip(w_shape[2:], dilation, stride)]
+    while np.prod(shape) > MEASURE_ELEMENTS and max(n - m for n, m in zip(shape[2:], span)) > 0:
+        i = max(range(2, len(shape)), key=lambda j: shape[j] - span[j - 2])
+        shape[i] = max(span[i - 2], (shape[i] + 1) // 2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(char)
+    w, b = rng.standard_normal(w_shape).astype(char), np.zeros(w_shape[0], char)
+    y = conv_forward(x, w, b, stride, dilation)
+    dy = rng.standard_normal(y.shape).astype(char)
+    xc = channels_last_view(np.empty(channels_last_shape(x.shape), char), x.ndim)
+    xc[...] = x
+    dyc = channels_last_view(np.empty(channels_last_shape(dy.shape), char), x.ndim)
+
+    def step(xw, g):
+        if g is not None:
+            g[...] = dy
+        g = dy if g is None else g
+        conv_forward(xw, w, b, stride, dilation)
+        conv_backward_input(g, w, xw, stride, dilation)
+        conv_backward_params(xw, g, w, True, stride, dilation)
+
+    best = [float("inf")] * 2
+    for r in range(3):
+        for i, args in enumerate(((x, None), (xc, dyc))):
+            t0 = time.process_time()
+            step(*args)
+            if r:  # the first round builds oneDNN's primitives
+                best[i] = min(best[i], time.process_time() - t0)
+    return best[1] * CHANNELS_LAST_MARGIN < best[0]
 
 
 # the ATen operators themselves (not torch.nn.functional / torch.nn.grad, whose Python layers cost about as
@@ -178,10 +268,16 @@ def conv_backward_data(dy, w, x_window_shape, stride=1, dilation=1, out=None, pa
 @_on_device
 def conv_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
     """:func:`conv_backward_data` given the input itself (what a layer has in hand): oneDNN lays the
-    computation out after the input's strides, and a stride-0 stand-in for the input makes it slower."""
-    tdy = _t(dy)
-    dx = _backward(tdy, _t(x_window), _t(w), stride, dilation, _DATA, padding)[0]
-    return _back(dx, dy, out)
+    computation out after the input's strides, and a stride-0 stand-in for the input makes it slower. A
+    channels-last window (:func:`channels_last_view`) gets its gradient in that layout."""
+    tdy, tx = _t(dy), _t(x_window)
+    dx = _backward(tdy, tx, _t(w), stride, dilation, _DATA, padding)[0]
+    return _back(dx, dy, out, keep=_host(dy) and _is_channels_last(tx))
+
+
+def _is_channels_last(t) -> bool:
+    fmt = {4: torch().channels_last, 5: _torch.channels_last_3d}.get(t.dim())
+    return fmt is not None and t.shape[1] > 1 and t.is_contiguous(memory_format=fmt)
 
 
 @_on_device
