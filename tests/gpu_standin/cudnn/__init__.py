@@ -76,6 +76,8 @@ def set_stream(handle, stream):
         raise TypeError(f"cudnn.set_stream: stream must be an int (cupy.cuda.Stream.ptr), got "
                         f"{type(stream).__name__}")
     s = _pygraph.stream_of(stream, handle)
+    if s is None and stream not in (1, 2):  # cudaStreamLegacy and cudaStreamPerThread are special handles
+        raise RuntimeError(f"cudnnSetStream failed: CUDNN_STATUS_BAD_PARAM: {stream:#x} is not a live stream")
     if s is not None and s.device_id != handle._ordinal:
         raise RuntimeError(f"cudnnSetStream failed: CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH: {s!r} belongs to "
                            f"device {s.device_id} but the handle was created on device {handle._ordinal}")

@@ -16,6 +16,14 @@ import numpy as np
 import cudnn
 from cudnn import _conv
 
+# The refusals by name: a test turns one off (monkeypatch.setitem) to see the bad call go through without it.
+RULES = {"workspace": True,   # a workspace smaller than get_workspace_size()
+         "capture": True,     # a plan built during a stream capture
+         "pointer": True,     # a buffer that is not a live allocation of the CuPy stand-in
+         "extent": True,      # a buffer whose type or extent is not the tensor's declared one
+         "stream": True,      # execute() while the current stream is not the handle's
+         "built": True,       # execute() before build_plans()
+         "device": True}      # a handle, or a buffer, of another device than the current one
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CUPY = os.path.join(os.path.dirname(_HERE), "cupy")
 
@@ -57,6 +65,8 @@ def refuse_during_capture(what, handle):
     ``begin_capture``."""
     from cupy import _standin, cuda
     from cupy.cuda import _graph
+    if not RULES["capture"]:
+        return
     streams = [cuda.get_current_stream()]
     if handle is not None and handle.backend_handle is not None:
         streams.append(stream_of(handle.stream or 0, handle))
@@ -82,11 +92,13 @@ def execution_stream(h):
     if h.backend_handle is None:
         raise RuntimeError("execute(): CUDNN_STATUS_BAD_PARAM: the cuDNN handle was destroyed")
     dev = _standin.local.device
-    if dev != h._ordinal:
+    if dev != h._ordinal and RULES["device"]:
         raise RuntimeError(f"execute(): CUDNN_STATUS_EXECUTION_FAILED: the cuDNN handle was created on "
                            f"device {h._ordinal} but device {dev} is current (one handle per device; make "
                            f"its device current with cupy.cuda.Device({h._ordinal}))")
     cur = cuda.get_current_stream()
+    if cur.ptr != (h.stream or 0) and not RULES["stream"]:  # the work goes to the handle's stream regardless
+        return stream_of(h.stream or 0, h) or cur, dev
     if cur.ptr != (h.stream or 0):
         raise _standin.RaceError(
             f"execute(): the cuDNN handle's stream is {h.stream or 0:#x} but the current CuPy stream is "
@@ -121,6 +133,27 @@ def _geometry(n, sp):
     return pre, post, stride, dil
 
 
+def infer_dims(op, a, b, params):
+    """The output dims the real builder infers at once (None where it cannot: a filter gradient's), with
+    its defaults for what is not given yet (no padding, unit stride and dilation)."""
+    if op == "conv_wgrad" or len(a) < 3 or len(a) != len(b):
+        return None
+    sp = len(a) - 2
+    pad = params.get("padding")
+    pre = params.get("pre_padding") or pad or [0] * sp
+    post = params.get("post_padding") or pad or [0] * sp
+    stride = params.get("stride") or [1] * sp
+    dil = params.get("dilation") or [1] * sp
+    try:
+        if op == "conv_fprop":
+            return [a[0], b[0]] + [_conv.out_extent(a[i + 2], pre[i], post[i], b[i + 2], stride[i], dil[i])
+                                   for i in range(sp)]
+        return [a[0], b[1]] + [(a[i + 2] - 1) * stride[i] + (b[i + 2] - 1) * dil[i] + 1 - pre[i] - post[i]
+                               for i in range(sp)]
+    except (IndexError, TypeError):
+        return None
+
+
 def validate_node(n):
     """Shapes of a convolution node (cuDNN's CUDNN_STATUS_BAD_PARAM cases), its output's inferred dims,
     stride and data type."""
@@ -133,8 +166,7 @@ def validate_node(n):
     pre, post, stride, dil = _geometry(n, sp)
     out = n.output
     if n.op == "conv_dgrad" and not out.dim:  # the real frontend infers it (ambiguous for strided convs)
-        out.dim = [a.dim[0], b.dim[1]] + [(a.dim[i + 2] - 1) * stride[i] + (b.dim[i + 2] - 1) * dil[i] + 1
-                                          - pre[i] - post[i] for i in range(sp)]
+        out.dim = infer_dims(n.op, a.dim, b.dim, n.params)
     if n.op == "conv_wgrad" and not out.dim:
         raise ValueError(f"Tensor '{out.name}' dims not set.")
     x_dim = {"conv_fprop": a.dim, "conv_dgrad": out.dim, "conv_wgrad": a.dim}[n.op]
@@ -241,10 +273,11 @@ def _layout_matches(t, data, dt):
 def device_view(t, data, dev):
     """(allocation, NumPy view with the declared dims/strides/type) of the buffer bound to tensor ``t``."""
     import cupy
-    from cupy import _standin
     dt = np_dtype(t.data_type)
     what = f"buffer for tensor uid {t.uid} ({t.name!r})"
-    if isinstance(data, cupy.ndarray):
+    if isinstance(data, cupy.ndarray) and not RULES["extent"]:
+        ptr = data.data.ptr
+    elif isinstance(data, cupy.ndarray):
         if data.dtype != dt:
             raise ValueError(f"{what} is {data.dtype} but the graph declares {t.data_type}")
         if not _layout_matches(t, data, dt):
@@ -257,16 +290,27 @@ def device_view(t, data, dev):
         raise TypeError(f"{what} is a host numpy.ndarray, not device memory")
     else:
         raise TypeError(f"{what} must be a CuPy array or a device pointer (int), got {type(data).__name__}")
-    try:
-        alloc = _standin.resolve(ptr, _span(t, dt.itemsize))
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-    if alloc.device != dev:
+    alloc = live_allocation(ptr, _span(t, dt.itemsize) if RULES["extent"] else 0, what)
+    if alloc.device != dev and RULES["device"]:
         raise ValueError(f"{what} is on device {alloc.device} but the handle and the current device are "
                          f"{dev}")
-    view = np.ndarray(t.dim, dt, buffer=alloc.buf, offset=ptr - alloc.ptr,
-                      strides=[s * dt.itemsize for s in t.stride])
+    off, span = ptr - alloc.ptr, _span(t, dt.itemsize)
+    # past the allocation's end only with a rule off: there the bytes a GPU would read are garbage
+    buf = alloc.buf if off + span <= alloc.buf.size else np.zeros(off + span, np.uint8)
+    view = np.ndarray(t.dim, dt, buffer=buf, offset=off, strides=[s * dt.itemsize for s in t.stride])
     return alloc, view
+
+
+def live_allocation(ptr, nbytes, what):
+    """The CuPy stand-in allocation holding [ptr, ptr + nbytes): a freed or foreign pointer would make cuDNN
+    read or write memory that is not the caller's (CUDNN_STATUS_EXECUTION_FAILED, or silent corruption)."""
+    from cupy import _standin
+    try:
+        return _standin.resolve(ptr, nbytes)
+    except ValueError as e:
+        if RULES["pointer"] or "not a live allocation" not in str(e):
+            raise ValueError(f"{what}: {e}") from None
+    return _standin.new_allocation(nbytes, _standin.local.device)  # what the GPU would scribble on
 
 
 def workspace_allocation(ws, need, dev):
@@ -274,8 +318,9 @@ def workspace_allocation(ws, need, dev):
     than ``get_workspace_size()``."""
     import cupy
     from cupy import _standin
+    short = RULES["workspace"]
     if ws is None:
-        if need:
+        if need and short:
             raise ValueError(f"execute(): the plan needs a workspace of {need} bytes "
                              f"(get_workspace_size()) and none was given")
         return None
@@ -283,7 +328,7 @@ def workspace_allocation(ws, need, dev):
         if not ws.flags.c_contiguous:
             raise ValueError(f"the workspace buffer must be contiguous; got shape {ws.shape} strides "
                              f"{ws.strides}")
-        if ws.nbytes < need:
+        if ws.nbytes < need and short:
             raise ValueError(f"execute(): the workspace has {ws.nbytes} bytes but the plan needs {need} "
                              f"(get_workspace_size()); allocate at least that many")
         ptr = ws.data.ptr
@@ -292,10 +337,10 @@ def workspace_allocation(ws, need, dev):
     else:
         raise TypeError(f"execute(): the workspace must be a CuPy array or a device pointer, got "
                         f"{type(ws).__name__}")
-    if not need:
+    if not need or ws is None:
         return None
     try:
-        alloc = _standin.resolve(ptr, need)
+        alloc = _standin.resolve(ptr, need if short else min(need, getattr(ws, "nbytes", 1)))
     except ValueError as e:
         raise ValueError(f"execute(): the workspace is not {need} bytes of live device memory "
                          f"(get_workspace_size()): {e}") from None

@@ -58,14 +58,14 @@ class pygraph:
         self._heuristics = None
 
     # ---------------------------------------------------------------- construction
-    def check_mutable(self, what):
+    def _check_mutable(self, what):
         if self._planned:
             raise RuntimeError(f"cannot {what} after lowering/planning — the graph is frozen (planning is "
                                f"one-shot; build a new graph)")
         self._validated = False
 
     def _new_tensor(self, **kw):
-        self.check_mutable("add a tensor")
+        self._check_mutable("add a tensor")
         self._uids += 1
         t = Tensor(uid=self._uids, owner=self, **kw)
         self._tensors.append(t)
@@ -97,10 +97,11 @@ class pygraph:
             raise TypeError(f"{op}(): the cuDNN stand-in models the default (cross-correlation) mode only")
         name = name or f"{op}_{len(self._nodes)}"
         out = self._new_tensor(name=f"{name}::{_OUT[op]}", is_virtual=True)
-        if out_dims is not None:
-            out.dim, out.stride = [int(d) for d in out_dims], _row_major(out_dims)
         params = {"padding": padding, "pre_padding": pre_padding, "post_padding": post_padding,
                   "stride": stride, "dilation": dilation}
+        dims = out_dims if out_dims is not None else _bind.infer_dims(op, a.dim, b.dim, params)
+        if dims:  # as the real builder, which infers what it can at once (a filter gradient's dims it cannot)
+            out.dim, out.stride = [int(d) for d in dims], _row_major(dims)
         self._nodes.append(_Node(op, name, dict(zip(ports, (a, b))), out, params,
                                  compute_data_type or self.compute_data_type))
         return out
@@ -186,12 +187,14 @@ class pygraph:
     def execute(self, tensor_dict, workspace=None, handle=None, override_uids=None, override_shapes=None,
                 override_strides=None, tensor_uids=None):
         _bind.no_overrides(override_uids, override_shapes, override_strides)
-        if not self._built:
+        if not self._built and _bind.RULES["built"]:
             raise RuntimeError("execute() before build_plans(): the cuDNN stand-in plans at set-up only (the "
                                "real execute() would build here, inside a step or a capture); call build() "
                                "or build_plans() first")
         h = handle if handle is not None else self._handle
         stream, dev = _bind.execution_stream(h)
+        if not _bind.RULES["built"]:
+            self.validate()
         by_uid = _bind.by_uid(self, tensor_dict, tensor_uids)
         views, reads, writes = {}, [], []
         for t in self._tensors:
@@ -201,7 +204,7 @@ class pygraph:
                 raise ValueError(f"the variant pack is missing a buffer for tensor uid {t.uid} ({t.name!r})")
             alloc, views[t.uid] = _bind.device_view(t, by_uid[t.uid], dev)
             (writes if any(n.output is t for n in self._nodes) else reads).append(alloc)
-        need = self.get_workspace_size()
+        need = sum(_bind.node_workspace(n) for n in self._nodes)
         ws = _bind.workspace_allocation(workspace, need, dev)
         if ws is not None:
             writes.append(ws)

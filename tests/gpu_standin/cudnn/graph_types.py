@@ -17,7 +17,7 @@ class Tensor:
 
     def _guard(self, what="mutate a tensor attribute"):
         if self.owner is not None:
-            self.owner.check_mutable(what)
+            self.owner._check_mutable(what)
 
     def set_output(self, value):
         self._guard()
