@@ -7,17 +7,18 @@ the Runtime, never a copy hidden inside a primitive. Every operation runs in fou
 1. on the calling thread: a *copy stream* of the buffer's device waits on the producer's event (``after=``,
    or one recorded on the calling thread's current stream) and copies each send buffer into pinned host
    memory (``ndarray.get(stream=..., out=pinned, blocking=False)``); an event is recorded after the copies;
-2. on the *staging thread* (one per process, operations in posting order): the event is polled until the
-   copies are done (the host never blocks on the GPU), then the non-blocking MPI call is posted on the
-   pinned buffers;
+2. on the *staging thread* (one per process, operations in posting order): it sleeps on the event (a
+   blocking-sync event: no polling, and no other thread waits for the GPU here) until the copies are done,
+   then posts the non-blocking MPI call on the pinned buffers;
 3. ``wait()`` on the consumer's thread completes the MPI request (as the MPI backend does for host arrays);
 4. the consumer's stream (the current stream of the thread that waits) copies the received pinned buffers
    into the device arrays (``ndarray.set(pinned, stream=...)``) and records a completion event, which the
    pinned buffers carry back to the pool: they are reused once it is done.
 
 On a real GPU ``wait()`` of a staged operation blocks the waiting thread until MPI is done, and MPI starts
-only once the copy down is: unlike NCCL, the host waits for the device there (by polling and MPI, never a
-CUDA synchronisation call).
+only once the copy down is: unlike NCCL, the host waits for the device there (the staging thread on the copy
+event, the waiting thread on MPI). The staging thread is stopped (a sentinel) and joined by :func:`finalize`,
+which the Runtime calls at teardown.
 
 Collectives on one communicator are posted by the staging thread in the order they were issued. An
 operation that the MPI backend issues directly on the same communicator (host arrays, pickled metadata,
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import numpy as np
 
 from .base import CommError, Handle
 
-POLL_S = 20e-6  # seconds the staging thread sleeps between polls of a copy-done event
+_STOP = object()  # the staging thread's sentinel
+JOIN_S = 10.0  # seconds finalize waits for the staging thread to end
 POOL_KEEP = 64  # free pinned buffers kept for reuse; older ones are released
 
 
@@ -96,9 +97,10 @@ class _Process:
     def _run(self) -> None:
         while True:
             job = self.queue.get()
-            if job.copied is not None:
-                while not job.copied.done:  # cudaEventQuery: the host never blocks on the device here
-                    time.sleep(POLL_S)
+            if job is _STOP:
+                return
+            if job.copied is not None:  # a blocking-sync event: this thread sleeps until the copies are done
+                job.copied.synchronize()
             try:
                 job.req = job.post()
             except BaseException as exc:  # handed to the thread that waits
@@ -107,6 +109,13 @@ class _Process:
                 job.owner.unposted -= 1
                 self.unposted.notify_all()
             job.posted.set()
+
+    def close(self, join_s: float = JOIN_S) -> bool:
+        """Stop the staging thread after the operations already submitted (sentinel, join). False when it
+        is still alive after ``join_s`` seconds (stuck in an MPI call, left to the job's end)."""
+        self.queue.put(_STOP)
+        self.thread.join(timeout=join_s)
+        return not self.thread.is_alive()
 
     def drain(self, owner) -> None:
         """Block until every staged operation of ``owner`` issued so far is posted (not on the staging
@@ -128,6 +137,16 @@ def process(cupy) -> _Process:
         if _process is None:
             _process = _Process(cupy)
         return _process
+
+
+def finalize() -> bool:
+    """Stop and join the staging thread, if one was started (the Runtime's teardown, after the last staged
+    operation was waited for). A later staged operation starts a new one. False when the thread did not
+    end (see :meth:`_Process.close`)."""
+    global _process
+    with _process_lock:
+        p, _process = _process, None
+    return True if p is None else p.close()
 
 
 def pinned_view(mem, shape, dtype) -> np.ndarray:
@@ -183,7 +202,7 @@ class StagedOp:
         cuda = self.cupy.cuda
         if self.sends:
             with cuda.Device(self.device_id):
-                self.copied = cuda.Event(disable_timing=True)
+                self.copied = cuda.Event(block=True, disable_timing=True)  # the staging thread sleeps on it
                 self.copied.record(self.p.copy_stream(self.device_id))
         job = _Job(self.owner, self.copied, post)
         self.p.submit(job)

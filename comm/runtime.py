@@ -18,6 +18,7 @@ import traceback
 import types
 from dataclasses import dataclass
 
+from . import hoststaged
 from .base import CommError, Communicator
 from .single import SingleCommunicator
 from lbannpy.backend import get_xp
@@ -374,6 +375,8 @@ class Runtime:
         for comm in reversed(self._owned):
             comm.free()
         self._owned.clear()
+        if self.host_staged:  # the staging thread stopped and joined (every staged operation was waited for)
+            hoststaged.finalize()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         failed = exc_type is not None and not (exc_type is SystemExit and exc.code in (0, None))

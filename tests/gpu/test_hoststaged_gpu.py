@@ -81,6 +81,9 @@ def test_pinned_buffers_are_reused_and_the_main_thread_never_syncs():
         assert row["device"] == 0, row  # both ranks share the one device
         assert row["warm_pinned_allocs"] == 0, row
         assert row["host_syncs"] == 0, row
+        assert row["staging_waits"] > 0, row  # the staging thread waited on the copy events instead
+        assert row["other_waits"] == [], row
+        assert row["staging_thread_joined"], row
 
 
 def _refused(p) -> list[str]:
@@ -153,12 +156,14 @@ def _producer(out: dict) -> None:  # pragma: no cover - runs under mpiexec
 
 
 def _steady(out: dict) -> None:  # pragma: no cover - runs under mpiexec
+    import threading
+
     import cupy
     import numpy as np
 
     from cupy import _standin as probe  # the stand-in's host-sync counter (asynchronous copies are not)
 
-    from lbannpy.comm import Runtime
+    from lbannpy.comm import Runtime, hoststaged
 
     allocs = []
     real_alloc = cupy.cuda.alloc_pinned_memory
@@ -186,7 +191,13 @@ def _steady(out: dict) -> None:  # pragma: no cover - runs under mpiexec
         del allocs[:]
         for _ in range(5):
             g = step()
+        # host_syncs: the threads that submit GPU work (this one); the staging thread, which submits
+        # nothing, sleeps on each copy event (Event.synchronize in hoststaged), counted apart
         syncs = probe.host_syncs()
+        waits = probe.waiter_syncs()
+        out["staging_waits"] = sum(n for (kind, where), n in waits.items()
+                                   if kind == "Event.synchronize" and where.startswith(hoststaged.__file__))
+        out["other_waits"] = sorted(f"{k} {w}" for (k, w) in waits if not w.startswith(hoststaged.__file__))
         out["host_syncs"] = int(sum(syncs.values()))
         out["warm_pinned_allocs"] = len(allocs)
         want = np.array([[(r - 1) % p] * 4 for r in range(p)], dtype=np.float64)
@@ -194,6 +205,9 @@ def _steady(out: dict) -> None:  # pragma: no cover - runs under mpiexec
         ok &= float(cupy.asnumpy(c.allreduce(grads))[0]) == float(sum(range(1, p + 1)))
         out.update(ok=ok, host_staged=rt.host_staged, device=int(cupy.cuda.Device().id),
                    sync_calls=sorted(f"{k} {w}" for k, w in syncs))
+        staging = [t for t in threading.enumerate() if t.name == "lbannpy-host-staging"]
+    # the Runtime's teardown stopped and joined the staging thread
+    out["staging_thread_joined"] = len(staging) == 1 and not staging[0].is_alive()
 
 
 def _runtime(out: dict, backend: str, share: str) -> None:  # pragma: no cover - runs under mpiexec

@@ -27,7 +27,18 @@ local = _Local()
 _lock = threading.RLock()
 
 # ---------------------------------------------------------------- host synchronisations by call site
-_syncs = collections.Counter()
+# Counted per thread. A synchronisation blocks the thread that makes it: on a thread that submits GPU work
+# (launches, copies, event records) it holds back every later submission, which is what the step's budget
+# counts; a thread that never submits (a host-staging thread sleeping on a copy event before an MPI call)
+# delays no submission, so its waits are reported apart (waiter_syncs). A thread counts as submitting from
+# its first submission on, and every sync it made before that is counted with it.
+_syncs = {}                # thread ident -> Counter {(kind, 'file:line'): count}
+_submitters = set()        # idents of the threads that ever submitted GPU work
+
+
+def note_submitter():
+    """Called at every modelled submission (kernel launch, copy, event record)."""
+    _submitters.add(threading.get_ident())
 
 
 def _caller():
@@ -45,16 +56,34 @@ def count_sync(kind, stream=None, event=None, device=None):
     if _active:
         from cupy.cuda import _graph
         _graph.on_host_sync(kind, stream, event, device)
-    _syncs[(kind, _caller())] += 1
+    with _lock:
+        _syncs.setdefault(threading.get_ident(), collections.Counter())[(kind, _caller())] += 1
+
+
+def _total(submitting: bool) -> dict:
+    out = collections.Counter()
+    with _lock:
+        for ident, counts in _syncs.items():
+            if (ident in _submitters) == submitting:
+                out.update(counts)
+    return dict(out)
 
 
 def host_syncs():
-    """{(kind, 'file:line'): count} of host synchronisations since the last reset."""
-    return dict(_syncs)
+    """{(kind, 'file:line'): count} of host synchronisations since the last reset on threads that submit
+    GPU work (see above)."""
+    return _total(True)
+
+
+def waiter_syncs():
+    """{(kind, 'file:line'): count} of synchronisations since the last reset on threads that never
+    submitted GPU work (waits that delay no submission)."""
+    return _total(False)
 
 
 def reset_host_syncs():
-    _syncs.clear()
+    with _lock:
+        _syncs.clear()  # a thread that submitted before stays a submitting thread
 
 
 # ---------------------------------------------------------------- allocator
@@ -171,6 +200,7 @@ def launch(stream, reads=(), writes=(), what="kernel", replay=None, covered=Fals
     """Model one kernel launch on ``stream`` reading/writing the given allocations. Called before the
     operation's work. On a capturing stream the launch is recorded instead: ``replay`` (a callable) redoes
     the work when the graph is launched; ``covered`` says another node's replay does it."""
+    _submitters.add(threading.get_ident())
     if _active:
         from cupy.cuda import _graph
         if _graph.on_launch(stream, reads, writes, what, replay, covered, count):

@@ -202,6 +202,7 @@ class Event:
             raise runtime.CUDARuntimeError(
                 f"Event.record: event of device {self.device_id} recorded on {stream!r}")
         self._capture = None
+        _standin.note_submitter()
         if _standin._active and _graph.on_record(self, stream):
             return
         import time
