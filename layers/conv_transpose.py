@@ -224,8 +224,8 @@ class ConvTranspose(HaloLayer):
     def kern(self):
         """The convolution kernels the adjoint convolution runs on: as :attr:`Conv.kern` (the set a
         calibration chose for this layer's local shapes, else the run's ``runtime.kernels``, else lbannpy's
-        own), except that grouped filters on split space take lbannpy's own (the ATen set convolves one
-        group)."""
+        own), except that grouped filters on split space take lbannpy's own where the set is ATen's (which
+        convolves one group; cuDNN Frontend's reads the groups from the filter's shape)."""
         k = self.__dict__.get("_kern")
         if k is None:
             ctx, rank = self.ctx, self.ctx.rank
@@ -235,7 +235,8 @@ class ConvTranspose(HaloLayer):
             # space whole on ATen: PyTorch's own transposed convolution (groups, output padding and bias
             # inside the operator, no window)
             self._native = k is not None and k.name == "aten" and self._whole_space
-            k = self._kern = own() if k is None or (self.local_groups > 1 and not self._native) else k
+            grouped_aten = self.local_groups > 1 and k is not None and k.name == "aten" and not self._native
+            k = self._kern = own() if k is None or grouped_aten else k
         return k
 
     @property

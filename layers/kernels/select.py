@@ -1,11 +1,15 @@
-"""Which convolution kernels a run uses: lbannpy's own (:mod:`.conv`) or PyTorch's ATen (:mod:`.aten`).
+"""Which convolution kernels a run uses: lbannpy's own (:mod:`.conv`), PyTorch's ATen (:mod:`.aten`) or
+cuDNN's through cuDNN Frontend on CuPy arrays (:mod:`.cudnn`).
 
-``runtime.kernels``: ``own``; ``aten`` (an error where torch cannot run them); ``auto``: ATen where torch
-imports (and sees a GPU, for ``runtime.device: gpu``), else own; and at every layer shape that a calibration
-of the run's machine (``parallel.machine``, written by ``python -m lbannpy.bench calibrate --kernels``)
-timed, the set it found faster there (:func:`kernel_table`). Every rank applies the same rule to the same
-installation and machine file, so all ranks of a layer agree. Both sets compute the same convolutions
-(equal to float32 round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``).
+``runtime.kernels``: ``own``; ``aten`` (an error where torch cannot run them); ``cudnn`` (an error but on a
+GPU with cuDNN Frontend installed); ``auto``: on a GPU, cuDNN Frontend's where it imports (its plans and
+outputs live in CuPy's memory, so the step can still be captured as one CUDA graph), else ATen where torch
+imports (and, for ``runtime.device: gpu``, sees a GPU), else own; and at every layer shape that a
+calibration of the run's machine (``parallel.machine``, written by ``python -m lbannpy.bench calibrate
+--kernels``) timed, the set it found faster there (:func:`kernel_table`). Every rank applies the same rule
+to the same installation and machine file, so all ranks of a layer agree. The sets compute the same
+convolutions (equal to float32 round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``,
+``tests/gpu/test_cudnn_gpu.py``). A CPU run never imports ``cudnn``.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import numpy
 from . import _conv_small, conv
 from .padding import padded_shape, symmetric_pads
 from . import aten
+from . import cudnn
 
-CHOICES = ("auto", "own", "aten")
+CHOICES = ("auto", "own", "aten", "cudnn")
 
 
 class KernelChoiceError(ValueError):
@@ -90,6 +95,14 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
         raise KernelChoiceError(f"runtime.kernels: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "own":
         return own()
+    if choice == "cudnn" or (choice == "auto" and device == "gpu"):
+        if cudnn.available(device):
+            return cudnn_set()
+        if choice == "cudnn":
+            raise KernelChoiceError("runtime.kernels: cudnn needs "
+                                    + ("cuDNN Frontend (pip install nvidia-cudnn-frontend, or lbannpy's gpu "
+                                       "extra)" if device == "gpu" else "runtime.device: gpu")
+                                    + "; use own or auto")
     if not aten.available(device):
         if choice == "aten":
             raise KernelChoiceError("runtime.kernels: aten needs PyTorch (pip install torch)"
@@ -99,11 +112,23 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
                        allocates=True, pads=True)
 
 
+def cudnn_set() -> ConvKernels:
+    """cuDNN Frontend's kernels (:mod:`.cudnn`): they pad inside and honour an ``out`` buffer."""
+    return ConvKernels("cudnn", cudnn.conv_forward, cudnn.conv_backward_input, cudnn.conv_backward_params,
+                       pads=True)
+
+
 def gpu_math(choice: str, device: str, tf32: bool) -> bool:
-    """Set cuDNN's float32 arithmetic for a run whose convolutions may take ATen on a GPU (``runtime.tf32``);
-    nothing where they cannot (own kernels, a CPU, no CUDA torch: torch is not imported for it). Returns
-    whether it was set."""
+    """Set cuDNN's float32 arithmetic for a run whose convolutions may take cuDNN on a GPU
+    (``runtime.tf32``): cuDNN Frontend's plans where that set is the run's (torch is not imported then), else
+    ATen's; nothing where neither can run (own kernels, a CPU, no CUDA torch: torch is not imported for it).
+    Returns whether it was set."""
     if device != "gpu" or choice == "own":
+        return False
+    if choice in ("auto", "cudnn") and cudnn.available(device):
+        cudnn.set_tf32(tf32)
+        return True
+    if choice == "cudnn":
         return False
     if not aten.available(device):
         return False
@@ -114,11 +139,68 @@ def gpu_math(choice: str, device: str, tf32: bool) -> bool:
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
     """``{(layer type, local input shape, local output shape): kernels}`` of the shapes ``machine`` (a
     :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto``. A shape
-    whose set cannot run here (ATen without torch) is left to the rule of :func:`conv_kernels`."""
+    whose set cannot run here (ATen without torch) is left to the rule of :func:`conv_kernels`. Where the
+    run's set is cuDNN Frontend's, a shape calibrated faster on ATen takes it too: on a GPU ATen's
+    convolutions are cuDNN's, and this set keeps the step capturable."""
     if choice != "auto" or not getattr(machine, "kernels", None):
         return {}
     sets = {"own": own()}
-    aten_set = conv_kernels("auto", device)
-    if aten_set.name == "aten":
-        sets["aten"] = aten_set
+    auto_set = conv_kernels("auto", device)
+    if auto_set.name in ("aten", "cudnn"):
+        sets["aten"] = sets[auto_set.name] = auto_set
     return {key: sets[name] for key, name in machine.kernels.items() if name in sets}
+
+
+# -- which kernels a layer runs, for summary.json (``layers.<name>.kernels``)
+#: the names :func:`layer_set` gives
+SET_NAMES = ("cudnn", "aten", "own", "c", "numpy")
+_FAMILY: dict = {}
+
+
+def layer_set(layer) -> str:
+    """The kernels ``layer`` computes with: a convolution its set's (``cudnn``, ``aten``; lbannpy's own is
+    ``own`` on a GPU, on the host ``c`` where its compiled kernels are built, else ``numpy``); any other
+    layer ``own`` on a GPU (lbannpy's CuPy kernels) and on the host ``c`` where a kernel module its code
+    calls has its compiled kernels built (``USE_COMPILED``), else ``numpy``."""
+    host = getattr(layer.ctx.xp, "__name__", "") == "numpy"
+    kern = getattr(layer, "kern", None)
+    if kern is not None and kern.name != "own":
+        return kern.name
+    if not host:
+        return "own"
+    if kern is not None:
+        return "c" if conv.USE_COMPILED else "numpy"
+    return "c" if any(getattr(m, "USE_COMPILED", False) for m in _kernel_modules(type(layer))) else "numpy"
+
+
+def _kernel_modules(cls) -> tuple:
+    """The kernel modules (``lbannpy.layers.kernels.*``) the code of ``cls``'s module names: module objects
+    bound there, and the modules of kernel functions it calls directly or through the kernels package."""
+    import sys
+    import types
+
+    hit = _FAMILY.get(cls)
+    if hit is not None:
+        return hit
+    mod = sys.modules[cls.__module__]
+    pkg = sys.modules[__package__]
+    names, codes = set(), [v.__code__ for v in vars(mod).values() if isinstance(v, types.FunctionType)]
+    for klass in cls.__mro__:
+        if klass.__module__ == cls.__module__:
+            for v in vars(klass).values():
+                f = getattr(v, "fget", getattr(v, "__func__", v))
+                if isinstance(f, types.FunctionType):
+                    codes.append(f.__code__)
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    found = set()
+    for name in names:
+        pkg_fn = getattr(pkg, name, None)  # a function the kernels package exports (not a submodule)
+        for obj in (vars(mod).get(name), pkg_fn if isinstance(pkg_fn, types.FunctionType) else None):
+            where = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+            if isinstance(where, str) and where.startswith(__package__ + ".") and where in sys.modules:
+                found.add(sys.modules[where])
+    hit = _FAMILY[cls] = tuple(sorted(found, key=lambda m: m.__name__))
+    return hit

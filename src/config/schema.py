@@ -230,14 +230,17 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
             "gpu: allow more ranks on a node than GPUs (ranks share devices; for tests and small GPUs). "
             "Refused by default; NCCL cannot share a device, so use backend mpi (host-staged where MPI is "
             "not CUDA-aware)"),
-        Key("kernels", Str(("auto", "own", "aten")), "auto",
-            "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy), "
-            "auto: at each conv shape parallel.machine's calibration timed, the faster set there, elsewhere "
-            "aten where torch is installed (with CUDA on a gpu), else own"),
+        Key("kernels", Str(("auto", "own", "aten", "cudnn")), "auto",
+            "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy; "
+            "a gpu step with them runs eagerly), cudnn (gpu: cuDNN through cuDNN Frontend on CuPy arrays, "
+            "planned once per layer shape, capturable in the step's CUDA graph; pip install "
+            "nvidia-cudnn-frontend), auto: at each conv shape parallel.machine's calibration timed, the "
+            "faster set there, elsewhere cudnn on a gpu where cuDNN Frontend is installed, else aten where "
+            "torch is installed (with CUDA on a gpu), else own"),
         Key("tf32", Bool(), False,
-            "gpu, ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit mantissa "
-            "products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 convolutions are "
-            "float32, as the own kernels and the CPU compute them"),
+            "gpu, cudnn or ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit "
+            "mantissa products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 "
+            "convolutions are float32, as the own kernels and the CPU compute them"),
         Key("cuda_graph", Switch(("auto", "on", "off")), "auto",
             "gpu: the training step as one CUDA graph, captured per input shape after warm-up steps and "
             "replayed (one launch a step); auto: where the run can be captured, else eager with one line "

@@ -74,7 +74,10 @@ def _optimizer_reason(optimizer, opt_cfg) -> str:
 def _kernel_reason(model) -> str:
     """ATen kernels allocate their outputs from torch's caching allocator, which only a capture that torch
     itself begins (``torch.cuda.graph``) gives a private pool: in a capture begun by CuPy those blocks could
-    be handed to other work while the graph still writes them."""
+    be handed to other work while the graph still writes them. cuDNN Frontend's set (``cudnn``) is
+    captured: its outputs come from CuPy's allocator (the capture's pool), its plans and workspaces are made
+    by the eager warm-up steps, and each call only sets its handle's stream and enqueues the plan on the
+    capturing stream (:mod:`lbannpy.layers.kernels.cudnn`)."""
     for layer in model.layers:
         kern = getattr(layer, "kern", None)
         if kern is not None and getattr(kern, "name", "") == "aten":

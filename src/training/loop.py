@@ -444,6 +444,7 @@ class Trainer:
                "wall_s": wall, "model": self.run_cfg.model.name}
         if self.memory is not None:
             run["memory_estimate"] = self.memory.as_dict()
+        run["kernels"] = kernels.layer_sets(self.model)  # summary.json's layers.<name>.kernels
         if self.step_mode is not None:
             g = self.graphs
             run["cuda_graph"] = dict(self.step_mode.as_dict(), captures=g.captures if g else 0,

@@ -42,6 +42,17 @@ class _atomic:
         return False
 
 
+def _name_kernels(merged: dict, per_rank: list) -> None:
+    """Each layer's kernel set into ``merged[name]["kernels"]``: rank 0's, and where ranks differ (a set
+    chosen by the shape of a rank's block) every rank's in ``kernels_by_rank``."""
+    for name, first in per_rank[0].items():
+        entry = merged.setdefault(name, {})
+        entry["kernels"] = first
+        each = [k.get(name) for k in per_rank]
+        if any(k != first for k in each):
+            entry["kernels_by_rank"] = each
+
+
 # metrics-row columns that are timings (left out of summary.json's "final")
 TIMING_COLUMNS = ("step_time_s", "io_wait_s", "comm_time_s", "hidden_comm_s", "samples_per_s")
 
@@ -141,16 +152,17 @@ class Report:
     def _write(self, run: dict, steps_run: int, final_eval: dict, buckets: list, distributions: dict) -> None:
         # per-layer and communication times: the slowest rank's (what bounds the step)
         self.timer.settle()
-        gathered = self.world.allgather_obj(self.per_layer(steps_run))
+        gathered = self.world.allgather_obj((self.per_layer(steps_run), run.get("kernels") or {}))
         if self.trace:
             self.write_trace()
         if self.world.rank != 0:
             return
         merged: dict = {}
-        for d in gathered:
+        for d, _ in gathered:
             for name, phases in d.items():
                 for ph, t in phases.items():
                     merged.setdefault(name, {})[ph] = max(merged.get(name, {}).get(ph, 0.0), t)
+        _name_kernels(merged, [k for _, k in gathered])
         summary = self.summary(run, steps_run, final_eval, buckets, merged, distributions)
         os.makedirs(self.out_dir, exist_ok=True)
         self.write_metrics()
@@ -162,6 +174,8 @@ class Report:
         self.print_summary(summary, final_eval)
 
     def summary(self, run, steps_run, final_eval, buckets, merged, distributions) -> dict:
+        """``layers``: per layer its mean phase times (the slowest rank's) and ``kernels``, the kernel set
+        it computed with (:func:`lbannpy.layers.kernels.select.layer_set`)."""
         recent = self.rows[-max(steps_run, 0):] if steps_run else []
         times = [r["step_time_s"] for r in recent]
         io = [r["io_wait_s"] for r in recent]

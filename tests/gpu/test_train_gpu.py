@@ -138,7 +138,8 @@ def test_gpu_training_equals_the_numpy_run(work, train, kind, runs):
         assert s["ranks"] == ranks and s["steps"] == STEPS
         # row 9: per-layer, halo and step times are CUDA events on a GPU, and the summary says so
         assert s["clock"]["layers"] == s["clock"]["step"] == "cuda-events", s["clock"]
-        assert s["layers"] and all(t >= 0 for ph in s["layers"].values() for t in ph.values()), s["layers"]
+        assert s["layers"] and all(t >= 0 for ph in s["layers"].values() for k, t in ph.items()
+                                   if not k.startswith("kernels")), s["layers"]
     assert summary(work, ref)["clock"]["layers"] == "host"
 
 
