@@ -63,7 +63,8 @@ def test_exception_on_one_rank_one_line_traceback_in_run_dir(tmp_path):
     assert "Traceback" in log.read_text() and "train_step" in log.read_text()
 
 
-def test_gpu_device_without_cupy_is_one_line_per_rank(tmp_path):
+def test_gpu_device_without_cupy_is_one_line(tmp_path):
+    """A configuration this machine cannot run: exit 2 on every rank, one line naming the key (#44)."""
     pytest.importorskip("mpi4py")
     try:
         import cupy  # noqa: F401
@@ -75,5 +76,6 @@ def test_gpu_device_without_cupy_is_one_line_per_rank(tmp_path):
     job = util.run(tmp_path, cfg, ranks=2, timeout=60)
     job.assert_every_rank_failed()
     job.assert_no_traceback()
-    assert "CuPy" in job.err
-    assert (tmp_path / "out" / "failure-rank0.log").exists()
+    assert job.rank_codes() == [2, 2] and job.proc.returncode == 2, (job.rank_codes(), job.err[-2000:])
+    lines = util.error_lines(job.err)
+    assert len(lines) == 1 and "CuPy" in lines[0] and "runtime.device: cpu" in lines[0], job.err[-2000:]
