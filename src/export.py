@@ -33,6 +33,7 @@ import sys
 
 import numpy as np
 
+from lbannpy import outputs
 from lbannpy.training.errors import UserError
 
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
@@ -52,8 +53,10 @@ def attr_name(layer: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- safetensors
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-    """``tensors`` (name -> array) into ``path`` in the safetensors format, atomically (tmp + rename)."""
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                      label: str = ""):
+    """``tensors`` (name -> array) into ``path`` in the safetensors format, atomically (tmp + rename; a
+    failed write leaves no temporary and raises :class:`lbannpy.outputs.WriteError` naming ``label path``)."""
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
         arr = np.asarray(tensors[name])
@@ -69,13 +72,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with outputs.atomic(path, label) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for raw in blobs:
             f.write(raw)
-    os.replace(tmp, path)
 
 
 def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -297,7 +298,8 @@ def torch_module_source(model_spec: dict, title: str = "") -> str:
         elif t is ReLU:
             fwd.append(f"{v} = F.relu({x})")
         elif t is LeakyReLU:
-            fwd.append(f"{v} = F.leaky_relu({x}, {layer.slope!r})")
+            # the slope from the spec: the layer sets its own attribute only in a forward pass
+            fwd.append(f"{v} = F.leaky_relu({x}, {float(layer.hparams['slope'])!r})")
         elif t is Dropout:
             init.append(f"self.{a} = nn.Dropout({float(layer.hparams['p'])!r})")
             fwd.append(f"{v} = self.{a}({x})")
@@ -352,29 +354,46 @@ def main(argv=None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.checkpoint import CheckpointError
-    from lbannpy.config import ConfigError, load_config
+    from lbannpy.config import ConfigError
 
     try:
-        if args.torch_module and not args.config:
-            raise ExportError("--torch-module needs --config (the checkpoint holds weights, not the model)")
-        path, data = load_checkpoint(args.checkpoint)
-        spec = load_config(args.config)["model"] if args.config else model_of(data)
-        tensors = state_dict(data, args.dtype, spec)
-        source = None
-        if args.torch_module:
-            source = torch_module_source(spec, f" (exported from {os.path.basename(path)})")
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        write_safetensors(args.output, tensors, {"format": "pt", "lbannpy_checkpoint": os.path.abspath(path),
-                                                 "step": str(data["step"])})
-        if source is not None:
-            with open(args.torch_module, "w") as f:
-                f.write(source)
+        with outputs.interrupt_on_signals():
+            path, data, tensors, source = _export(args)
     except (UserError, CheckpointError, ConfigError, OSError) as exc:
         sys.stderr.write(f"lbannpy.export: error: {exc}\n")
         return 2
+    except outputs.Interrupted as exc:
+        sys.stderr.write(f"lbannpy.export: {exc}; {args.output} not written (no temporary left)\n")
+        return outputs.EXIT_SIGNAL
     print(f"lbannpy.export: {len(tensors)} tensor(s) from {path} (step {data['step']}) -> {args.output}"
           + (f"; module source -> {args.torch_module}" if source is not None else ""))
     return 0
+
+
+def _export(args):
+    """``(checkpoint, data, tensors, module source or None)``, the outputs checked before the checkpoint is
+    read and written each under a temporary name."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.config import load_config
+
+    if args.torch_module and not args.config:
+        raise ExportError("--torch-module needs --config (the checkpoint holds weights, not the model)")
+    cfg = load_config(args.config) if args.config else None
+    outputs.check([("-o", args.output), ("--torch-module", args.torch_module)],
+                  [("the checkpoint", args.checkpoint), ("--config", args.config)]
+                  + (outputs.config_inputs(cfg) if cfg is not None else []))
+    path, data = load_checkpoint(args.checkpoint)
+    spec = cfg["model"] if cfg is not None else model_of(data)
+    tensors = state_dict(data, args.dtype, spec)
+    source = None
+    if args.torch_module:
+        source = torch_module_source(spec, f" (exported from {os.path.basename(path)})")
+    write_safetensors(args.output, tensors, {"format": "pt", "lbannpy_checkpoint": os.path.abspath(path),
+                                             "step": str(data["step"])}, label="-o")
+    if source is not None:
+        with outputs.atomic(args.torch_module, "--torch-module") as tmp, open(tmp, "w") as f:
+            f.write(source)
+    return path, data, tensors, source
 
 
 if __name__ == "__main__":

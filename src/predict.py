@@ -29,8 +29,9 @@ import sys
 
 import numpy as np
 
+from lbannpy import outputs
 from lbannpy.dist import DIM_NAMES
-from lbannpy.training.errors import EXIT_USER_ERROR, UserError, agree_on_error, user_errors
+from lbannpy.training.errors import EXIT_USER_ERROR, UserError, agree_on_data, agree_on_error, user_errors
 
 SUBSETS = ("all", "train", "validation")
 
@@ -98,21 +99,15 @@ def load_weights(path: str, model, xp, world=None) -> tuple[str, int]:
                     f"checkpoint directory)")
 
 
-def _refuse_overwriting_inputs(args) -> None:
-    """``-o`` (and the drawing beside it) must name none of the command's inputs: writing it would
-    destroy the input before it is read."""
+def _outputs(cfg: dict, args) -> tuple[list, list]:
+    """``(outputs, inputs)`` for :func:`lbannpy.outputs.claim`: ``-o`` and the drawing beside it, against
+    ``--data``, the config, ``--checkpoint`` and what the config reads or keeps (its data files, initial
+    weights and checkpoint directory)."""
     outs = [("-o", args.output)]
     if args.png:
         outs.append(("--png", os.path.splitext(args.output)[0] + ".png"))
     ins = [("--data", args.data), ("the config", args.config), ("--checkpoint", args.checkpoint)]
-    for oname, out in outs:
-        for iname, src in ins:
-            same = os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src)
-            if same or os.path.realpath(out) == os.path.realpath(src):
-                raise UserError(f"{oname} {out} is {iname} {src}: writing it would destroy an input; "
-                                f"choose another output file")
-            if os.path.isdir(src) and os.path.realpath(out).startswith(os.path.realpath(src) + os.sep):
-                raise UserError(f"{oname} {out} lies inside {iname} {src}; choose another output file")
+    return outs, ins + outputs.config_inputs(cfg)
 
 
 def split_candidates(ndim: int, ranks: int) -> list[dict]:
@@ -228,7 +223,7 @@ def _open_data(cfg: dict, path: str, model, loss):
         if train["inputs"] not in f:
             raise UserError(f"--data {path}: no dataset '{train['inputs']}' (data.train.inputs); found "
                             f"{sorted(f.keys())}")
-        xs = f[train["inputs"]].shape
+        xs, xdt = f[train["inputs"]].shape, f[train["inputs"]].dtype
     shape = model.input_shape
     if has_labels:
         try:
@@ -240,6 +235,10 @@ def _open_data(cfg: dict, path: str, model, loss):
     elif tuple(xs[1:]) != tuple(shape[1:]):
         raise UserError(f"--data {path}: dataset '{train['inputs']}' has samples of shape {tuple(xs[1:])}; "
                         f"the model expects {tuple(shape[1:])}")
+    elif xdt.kind != "f":  # as with labels: bytes, booleans and complex numbers (the model's real dtype
+        # would drop the imaginary part) are refused, not converted
+        raise UserError(f"--data {path}: dataset '{train['inputs']}' has dtype {xdt}; expected floating "
+                        f"point (float32 or float64)")
     return int(xs[0]), has_labels
 
 
@@ -251,22 +250,28 @@ def predict(cfg: dict, rt, args) -> dict:
     from lbannpy.training.watchdog import Watchdog
 
     world = rt.world
-    _refuse_overwriting_inputs(args)
-    cfg = validate(cfg, memory=False)  # the estimate prices training
-    cfg, note = choose_split(cfg, world.size)
-    if note and world.rank == 0:
-        sys.stdout.write(f"lbannpy.predict: {note}\n")
-        sys.stdout.flush()
-    tr = cfg["trainer"]
-    # as in training: a rank that makes no progress (a peer gone, a file system stuck) aborts every rank
-    watchdog = Watchdog(float(tr["watchdog_s"] or 0), world.rank, world.abort).start()
+    # before any other collective: every rank agrees that the outputs may be written and that rank 0
+    # created their temporaries (an output rank 0 cannot create ends every rank here, not in a gather)
+    pending = outputs.claim(world, *_outputs(cfg, args))
     try:
-        return _predict(cfg, rt, args, watchdog)
-    finally:
-        watchdog.stop()
+        cfg = validate(cfg, memory=False)  # the estimate prices training
+        cfg, note = choose_split(cfg, world.size)
+        if note and world.rank == 0:
+            sys.stdout.write(f"lbannpy.predict: {note}\n")
+            sys.stdout.flush()
+        tr = cfg["trainer"]
+        # as in training: a rank that makes no progress (a peer gone, a file system stuck) aborts every rank
+        watchdog = Watchdog(float(tr["watchdog_s"] or 0), world.rank, world.abort).start()
+        try:
+            return _predict(cfg, rt, args, watchdog, pending)
+        finally:
+            watchdog.stop()
+    finally:  # a temporary not renamed by now is removed (rank 0 writes them; the others only knew them)
+        for p in pending:
+            p.discard() if world.rank == 0 else p.forget()
 
 
-def _predict(cfg: dict, rt, args, watchdog) -> dict:
+def _predict(cfg: dict, rt, args, watchdog, pending) -> dict:
     import h5py
 
     # late: loaded when the command runs, so its --help and argument errors come without it
@@ -294,21 +299,14 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
     names = cfg["data"]["train"]
     in_box = model.input_dist.box(model.input_shape, world.rank)
     lab_box = loss.label_box()
-    out_shape = tuple(model.output.out_shape)
     totals, n_full = {}, 0
-    fout = None
-    out_name, out_fn = output_map(loss.kind)
-    # written under a temporary name and renamed when complete: a failed run leaves no half file, and
+    out_fn = output_map(loss.kind)[1]
+    # rank 0 writes the temporary and renames it when complete: a failed run leaves no half file, and
     # never truncates an existing one
-    part = f"{args.output}.tmp-{os.getpid()}"
-    if world.rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        fout = h5py.File(part, "w")
-        probs = fout.create_dataset(out_name, shape=(len(ids),) + out_shape[1:], dtype=ctx.dtype,
-                                    chunks=(1,) + out_shape[1:])
-        fout.create_dataset("sample_ids", data=ids)
-    row = 0
+    out = _Out(pending[0], world.rank == 0)
     try:
+        out.open(h5py, output_map(loss.kind)[0], (len(ids),) + tuple(model.output.out_shape)[1:], ctx.dtype,
+                 ids)
         with h5py.File(args.data, "r") as fin:
             dx = fin[names["inputs"]]
             dy = fin[names["labels"]] if has_labels else None
@@ -325,23 +323,66 @@ def _predict(cfg: dict, rt, args, watchdog) -> dict:
                         totals[k] = totals.get(k, 0.0) + v
                     n_full += 1
                 full = logits.gather(world, root=0)
-                if world.rank == 0:
-                    p = out_fn(to_numpy(full).astype(np.float64))[first_new:]
-                    probs[row:row + len(p)] = p
-                    row += len(p)
+                # a failed write (a full disk) stops every rank at this batch, with one line naming the file
+                agree_on_data(world, out.add(lambda: out_fn(to_numpy(full).astype(np.float64))[first_new:]))
         metrics = {k: v / n_full for k, v in totals.items()} if n_full else {}
-        if fout is not None:
-            _provenance(fout, cfg, args, ckpt_path, step, metrics, n_full)
-            fout.close()
-            os.replace(part, args.output)
-            fout = None
+        out.finish(lambda fout: _provenance(fout, cfg, args, ckpt_path, step, metrics, n_full))
     finally:
-        if fout is not None:
-            fout.close()
-            os.unlink(part)
+        out.close()
     if world.rank == 0:
-        _report(cfg, args, ckpt_path, step, len(ids), world.size, metrics, n_full, bsz)
+        _report(cfg, args, ckpt_path, step, len(ids), world.size, metrics, n_full, bsz, pending[1:])
     return metrics
+
+
+class _Out:
+    """Rank 0's output file (HDF5 through an :class:`lbannpy.outputs.FileSink` on the claimed temporary);
+    on the other ranks every method does nothing. Write failures come back as one line, never as h5py's
+    traceback or a crash at exit."""
+
+    def __init__(self, pending, writer: bool):
+        self.pending, self.writer = pending, writer
+        self.sink = self.fout = self.probs = None
+        self.row = 0
+
+    def _problem(self) -> str | None:
+        err = self.sink.error if self.sink is not None else None
+        return str(self.pending.failed(err)) if err is not None else None
+
+    def open(self, h5py, name: str, shape: tuple, dtype, ids) -> None:
+        if self.writer:
+            self.sink = self.pending.sink()
+            self.fout = h5py.File(self.sink, "w")
+            self.probs = self.fout.create_dataset(name, shape=shape, dtype=dtype, chunks=(1,) + shape[1:])
+            self.fout.create_dataset("sample_ids", data=ids)
+
+    def add(self, rows) -> str | None:
+        """Rank 0: append ``rows()``; the write's problem, if any (every rank: None otherwise)."""
+        if not self.writer:
+            return None
+        p = rows()
+        self.probs[self.row:self.row + len(p)] = p
+        self.row += len(p)
+        return self._problem()
+
+    def finish(self, attrs) -> None:
+        """Rank 0: ``attrs(file)``, close, and rename the temporary over the output."""
+        if self.writer:
+            attrs(self.fout)
+            self.close()
+            if self.sink.error is not None:
+                raise self.pending.failed(self.sink.error)
+            self.pending.commit()
+
+    def close(self) -> None:
+        if self.fout is not None:
+            fout, self.fout = self.fout, None
+            try:
+                fout.close()
+            except (OSError, RuntimeError):
+                if self.sink.error is None:  # else HDF5 stumbles on what the sink could not write:
+                    raise  # the sink's error is the one to report
+        if self.sink is not None:
+            self.sink.close()
 
 
 def _provenance(fout, cfg: dict, args, ckpt_path: str, step: int, metrics: dict, n_full: int) -> None:
@@ -358,7 +399,7 @@ def _provenance(fout, cfg: dict, args, ckpt_path: str, step: int, metrics: dict,
 
 
 def _report(cfg: dict, args, ckpt_path: str, step: int, n_ids: int, ranks: int, metrics: dict, n_full: int,
-            bsz: int) -> None:
+            bsz: int, pngs=()) -> None:
     """Rank 0: what was predicted, the metrics, and the drawing when ``--png`` asks for one."""
     where = f"{n_ids} sample(s) of {args.data} ({args.subset})"
     sys.stdout.write(f"lbannpy.predict: {cfg['model']['name'] or 'model'} at step {step} from "
@@ -367,10 +408,14 @@ def _report(cfg: dict, args, ckpt_path: str, step: int, n_ids: int, ranks: int, 
         sys.stdout.write("lbannpy.predict: " + ", ".join(f"{k} {v:.6f}" for k, v in metrics.items())
                          + f" (mean over {n_full} full batch{'es' if n_full != 1 else ''} of {bsz}, "
                            f"as the trainer's validation)\n")
-    if args.png:
-        png = os.path.splitext(args.output)[0] + ".png"
-        draw(args.data, cfg["data"]["train"], args.output, png, args.png, args.channel)
-        sys.stdout.write(f"lbannpy.predict: {min(args.png, n_ids)} sample(s) drawn in {png}\n")
+    for png in pngs:  # the claimed drawing: drawn into its temporary, renamed when complete
+        try:
+            draw(args.data, cfg["data"]["train"], args.output, png.tmp, args.png, args.channel)
+        except OSError as exc:
+            png.discard()
+            raise png.failed(exc) from None
+        png.commit()
+        sys.stdout.write(f"lbannpy.predict: {min(args.png, n_ids)} sample(s) drawn in {png.path}\n")
         sys.stdout.write(f"lbannpy.predict: {resolution_line(args.output, cfg)}\n")
     sys.stdout.flush()
 
@@ -452,7 +497,7 @@ def draw(data: str, names: dict, out: str, png: str, n: int, channel: int) -> No
             a.set_xticks([])
             a.set_yticks([])
     fig.tight_layout()
-    fig.savefig(png, dpi=80)
+    fig.savefig(png, dpi=80, format="png")  # png: the drawing's temporary, whose name ends .tmp-PID
     plt.close(fig)
 
 
@@ -491,7 +536,9 @@ def main(argv=None) -> int:
 
             set_threads(world, runtime.threads, "lbannpy.predict")
             try:
-                predict(cfg, rt, args)
+                # a signal on any rank: the temporaries removed, one line, every rank ended
+                with outputs.SignalCleanup("lbannpy.predict", world.rank, world.size, world.abort):
+                    predict(cfg, rt, args)
             except user_errors() as exc:
                 err = f"{exc}"
             except Exception as exc:  # agreed on and said in one line; the traceback goes to a file
