@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from lbannpy import outputs
+
 PROG = "python -m lbannpy.config"
 EXIT_USER_ERROR = 2  # as lbannpy.train's: a problem the user can fix
 
@@ -87,6 +89,8 @@ def run(args) -> int:
         sys.stdout.write(schema_text())
     elif args.command == "build":
         cfg = _load(args.spec, args.overrides)
+        # before anything is written: -o is not the spec, nor what the config reads or keeps
+        outputs.check([("-o", args.output)], [("the spec", args.spec)] + outputs.config_inputs(cfg))
         graph = check_graph(cfg)
         if args.ranks is not None:
             check_ranks(cfg, args.ranks, graph)
@@ -97,7 +101,8 @@ def run(args) -> int:
             from . import check_data
 
             check_data(cfg)
-        save_config(cfg, args.output)
+        with outputs.writing(args.output, "-o"):  # save_config: a temporary, renamed or removed
+            save_config(cfg, args.output)
         print(f"wrote {args.output}: model {cfg['model']['name']!r}, {len(cfg['model']['layers'])} layers")
     elif args.command == "show":
         sys.stdout.write(to_yaml(_load(args.config, args.overrides)))
@@ -127,7 +132,9 @@ def run(args) -> int:
                 "see python -m lbannpy.config zoo --help"
             raise ConfigError(f"zoo {args.name}", str(e), hint) from None
         cfg = validate(spec, data=False, memory=False)  # a spec to edit: sized where it runs
-        save_config(cfg, args.output)
+        outputs.check([("-o", args.output)], outputs.config_inputs(cfg))
+        with outputs.writing(args.output, "-o"):
+            save_config(cfg, args.output)
         print(f"wrote {args.output}: zoo model {args.name!r}, {len(cfg['model']['layers'])} layers")
         data = zoo.spec_data_command(spec)
         if data:
@@ -141,13 +148,20 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with outputs.interrupt_on_signals():
+            return run(args)
     except ConfigError as e:
         sys.stderr.write(f"lbannpy.config: error: {e.line()}\n")
+        return EXIT_USER_ERROR
+    except outputs.WriteError as e:
+        sys.stderr.write(f"lbannpy.config: error: {e}\n")
         return EXIT_USER_ERROR
     except OSError as e:  # e.g. an output directory that does not exist
         sys.stderr.write(f"lbannpy.config: error: {e.filename or ''}: {e.strerror or e}\n")
         return EXIT_USER_ERROR
+    except outputs.Interrupted as e:
+        sys.stderr.write(f"lbannpy.config: {e}; nothing more written (no temporary left)\n")
+        return outputs.EXIT_SIGNAL
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from lbannpy import outputs
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's parser (its subcommands' parsers: :func:`subcommands`)."""
@@ -70,7 +72,7 @@ def _mesh3d_parser(sub, fmt) -> None:
     v.add_argument("-q", "--quiet", action="store_true", help="no per-sample lines")
 
 
-def _mesh3d(args, t0: float) -> None:
+def _mesh3d(args, sink) -> str:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from .mesh3d import Mesh3DParams, write_mesh3d
 
@@ -81,11 +83,10 @@ def _mesh3d(args, t0: float) -> None:
         if not args.quiet:
             print(f"sample {i + 1}/{params.samples}: positive fraction {frac:.4f}", flush=True)
 
-    info = write_mesh3d(args.output, params, progress)
-    print(f"wrote {info['path']}: inputs {info['samples']}×{info['channels']}×"
-          f"{'×'.join(map(str, info['shape']))} float32, labels uint8; positive fraction "
-          f"{info['positive_fraction']:.4f} (per sample {info['positive_fraction_min']:.4f}.."
-          f"{info['positive_fraction_max']:.4f}); {time.perf_counter() - t0:.1f} s")
+    info = write_mesh3d(sink, params, progress)
+    return (f"inputs {info['samples']}×{info['channels']}×{'×'.join(map(str, info['shape']))} float32, "
+            f"labels uint8; positive fraction {info['positive_fraction']:.4f} (per sample "
+            f"{info['positive_fraction_min']:.4f}..{info['positive_fraction_max']:.4f})")
 
 
 def _check_parser(sub) -> None:
@@ -149,37 +150,48 @@ def main(argv=None) -> int:
         return _check(args)
     t0 = time.perf_counter()
     try:
-        if args.kind == "mesh":
-            # late: loaded when the command runs, so its --help and argument errors come without it
-            from .mesh import MeshParams, write_mesh
-
-            params = MeshParams(size=args.size, samples=args.samples, seed=args.seed, channels=args.channels,
-                                steps=args.steps, threshold=args.threshold)
-
-            def progress(i, frac):
-                if not args.quiet:
-                    print(f"sample {i + 1}/{params.samples}: positive fraction {frac:.4f}", flush=True)
-
-            info = write_mesh(args.output, params, progress)
-            print(f"wrote {info['path']}: inputs {info['samples']}×{info['channels']}×{info['size']}×"
-                  f"{info['size']} float32, labels uint8; positive fraction {info['positive_fraction']:.4f} "
-                  f"(per sample {info['positive_fraction_min']:.4f}..{info['positive_fraction_max']:.4f}); "
-                  f"{time.perf_counter() - t0:.1f} s")
-        elif args.kind == "mesh3d":
-            _mesh3d(args, t0)
-        else:
-            # late: loaded when the command runs, so its --help and argument errors come without it
-            from .blobs import write_blobs
-
-            info = write_blobs(args.output, size=args.size, samples=args.samples, classes=args.classes,
-                               channels=args.channels, noise=args.noise, seed=args.seed)
-            print(f"wrote {info['path']}: inputs {info['samples']}×{info['channels']}×{info['size']}×"
-                  f"{info['size']} float32, labels int64 over {info['classes']} classes "
-                  f"(counts {info['class_counts']}); {time.perf_counter() - t0:.1f} s")
+        # -o is no checkpoint and lies in no checkpoint directory; written under a temporary name (HDF5
+        # through a sink that reports a full disk), renamed when complete, removed on any error or signal
+        outputs.check([("-o", args.output)], [])
+        with outputs.interrupt_on_signals(), outputs.atomic(args.output, "-o", sink=True) as sink:
+            done = _generate(args, sink)
     except (ValueError, OSError) as exc:
         print(f"python -m lbannpy.data {args.kind}: error: {exc}", file=sys.stderr)
         return 2
+    except outputs.Interrupted as exc:
+        print(f"python -m lbannpy.data {args.kind}: {exc}; {args.output} not written (no temporary left)",
+              file=sys.stderr)
+        return outputs.EXIT_SIGNAL
+    print(f"wrote {args.output}: {done}; {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _generate(args, sink) -> str:
+    """The data set into ``sink`` (the temporary of ``args.output``); what was written, in words."""
+    if args.kind == "mesh":
+        # late: loaded when the command runs, so its --help and argument errors come without it
+        from .mesh import MeshParams, write_mesh
+
+        params = MeshParams(size=args.size, samples=args.samples, seed=args.seed, channels=args.channels,
+                            steps=args.steps, threshold=args.threshold)
+
+        def progress(i, frac):
+            if not args.quiet:
+                print(f"sample {i + 1}/{params.samples}: positive fraction {frac:.4f}", flush=True)
+
+        info = write_mesh(sink, params, progress)
+        return (f"inputs {info['samples']}×{info['channels']}×{info['size']}×{info['size']} float32, labels "
+                f"uint8; positive fraction {info['positive_fraction']:.4f} (per sample "
+                f"{info['positive_fraction_min']:.4f}..{info['positive_fraction_max']:.4f})")
+    if args.kind == "mesh3d":
+        return _mesh3d(args, sink)
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from .blobs import write_blobs
+
+    info = write_blobs(sink, size=args.size, samples=args.samples, classes=args.classes,
+                       channels=args.channels, noise=args.noise, seed=args.seed)
+    return (f"inputs {info['samples']}×{info['channels']}×{info['size']}×{info['size']} float32, labels "
+            f"int64 over {info['classes']} classes (counts {info['class_counts']})")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from lbannpy import outputs
 
 from . import helpers
 from .render import JobSpec, JobSpecError, render, render_all, site_of
@@ -115,11 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.env_setup is not None:
                 _say_env_replaced(spec)
             if args.output:
-                out = Path(args.output)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(text)
-                out.chmod(0o755)
-                print(f"wrote {out}", file=sys.stderr)
+                _write_script(args, text)
+                print(f"wrote {args.output}", file=sys.stderr)
             else:
                 sys.stdout.write(text)
         elif args.cmd == "render-all":
@@ -156,10 +156,22 @@ def main(argv: list[str] | None = None) -> int:
 
                 plot_scaling(rows, str(Path(args.output).with_suffix(".png")))
             sys.stdout.write(table)
-    except (JobSpecError, SiteError, helpers.JobHelperError) as exc:
+    except (JobSpecError, SiteError, helpers.JobHelperError, outputs.OutputError, outputs.WriteError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except outputs.Interrupted as exc:
+        print(f"{exc}; {args.output} not written (no temporary left)", file=sys.stderr)
+        return outputs.EXIT_SIGNAL
     return 0
+
+
+def _write_script(args, text: str) -> None:
+    """``render -o``: not the config or site file it names, nor in a checkpoint directory; written under a
+    temporary name and renamed (removed on any error or signal)."""
+    outputs.check([("-o", args.output)], [("--config", args.config), ("--site-file", args.site_file)])
+    with outputs.interrupt_on_signals(), outputs.atomic(args.output, "-o") as tmp:
+        Path(tmp).write_text(text)
+        os.chmod(tmp, 0o755)
 
 
 if __name__ == "__main__":
