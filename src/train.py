@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lbannpy import outputs
 from lbannpy.training.errors import EXIT_USER_ERROR, UserError  # noqa: F401  (the entry point's API)
 from lbannpy.training.loop import Trainer  # noqa: F401
 from lbannpy.training.report import write_plot  # noqa: F401
@@ -104,6 +105,7 @@ def _main(args) -> int:
 
         set_threads(world, runtime.threads, "lbannpy.train")
         try:
+            outputs.check_trainer_outputs(cfg, args.config)  # none onto an input or another run's checkpoints
             trainer = Trainer(cfg, rt, trace=args.trace or output.trace,
                               quiet=args.quiet)
             if args.force and not args.resume:
