@@ -41,6 +41,21 @@ class build_plan_policy(enum.Enum):
     ALL = 1
 
 
+class numerical_note(enum.Enum):
+    """Engine notes a plan filter names (``pygraph.deselect_numeric_notes``); the stand-in's one engine is
+    exact and deterministic, so a filter leaves it."""
+    TENSOR_CORE = 0
+    DOWN_CONVERT_INPUTS = 1
+    REDUCED_PRECISION_REDUCTION = 2
+    FFT = 3
+    NONDETERMINISTIC = 4
+    WINOGRAD = 5
+    WINOGRAD_TILE_4x4 = 6
+    WINOGRAD_TILE_6x6 = 7
+    WINOGRAD_TILE_13x13 = 8
+    STRICT_NAN_PROP = 9
+
+
 def backend_version():
     """The cuDNN library version as an int (major * 10000 + minor * 100 + patch, cuDNN 9's encoding)."""
     return _BACKEND[0] * 10000 + _BACKEND[1] * 100 + _BACKEND[2]

@@ -151,6 +151,15 @@ class pygraph:
         self._heuristics = modes
         self._planned = True
 
+    def deselect_numeric_notes(self, notes):
+        """Exclude plans carrying any of ``notes`` (planning: refused during a capture, like the rest)."""
+        self._planning("deselect_numeric_notes")
+        notes = list(notes)
+        if any(not isinstance(n, cudnn.numerical_note) for n in notes):
+            raise TypeError(f"deselect_numeric_notes: notes must be a list of cudnn.numerical_note, got "
+                            f"{notes}")
+        return self
+
     def check_support(self):
         self._planning("check_support")
         if not self._planned:
