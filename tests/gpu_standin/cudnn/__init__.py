@@ -9,10 +9,9 @@ under stream capture. Names and parameter names are those of cuDNN Frontend 1.32
 (``tests/test_gpu_standin_cudnn.py`` checks them against the real wheel). What it refuses, and how, is in
 ``tests/gpu_standin/README.md``.
 """
-import enum
+import enum as _enum
 
 from cudnn import _handle
-from cudnn._handle import DeviceInfo as DeviceInfo  # noqa: F401
 from cudnn._handle import Handle as Handle
 
 __version__ = "1.32.0+standin"
@@ -23,37 +22,37 @@ class cudnnGraphNotSupportedError(Exception):
     """What the real binding raises for CUDNN_STATUS_NOT_SUPPORTED (a graph no engine can run)."""
 
 
-class data_type(enum.Enum):
+class data_type(_enum.Enum):
     NOT_SET = 0
     FLOAT = 1
     DOUBLE = 2
     HALF = 3
 
 
-class heur_mode(enum.Enum):
+class heur_mode(_enum.Enum):
     A = 0
     B = 1
     FALLBACK = 2
 
 
-class build_plan_policy(enum.Enum):
+class build_plan_policy(_enum.Enum):
     HEURISTICS_CHOICE = 0
     ALL = 1
 
 
-class numerical_note(enum.Enum):
+class numerical_note(_enum.Enum):
     """Engine notes a plan filter names (``pygraph.deselect_numeric_notes``); the stand-in's one engine is
     exact and deterministic, so a filter leaves it."""
-    TENSOR_CORE = 0
-    DOWN_CONVERT_INPUTS = 1
-    REDUCED_PRECISION_REDUCTION = 2
-    FFT = 3
-    NONDETERMINISTIC = 4
-    WINOGRAD = 5
-    WINOGRAD_TILE_4x4 = 6
-    WINOGRAD_TILE_6x6 = 7
-    WINOGRAD_TILE_13x13 = 8
-    STRICT_NAN_PROP = 9
+    TENSOR_CORE = 1
+    DOWN_CONVERT_INPUTS = 2
+    REDUCED_PRECISION_REDUCTION = 3
+    FFT = 4
+    NONDETERMINISTIC = 5
+    WINOGRAD = 6
+    WINOGRAD_TILE_4x4 = 7
+    WINOGRAD_TILE_6x6 = 8
+    WINOGRAD_TILE_13x13 = 9
+    STRICT_NAN_PROP = 10
 
 
 def backend_version():

@@ -296,7 +296,9 @@ def device_view(t, data, dev):
                          f"{dev}")
     off, span = ptr - alloc.ptr, _span(t, dt.itemsize)
     # past the allocation's end only with a rule off: there the bytes a GPU would read are garbage
-    buf = alloc.buf if off + span <= alloc.buf.size else np.zeros(off + span, np.uint8)
+    buf = alloc.buf
+    if not 0 <= off <= alloc.buf.size - span:
+        buf, off = np.zeros(span, np.uint8), 0
     view = np.ndarray(t.dim, dt, buffer=buf, offset=off, strides=[s * dt.itemsize for s in t.stride])
     return alloc, view
 
