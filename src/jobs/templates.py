@@ -201,7 +201,8 @@ BUILD_MESH = r"""    lbannpy_str model LBANNPY_MODEL @MODEL@
     python -m lbannpy.config zoo "$model" -o "$input_dir/zoo.yaml"
     if [[ -z "${LBANNPY_MESH_SAMPLES:-}" && " ${LBANNPY_SWEEPS:-strong weak} " == *" weak "* ]]; then
         # the weak sweep's largest point reads a mini-batch of B*P samples: the data holds that many
-        weak_b="${batch_size:-$(python -m lbannpy.jobs config-value "$input_dir/zoo.yaml" trainer.batch_size)}"
+        weak_b="${batch_size:-$(python -m lbannpy.jobs config-value \
+            "$input_dir/zoo.yaml" trainer.batch_size)}"
         for p in @RANKS@; do
             if (( p <= SLURM_NTASKS && weak_b * p > mesh_samples )); then mesh_samples=$(( weak_b * p )); fi
         done
@@ -275,7 +276,8 @@ for sweep in $sweeps; do
             *) echo "error: LBANNPY_SWEEPS holds '$sweep'; use 'strong', 'weak' or both" >&2; exit 2 ;;
         esac
         point=(--set parallel.default.n=1 --set "parallel.default.h=$p" "${extra[@]}")
-        if ! why="$(python -m lbannpy.config validate "$config" --ranks "$p" "${point[@]}"@TRAIN_DEVICE@ 2>&1)"
+        if ! why="$(python -m lbannpy.config validate "$config" --ranks "$p" \
+                    "${point[@]}"@TRAIN_DEVICE@ 2>&1)"
         then
             echo "note: $sweep-$p left out, it cannot run: ${why##*$'\n'}" | tee -a "$run_dir/skipped.txt"
             continue
