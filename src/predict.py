@@ -519,7 +519,10 @@ def main(argv=None) -> int:
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import Runtime
     from lbannpy.config import ConfigError, apply_overrides, load_config
+    from lbannpy.backend import device_problem, launched_ranks_on_node
     from lbannpy.config.run import launch_sections
+    from lbannpy.threads import threads_problem
+    from lbannpy.training.errors import refuse_before_mpi
 
     try:
         cfg = apply_overrides(load_config(args.config), args.overrides)
@@ -527,6 +530,11 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         cfg, early = None, exc
     runtime, _ = launch_sections(cfg)
+    if cfg is not None:  # a config this machine cannot run: one line, exit 2, before MPI starts (as train)
+        problem = device_problem(runtime.device, runtime.backend, runtime.share_gpu,
+                                 launched_ranks_on_node()) or threads_problem(runtime.threads)
+        if problem is not None:
+            return refuse_before_mpi("lbannpy.predict", f"{args.config}: {problem}")
     with Runtime(backend=runtime.backend, device=runtime.device, share_gpu=runtime.share_gpu) as rt:
         world = rt.world
         err = f"{args.config}: {early}" if early is not None else None

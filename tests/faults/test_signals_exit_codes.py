@@ -95,6 +95,21 @@ def test_threads_beyond_the_node_are_refused(tmp_path):
     assert not (tmp_path / "out" / "metrics.csv").exists()
 
 
+@pytest.mark.parametrize("setting, names", [
+    ("runtime.threads=100000", ("runtime.threads: 100000", "at most")),
+    ("runtime.device=gpu", ("runtime.device: gpu", "runtime.device: cpu")),
+])
+def test_predict_refuses_what_this_machine_cannot_run_as_train_does(tmp_path, setting, names):
+    """predict starts from the same checks: one line, exit 2, before MPI (it segfaulted on the threads and
+    failed with a traceback file on the device)."""
+    cfg = _setup(tmp_path)
+    cmd = [util.PY, "-m", "lbannpy.predict", str(cfg), "--checkpoint", str(tmp_path / "ck"),
+           "--data", str(tmp_path / "data.h5"), "-o", str(tmp_path / "pred.h5"), "--set", setting]
+    p = subprocess.run(cmd, cwd=tmp_path, env=_no_cupy(tmp_path), capture_output=True, text=True, timeout=120)
+    _one_error_line(p, "cfg.yaml", *names)
+    assert not (tmp_path / "pred.h5").exists()
+
+
 # -- standard output -------------------------------------------------------------------------------------
 
 def test_strategy_whose_reader_left_ends_quietly(tmp_path):
