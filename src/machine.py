@@ -32,6 +32,9 @@ A machine file is YAML (read with :func:`lbannpy.yamlsafe.load`: never evaluated
            bwd_weights_s: 0.0007, kernel: aten}             # optional kernel (conv): the faster set at this
                                                            # shape, whose times the row holds; what
                                                            # `runtime.kernels: auto` takes for the shape
+                                                           # optional layout (with kernel: aten):
+                                                           # channels_last where the host ATen kernels
+                                                           # ran that layout faster here (else nchw)
       rates:                                               # optional, from the calibration benchmark:
         - {type: sigmoid, per: element, fwd_s: 1.1e-9, bwd_data_s: 1.4e-9, bwd_weights_s: 0.0}
         - {type: upsample, params: {mode: linear}, per: element, fwd_s: 2.0e-9, bwd_data_s: 3.1e-9,
@@ -181,6 +184,9 @@ class Machine:
     measured: Mapping[tuple, tuple[float, float, float]] = field(default_factory=dict, compare=False)
     # (type, local input shape, local output shape) -> the kernel set a calibration found faster there
     kernels: Mapping[tuple, str] = field(default_factory=dict, compare=False)
+    # (type, local input shape, local output shape) -> the host layout a calibration found faster there for
+    # the ATen set (``layout:`` of a row with ``kernel: aten``); a run's conv takes no other (layers/conv.py)
+    layouts: Mapping[tuple, str] = field(default_factory=dict, compare=False)
     # Compute slots (CPU cores, or devices) of one node that its ranks share; 0 = at least one per rank, the
     # case of one rank per GPU. γ, mem_s_per_byte and measured tables are per rank with a slot to itself.
     cores_per_node: int = 0
@@ -276,8 +282,10 @@ _SECTION_KEYS = {"intra": _LINK_KEYS, "inter": _LINK_KEYS, "redistribution": _LI
                  "compute": ("gamma_s_per_flop", "mem_s_per_byte", "kernel_overhead_s", "measured",
                              "rates", "shared")}
 _RATE_KEYS = ("type", "per", "params", "fwd_s", "bwd_data_s", "bwd_weights_s")
-_MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s", "kernel")
+_MEASURED_KEYS = ("type", "in", "out", "split", "procs", "fwd_s", "bwd_data_s", "bwd_weights_s", "kernel",
+                  "layout")
 KERNEL_SETS = ("own", "aten")  # the conv kernel sets a measured row may name (layers/kernels/select.py)
+LAYOUTS = ("nchw", "channels_last")  # the host layouts of the ATen set a measured row may name
 
 
 class _Reader:
@@ -323,13 +331,14 @@ class _Reader:
         return Link(self.number(sec["alpha_s"], f"{key}.alpha_s"),
                     self.number(sec["beta_s_per_byte"], f"{key}.beta_s_per_byte", positive=True))
 
-    def measured(self, rows: Any) -> tuple[dict[tuple, tuple[float, float, float]], dict[tuple, str]]:
-        """The measured times by key, and the kernel set of the rows that name one."""
+    def measured(self, rows: Any) -> tuple[dict[tuple, tuple[float, float, float]], dict[tuple, str],
+                                           dict[tuple, str]]:
+        """The measured times by key, the kernel set of the rows that name one, and their layout."""
         if rows is None:
-            return {}, {}
+            return {}, {}, {}
         if not isinstance(rows, list):
             raise self.fail(f"compute.measured must be a list of rows, got {type(rows).__name__}")
-        out, kernels = {}, {}
+        out, kernels, layouts = {}, {}, {}
         for i, row in enumerate(rows):
             what = f"compute.measured[{i}]"
             try:
@@ -356,10 +365,15 @@ class _Reader:
                         raise ValueError(f"kernel must be one of {', '.join(KERNEL_SETS)}, got "
                                          f"{row['kernel']!r}")
                     kernels[key[:3]] = row["kernel"]
+                if "layout" in row:  # the host layout of the ATen set (layers/conv.py Conv._channels_last)
+                    if row["layout"] not in LAYOUTS or row.get("kernel") != "aten":
+                        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} and come with kernel: "
+                                         f"aten, got {row['layout']!r} with kernel {row.get('kernel')!r}")
+                    layouts[key[:3]] = row["layout"]
             except (KeyError, TypeError, ValueError) as exc:
                 raise self.fail(f"{what} needs type, in, out, fwd_s (and bwd_data_s, bwd_weights_s, split, "
-                                f"procs, kernel): {exc!r}") from None
-        return out, kernels
+                                f"procs, kernel, layout): {exc!r}") from None
+        return out, kernels, layouts
 
 
     def shared(self, rows: Any) -> tuple[tuple[int, float, float], ...]:
@@ -438,7 +452,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
     measured_on = tree.get("measured_on") or {}
     if not isinstance(measured_on, Mapping):
         raise r.fail("measured_on must be a mapping")
-    measured, kernels = r.measured(comp.get("measured"))
+    measured, kernels, layouts = r.measured(comp.get("measured"))
     return Machine(
         name=str(tree.get("name", name)), intra=intra, inter=inter,
         ranks_per_node=r.integer(tree["ranks_per_node"], "ranks_per_node", 1, "a positive integer"),
@@ -451,7 +465,7 @@ def machine_from_dict(tree: Any, where: str = "<dict>", name: str | None = None)
         allreduce_algorithm=algo, allreduce_link=ar_link,
         redistribution_link=None if rd is None else r.link(rd, "redistribution"),
         dtype_bytes=r.integer(tree.get("dtype_bytes", 4), "dtype_bytes", 1, "a positive integer (bytes)"),
-        measured=measured, kernels=kernels, rates=r.rates(comp.get("rates")),
+        measured=measured, kernels=kernels, layouts=layouts, rates=r.rates(comp.get("rates")),
         shared=r.shared(comp.get("shared")),
         cores_per_node=r.integer(tree.get("cores_per_node", 0), "cores_per_node", 0,
                                  "an integer >= 0 (0: one compute slot per rank)"),
@@ -478,6 +492,8 @@ def _to_dict(m: Machine) -> dict[str, Any]:
             row.update(fwd_s=fwd, bwd_data_s=bwd_d, bwd_weights_s=bwd_w)
             if key[:3] in m.kernels:
                 row["kernel"] = m.kernels[key[:3]]
+            if key[:3] in m.layouts:
+                row["layout"] = m.layouts[key[:3]]
             rows.append(row)
         compute["measured"] = rows
     if m.rates:
