@@ -344,15 +344,17 @@ class Conv(HaloLayer):
 
     def _channels_last(self, dtype) -> bool:
         """Whether this layer's window and output gradient go to the kernels channels-last: ATen's kernels on
-        the host, a window built (not kernel-padded), one segment of filters, and the layout measured faster
-        for this convolution here (:func:`.kernels.aten.prefers_channels_last`)."""
+        the host, a window built (not kernel-padded), one segment of filters, and the calibration of the
+        run's machine naming that layout for the layer's shape (the set's ``layout``, from
+        :func:`.kernels.select.kernel_table`; :func:`.kernels.aten.takes_channels_last`). Never timed here:
+        the layouts round differently, so a run's numbers would follow the timing."""
         key = ("_cl", getattr(dtype, "char", dtype))
         hit = self.__dict__.get(key)
         if hit is None:
             kern, pads, _ = self._padded()
             hit = (kern.name == "aten" and getattr(self.ctx.xp, "__name__", "") == "numpy" and pads is None
-                   and self._segs is None and self.cgroup is None and aten.prefers_channels_last(
-                       self.halo.window_shape, self.w.value.shape, self.stride, self.dilation, dtype))
+                   and self._segs is None and self.cgroup is None and aten.takes_channels_last(
+                       self.halo.window_shape, self.w.value.shape, kern.layout))
             self.__dict__[key] = hit
         return hit
 

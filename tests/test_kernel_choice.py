@@ -43,6 +43,67 @@ def test_a_bad_kernel_row_is_refused():
         machine_from_dict(_tree([{**ROW, "kernel": "cudnn"}]))
 
 
+def test_machine_rows_name_the_atens_host_layout_and_round_trip():
+    m = machine_from_dict(_tree([{**ROW, "kernel": "aten", "layout": "channels_last"},
+                                 {**ROW, "in": [8, 4, 12, 12], "kernel": "aten", "layout": "nchw"},
+                                 {**ROW, "in": [8, 5, 12, 12], "kernel": "aten"}]))
+    assert m.layouts == {("conv", (8, 3, 12, 12), (8, 4, 12, 12)): "channels_last",
+                         ("conv", (8, 4, 12, 12), (8, 4, 12, 12)): "nchw"}
+    again = machine_from_dict(m.to_dict())
+    assert again.layouts == m.layouts and again.kernels == m.kernels
+    for bad in ({"kernel": "aten", "layout": "nhwc"}, {"kernel": "own", "layout": "channels_last"},
+                {"layout": "channels_last"}):
+        with pytest.raises(MachineError, match="layout must be one of nchw, channels_last and come with "
+                                               "kernel: aten"):
+            machine_from_dict(_tree([{**ROW, **bad}]))
+
+
+def test_calibration_records_channels_last_only_where_it_is_faster_by_the_margin(monkeypatch):
+    """``bench calibrate --kernels``: an ATen row says ``layout: channels_last`` where that layout timed at
+    least CHANNELS_LAST_MARGIN faster on the slowest rank, ``nchw`` where not; an own row and a one-channel
+    convolution (no such layout) say nothing."""
+    pytest.importorskip("torch")
+    from lbannpy.bench import kernel_choice as kc
+    from lbannpy.bench.layers import LayerShape
+    from lbannpy.comm import SingleCommunicator
+
+    def shape(c, side):
+        return LayerShape("conv", (2, c, side, side), 4, (3, 3), (1, 1), (1, 1), (1, 1))
+    shapes = [("m", shape(6, 12)), ("m", shape(6, 10)), ("m", shape(1, 12)), ("m", shape(6, 8))]
+    sets = {12: "aten", 10: "aten", 8: "own"}
+    ratio = {12: 10.0, 10: kc.CHANNELS_LAST_MARGIN * 0.9}
+    seen = []
+
+    def time_sets(s, dtype, repeats, adaptive=True):
+        fast, slow = (1e-3,) * 3, (2e-3,) * 3
+        return {"own": fast, "aten": slow} if sets[s.x_shape[2]] == "own" else {"own": slow, "aten": fast}
+
+    def measure_layouts(x, w, stride, dilation, dtype="float32"):
+        seen.append((x, w))
+        return ratio[x[2] - 2], 1.0
+    monkeypatch.setattr(kc, "conv_shapes", lambda items, quick=False: shapes)
+    monkeypatch.setattr(kc, "time_sets", time_sets)
+    monkeypatch.setattr(kc, "measure_layouts", measure_layouts)
+    rows, lines = kc.measure_kernels(SingleCommunicator(), ["m"], True)
+    assert [(r["in"][1:3], r["kernel"], r.get("layout")) for r in rows] == [
+        ([6, 12], "aten", "channels_last"), ([6, 10], "aten", "nchw"), ([1, 12], "aten", None),
+        ([6, 8], "own", None)]
+    assert seen == [((2, 6, 14, 14), (4, 6, 3, 3)), ((2, 6, 12, 12), (4, 6, 3, 3))]  # the layer's windows
+    assert any(line.endswith("aten channels_last") for line in lines), lines
+    m = machine_from_dict(_tree(rows))
+    assert m.layouts == {("conv", (2, 6, 12, 12), (2, 4, 12, 12)): "channels_last",
+                         ("conv", (2, 6, 10, 10), (2, 4, 10, 10)): "nchw"}
+
+
+def test_measure_layouts_times_both_layouts_on_a_bounded_stand_in(monkeypatch):
+    pytest.importorskip("torch")
+    from lbannpy.bench import kernel_choice as kc
+
+    monkeypatch.setattr(kc, "MEASURE_ELEMENTS", 1 << 12)
+    nchw, cl = kc.measure_layouts((1, 6, 600, 700), (4, 6, 3, 3), 1, 1, np.float64)
+    assert 0 < nchw < 1 and 0 < cl < 1
+
+
 def test_the_cost_model_prices_a_layer_with_the_chosen_sets_times():
     spec = {"input": {"channels": 3, "spatial": [12, 12]},
             "layers": [{"name": "c", "type": "conv", "filters": 4, "kernel": 3, "padding": 1}]}
@@ -113,7 +174,8 @@ def test_calibrate_kernels_writes_rows_the_planner_reads(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "conv kernel sets at 2 layer shape(s) of lenet5:16:2" in r.stdout, r.stdout
     m = load_machine(out)
-    assert set(m.kernels) == {("conv", (2, 1, 16, 16), (2, 6, 12, 12)), ("conv", (2, 6, 6, 6), (2, 16, 2, 2))}
+    whole = {("conv", (2, 1, 16, 16), (2, 6, 12, 12)), ("conv", (2, 6, 6, 6), (2, 16, 2, 2))}
+    assert whole <= set(m.kernels)  # and the blocks of the splits (calibrate_layers), which name a set too
     assert set(m.kernels.values()) <= {"own", "aten"}
     spec = tmp_path / "lenet5.yaml"
     sh([PY, "-m", "lbannpy.config", "zoo", "lenet5", "--input-size", "16", "-o", spec])

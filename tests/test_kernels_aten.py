@@ -234,9 +234,9 @@ def _channels_last(a):
 @pytest.mark.parametrize("shape", [(2, 3, (13, 12), 5, 3, 1, 1), (1, 18, (20, 21), 16, 3, 2, 1),
                                    (2, 4, (7, 8, 9), 3, 3, 1, 2)], ids=["2d", "2d-stride", "3d-dilation"])
 def test_channels_last_operands_give_the_nchw_results(shape):
-    """A window and an output gradient laid out channels-last (what a layer hands over where that layout
-    measures faster) give the NCHW operands' forward and gradients (float64 to 1e-10); the output and the
-    filter gradient come back C-contiguous."""
+    """A window and an output gradient laid out channels-last (what a layer hands over where its calibrated
+    row names that layout) give the NCHW operands' forward and gradients (float64 to 1e-10); the output and
+    the filter gradient come back C-contiguous."""
     x, w, b, s, d = _case(shape, np.float64)
     xc = _channels_last(x)
     assert not xc.flags.c_contiguous and aten._is_channels_last(aten._t(xc))
@@ -254,27 +254,84 @@ def test_channels_last_operands_give_the_nchw_results(shape):
     assert np.abs(dbc - db).max() <= 1e-10 * np.abs(db).max()
 
 
-def test_the_layout_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
-    calls, real = [], aten._measure_layouts
-
-    def measure(*key):
-        calls.append(key)
-        return True
-    monkeypatch.setattr(aten, "_LAYOUTS", {})
-    monkeypatch.setattr(aten, "_measure_layouts", measure)
-    assert aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3), 1, 1, np.float32)
-    assert aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3), (1, 1), [1, 1], "float32")
-    assert len(calls) == 1
-    assert not aten.prefers_channels_last((1, 1, 34, 34), (16, 1, 3, 3))  # nothing to lay out
-    assert not aten.prefers_channels_last((1, 4, 34), (4, 4, 3))  # 1-D: no channels-last format
+def test_the_layout_is_the_calibrated_rows_and_can_be_forced(monkeypatch):
+    """A convolution goes channels-last where its calibrated row says so (and it has that layout), NCHW
+    where the row says nchw or there is none; ``LAYOUT`` forces either."""
+    assert aten.takes_channels_last((1, 18, 34, 34), (16, 18, 3, 3), "channels_last")
+    assert aten.takes_channels_last((1, 5, 9, 9, 9), (2, 5, 3, 3, 3), "channels_last")
+    assert not aten.takes_channels_last((1, 18, 34, 34), (16, 18, 3, 3), "nchw")
+    assert not aten.takes_channels_last((1, 18, 34, 34), (16, 18, 3, 3))  # no calibrated row: NCHW
+    assert not aten.takes_channels_last((1, 1, 34, 34), (16, 1, 3, 3), "channels_last")  # nothing to lay out
+    assert not aten.takes_channels_last((1, 4, 34), (4, 4, 3), "channels_last")  # 1-D: no such format
     monkeypatch.setattr(aten, "LAYOUT", "nchw")
-    assert not aten.prefers_channels_last((1, 18, 34, 34), (16, 18, 3, 3))
+    assert not aten.takes_channels_last((1, 18, 34, 34), (16, 18, 3, 3), "channels_last")
     monkeypatch.setattr(aten, "LAYOUT", "channels_last")
-    assert aten.prefers_channels_last((1, 5, 9, 9, 9), (2, 5, 3, 3, 3))
-    monkeypatch.setattr(aten, "LAYOUT", None)
-    monkeypatch.setattr(aten, "_measure_layouts", real)  # a shape measured on a smaller stand-in
-    monkeypatch.setattr(aten, "MEASURE_ELEMENTS", 1 << 12)
-    assert aten.prefers_channels_last((1, 6, 600, 700), (4, 6, 3, 3), 1, 1, np.float64) in (True, False)
+    assert aten.takes_channels_last((1, 5, 9, 9, 9), (2, 5, 3, 3, 3))
+
+
+def _reflect_layer(ctx, shape=(2, 18, 14, 14)):
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.registry import layer_classes
+
+    layer = layer_classes()["conv"]("c", filters=16, kernel=3, padding=1, padding_mode="reflect")
+    dist = Distribution.make(4, 1)
+    layer.configure(ctx, [shape], [dist], dist)
+    return layer
+
+
+def _ctx(choice="aten", table=None):
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.context import LayerContext
+
+    ctx = LayerContext(SingleCommunicator(), np, np.float64, seed=0)
+    ctx.conv_kernels = conv_kernels(choice)
+    ctx.conv_kernel_table = table or {}
+    return ctx
+
+
+def test_a_runs_conv_layout_does_not_follow_timing(monkeypatch):
+    """With channels-last made to time ten times faster (every clock a layout choice could read), a conv
+    layer with no calibrated row still takes NCHW: the layouts round differently, and a run's numbers must
+    not follow a timing (nor differ between ranks)."""
+    import time
+
+    state = {"calls": 0, "now": 0.0}
+
+    def clock():  # calls alternate start/stop of NCHW, then of channels-last: 10 s against 1 s
+        state["now"] += {1: 10.0, 3: 1.0}.get(state["calls"] % 4, 0.0)
+        state["calls"] += 1
+        return state["now"]
+    monkeypatch.setattr(time, "process_time", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    for choice in ("aten", "auto"):
+        for phase in range(4):  # whichever clock reads come first, one phase lines the pattern up
+            layer = _reflect_layer(_ctx(choice), (2, 18, 14 + phase, 14))
+            for dtype in ("float64", "float32"):
+                state["calls"] = phase
+                assert layer.kern.name == "aten" and layer._channels_last(np.dtype(dtype)) is False
+
+
+def test_the_calibrated_row_chooses_the_layers_layout():
+    """``layout: channels_last`` in the row of the layer's shape (``runtime.kernels`` auto or aten) gives
+    the layer that layout; ``nchw`` or no row, NCHW; a run of ``own`` kernels never."""
+    from lbannpy.layers.kernels.select import kernel_table
+    from lbannpy.machine import load_machine, machine_from_dict
+
+    def machine(layout):
+        tree = load_machine("lassen").to_dict()
+        row = {"type": "conv", "in": [2, 18, 14, 14], "out": [2, 16, 14, 14], "fwd_s": 1e-3, "kernel": "aten"}
+        tree["compute"]["measured"] = [{**row, **({"layout": layout} if layout else {})}]
+        return machine_from_dict(tree)
+
+    f64 = np.dtype("float64")
+    for choice in ("auto", "aten"):
+        table = kernel_table(choice, "cpu", machine("channels_last"))
+        assert _reflect_layer(_ctx(choice, table))._channels_last(f64)
+        assert not _reflect_layer(_ctx(choice, table), (2, 18, 12, 14))._channels_last(f64)  # no row there
+        for layout in ("nchw", None):
+            layer = _reflect_layer(_ctx(choice, kernel_table(choice, "cpu", machine(layout))))
+            assert not layer._channels_last(f64)
+    assert kernel_table("own", "cpu", machine("channels_last")) == {}
 
 
 @pytest.mark.parametrize("mode", ["reflect", "circular", "zeros"])

@@ -106,17 +106,14 @@ def _back(result, like, out=None, keep=False):
 
 # -- the host layout: oneDNN's NCHW kernels are several times slower than its channels-last ones for some
 # channel counts (and faster for others), so a layer may hand its window and output gradient over laid out
-# channels-last (``Conv`` does, see :func:`channels_last_view`) where that measures faster here
+# channels-last (``Conv`` does, see :func:`channels_last_view`) where the calibration of the run's machine
+# found that layout faster for the shape (``python -m lbannpy.bench calibrate --kernels``, a row's
+# ``layout: channels_last``). Never timed in a run: the two layouts round differently, and a run's numbers
+# must not depend on which was faster at the moment (nor differ between ranks)
 
-#: None: measured per convolution shape (:func:`prefers_channels_last`); "nchw" or "channels_last" forces one
+#: None: the calibrated layout of the shape (:func:`takes_channels_last`); "nchw" or "channels_last" forces
+#: one (tests and benchmarks)
 LAYOUT = None
-#: channels-last is taken where it is at least this much faster (its conversions included), so that a shape
-#: whose two layouts time alike keeps NCHW from run to run
-CHANNELS_LAST_MARGIN = 1.15
-#: the measurement runs on the shape with its spatial extents halved until a window holds at most this many
-#: elements (the layouts' ratio is set by the channels and the filter; the memory is not the run's to take)
-MEASURE_ELEMENTS = 1 << 21
-_LAYOUTS: dict = {}
 
 
 def channels_last_view(buf, ndim: int):
@@ -135,59 +132,19 @@ def channels_last_shape(shape) -> tuple:
     return (shape[0],) + tuple(shape[2:]) + (shape[1],)
 
 
-def prefers_channels_last(x_shape, w_shape, stride=1, dilation=1, dtype="float32") -> bool:
-    """Whether a host convolution of the window ``x_shape`` with filters ``w_shape`` (one group) runs its
-    forward and backward faster with the window and the output gradient channels-last, the copies that lays
-    them out so (output gradient in, output and input gradient out) included: timed once per shape and
-    type in this process (CPU time of both layouts, interleaved, the best of two rounds each)."""
-    import numpy as np
+def has_channels_last(x_shape, w_shape) -> bool:
+    """Whether a host convolution of the window ``x_shape`` with filters ``w_shape`` has a channels-last
+    layout to take: 2-D or 3-D, more than one input channel, one group."""
+    return len(x_shape) in (4, 5) and x_shape[1] != 1 and w_shape[1] == x_shape[1]
 
+
+def takes_channels_last(x_shape, w_shape, calibrated: str | None = None) -> bool:
+    """Whether a host convolution of the window ``x_shape`` with filters ``w_shape`` goes channels-last:
+    as :data:`LAYOUT` forces, else where it has that layout and ``calibrated`` (the ``layout`` of the
+    machine row of the layer's shape, None where there is none) says ``channels_last``. Nothing is timed."""
     if LAYOUT is not None:
         return LAYOUT == "channels_last"
-    if len(x_shape) not in (4, 5) or x_shape[1] == 1 or w_shape[1] != x_shape[1]:
-        return False
-    nd = len(x_shape) - 2
-    key = (tuple(x_shape), tuple(w_shape), _tuple(stride, nd), _tuple(dilation, nd), np.dtype(dtype).char)
-    hit = _LAYOUTS.get(key)
-    if hit is None:
-        hit = _LAYOUTS[key] = _measure_layouts(*key)
-    return hit
-
-
-def _measure_layouts(x_shape, w_shape, stride, dilation, char) -> bool:
-    import time
-
-    import numpy as np
-
-    shape, span = list(x_shape), [(k - 1) * d + s for k, d, s in zip(w_shape[2:], dilation, stride)]
-    while np.prod(shape) > MEASURE_ELEMENTS and max(n - m for n, m in zip(shape[2:], span)) > 0:
-        i = max(range(2, len(shape)), key=lambda j: shape[j] - span[j - 2])
-        shape[i] = max(span[i - 2], (shape[i] + 1) // 2)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(shape).astype(char)
-    w, b = rng.standard_normal(w_shape).astype(char), np.zeros(w_shape[0], char)
-    y = conv_forward(x, w, b, stride, dilation)
-    dy = rng.standard_normal(y.shape).astype(char)
-    xc = channels_last_view(np.empty(channels_last_shape(x.shape), char), x.ndim)
-    xc[...] = x
-    dyc = channels_last_view(np.empty(channels_last_shape(dy.shape), char), x.ndim)
-
-    def step(xw, g):
-        if g is not None:
-            g[...] = dy
-        g = dy if g is None else g
-        conv_forward(xw, w, b, stride, dilation)
-        conv_backward_input(g, w, xw, stride, dilation)
-        conv_backward_params(xw, g, w, True, stride, dilation)
-
-    best = [float("inf")] * 2
-    for r in range(3):
-        for i, args in enumerate(((x, None), (xc, dyc))):
-            t0 = time.process_time()
-            step(*args)
-            if r:  # the first round builds oneDNN's primitives
-                best[i] = min(best[i], time.process_time() - t0)
-    return best[1] * CHANNELS_LAST_MARGIN < best[0]
+    return calibrated == "channels_last" and has_channels_last(x_shape, w_shape)
 
 
 # the ATen operators themselves (not torch.nn.functional / torch.nn.grad, whose Python layers cost about as

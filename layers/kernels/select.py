@@ -13,7 +13,7 @@ convolutions (equal to float32 round-off, float64 to 1e-10: ``tests/test_kernels
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy
@@ -54,6 +54,9 @@ class ConvKernels:
     #: ``backward_params(x, dy, bias, dw=None, db=None)`` run its passes with every argument worked out
     #: once, and whose ``takes(x)`` says whether an input block is the one it was made for
     plan: Callable | None = None
+    #: the host layout a layer hands the ATen set its window and output gradient in where it builds one:
+    #: ``channels_last`` only from a calibrated row that names it (:func:`kernel_table`), else ``nchw``
+    layout: str = "nchw"
 
 
 def own() -> ConvKernels:
@@ -138,17 +141,22 @@ def gpu_math(choice: str, device: str, tf32: bool) -> bool:
 
 def kernel_table(choice: str, device: str, machine) -> dict[tuple, ConvKernels]:
     """``{(layer type, local input shape, local output shape): kernels}`` of the shapes ``machine`` (a
-    :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto``. A shape
-    whose set cannot run here (ATen without torch) is left to the rule of :func:`conv_kernels`. Where the
-    run's set is cuDNN Frontend's, a shape calibrated faster on ATen takes it too: on a GPU ATen's
-    convolutions are cuDNN's, and this set keeps the step capturable."""
-    if choice != "auto" or not getattr(machine, "kernels", None):
+    :class:`lbannpy.machine.Machine`) names a faster set for; empty unless ``choice`` is ``auto`` (or
+    ``aten``: only its calibrated layouts). A shape whose set cannot run here (ATen without torch) is left
+    to the rule of :func:`conv_kernels`. Where the run's set is cuDNN Frontend's, a shape calibrated faster
+    on ATen takes it too: on a GPU ATen's convolutions are cuDNN's, and this set keeps the step capturable.
+    Where the ATen set is the run's, a row's ``layout: channels_last`` gives it that layout there."""
+    if choice not in ("auto", "aten") or not getattr(machine, "kernels", None):
         return {}
     sets = {"own": own()}
-    auto_set = conv_kernels("auto", device)
+    auto_set = conv_kernels(choice, device)
     if auto_set.name in ("aten", "cudnn"):
         sets["aten"] = sets[auto_set.name] = auto_set
-    return {key: sets[name] for key, name in machine.kernels.items() if name in sets}
+    table = {key: sets[name] for key, name in machine.kernels.items() if name in sets and choice == "auto"}
+    if auto_set.name == "aten":
+        cl = replace(auto_set, layout="channels_last")
+        table.update({key: cl for key, lay in getattr(machine, "layouts", {}).items() if lay == cl.layout})
+    return table
 
 
 # -- which kernels a layer runs, for summary.json (``layers.<name>.kernels``)

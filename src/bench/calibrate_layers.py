@@ -11,8 +11,10 @@ such small problems run far below the rate of the large GEMM that γ is measured
 a call weighs more, so the rows are what prices a split layer instead of the roofline.
 
 Convolutions time both kernel sets (as ``--kernels`` does for the whole layer, :mod:`.kernel_choice`) and
-write the faster with ``kernel:`` (``runtime.kernels: auto`` takes it at that block); the other layer types
-time the registered layer itself on the block (forward and backward, the layer's fixed cost included).
+write the faster with ``kernel:`` (``runtime.kernels: auto`` takes it at that block; ATen's with its host
+layout, ``layout:``, timed on the window the split builds, :func:`.kernel_choice.layout_of`); the other
+layer types time the registered layer itself on the block (forward and backward, the layer's fixed cost
+included).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 
 import numpy as np
 
-from .kernel_choice import time_sets
+from .kernel_choice import layout_of, time_sets
 from .layers import MODEL_RUNS, QUICK_RUNS, LayerShape
 
 SPLIT_DIMS = ("n", "c", "h")  # one-dimension splits timed (the planner keeps h >= w: w alone never comes)
@@ -167,7 +169,7 @@ def measure_split_layers(comm, xp, items: list[str], quick: bool, repeats: int =
             key = (node.type, in_local, out_local) + (() if whole else (split,))
             if key in keys:
                 continue
-            kernel = None
+            kernel = layout = None
             if node.type == "conv":
                 shape = conv_problem(node, dist, out_local)
                 if shape is None or not aten.available("cpu"):
@@ -177,6 +179,7 @@ def measure_split_layers(comm, xp, items: list[str], quick: bool, repeats: int =
                 worst = {k: tuple(max(r[k][i] for r in every) for i in range(3)) for k in mine}
                 kernel = min(worst, key=lambda k: sum(worst[k]))
                 f, bd, bw = worst[kernel]
+                layout = layout_of(comm, shape) if kernel == "aten" else None  # the window a split builds
             else:
                 got = time_layer(xp, node.type, _block_params(node, out_local), in_local,
                                  3 if quick else repeats)
@@ -192,8 +195,10 @@ def measure_split_layers(comm, xp, items: list[str], quick: bool, repeats: int =
                    "fwd_s": f, "bwd_data_s": bd, "bwd_weights_s": bw}
             if kernel:
                 row["kernel"] = kernel
+            if layout:
+                row["layout"] = layout
             rows.append(row)
             lines.append(f"  {label:<18} {node.name:<9} {str(dist):<5} {'x'.join(map(str, in_local)):>14} -> "
                          f"{'x'.join(map(str, out_local)):<14} {f * 1e3:7.3f} {bd * 1e3:7.3f} {bw * 1e3:7.3f}"
-                         + (f"  {kernel}" if kernel else ""))
+                         + (f"  {kernel}" if kernel else "") + (f" {layout}" if layout else ""))
     return rows, lines
