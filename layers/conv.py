@@ -448,8 +448,10 @@ class Conv(HaloLayer):
             self._window = None
             return [None]
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers,
-        # unless the kernels allocate it anyway
-        space = None if self.kern.allocates else ctx.workspace("conv window gradient", window.shape, dy.dtype)
+        # unless the kernels allocate it anyway; a kernel-padded one is the input gradient itself, which lives
+        # on after this layer (the next convolution's backward would write the shared workspace under it)
+        space = (None if self.kern.allocates or pads is not None
+                 else ctx.workspace("conv window gradient", window.shape, dy.dtype))
         if self._segs is not None:
             dwin = self._backward_input_segments(dy, window)
         else:

@@ -183,6 +183,13 @@ def _conv_cases(size: int) -> list:
         cases.append(Case("conv-groups-dilated", (conv(kernel=3, stride=2, dilation=2, groups=3,
                                                        filters=6, padding="same"),), (5, 6, 9, 11),
                           {"default": par}))
+    # kernel-padded convolutions whose input gradients meet at a sum: each its own array, none the shared
+    # window-gradient workspace the next one writes
+    res = (conv("c1", kernel=3, padding=1, filters=4), {"name": "r1", "type": "relu"},
+           conv("c2", kernel=3, padding=1, filters=4), {"name": "r2", "type": "relu"},
+           {"name": "s", "type": "sum", "parents": ["r2", "r1"]}, conv("c3", kernel=1, filters=2))
+    for par in splits(size, ("n", "h")):
+        cases.append(Case("conv-padded-residual", res, (4, 5, 8, 8), {"default": par}))
     for par in splits(size, ("c",)):
         cases.append(Case("conv-groups-filters", (conv(kernel=3, padding=1, groups=3, filters=6),),
                           (5, 6, 9, 11), {"default": par}))
