@@ -188,10 +188,11 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
                                           "default, its unset dimensions are 1"),
         Key("strategy", Str(("manual", "auto")), "manual", "manual: the degrees above; auto: run the "
                                                             "strategy selector at start-up"),
-        Key("machine", Str(), "local", "machine model for strategy: auto and for runtime.kernels: auto's "
-                                       "choice per conv shape: local (this host: its python -m lbannpy.bench "
-                                       "calibrate file, else a described CPU model), a preset name, or a "
-                                       "file from python -m lbannpy.bench calibrate [--kernels MODEL ...]"),
+        Key("machine", Str(), "local",
+            "machine model for strategy: auto, for runtime.kernels: auto's choice per conv shape and for "
+            "ATen's host layout per conv shape (auto or aten; NCHW where it has none): local (this host: its "
+            "python -m lbannpy.bench calibrate file, else a described CPU model), a preset name, or a file "
+            "from python -m lbannpy.bench calibrate [--kernels MODEL ...]"),
         Key("memory_gib", Float(0.0, lo_open=True), None, "device (accelerator) memory per rank that "
                                                          "strategy: auto plans for (default: the machine "
                                                          "file's); host memory per rank: runtime.memory_gib"),
