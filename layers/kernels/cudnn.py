@@ -23,8 +23,6 @@ on first use only, and only for a GPU run (:func:`available`).
 """
 from __future__ import annotations
 
-import math
-
 _cudnn = None
 #: whether float32 convolutions may run as TF32 (``runtime.tf32``); part of each plan's key
 TF32 = False
@@ -251,8 +249,3 @@ def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padd
 def planned() -> int:
     """How many plans this process holds (every pass of every shape it has convolved)."""
     return len(_PLANS)
-
-
-def workspace_bytes() -> int:
-    """The workspace the plans hold, in bytes."""
-    return int(math.fsum(p.workspace.nbytes for p in _PLANS.values()))
