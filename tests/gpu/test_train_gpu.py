@@ -221,7 +221,9 @@ def test_host_syncs_per_training_step_stay_within_the_budget(work, gpu_launch, s
     """Steps that are not logged make no host synchronisation at all (the batch is uploaded ahead from
     pinned memory, the loss statistics stay on the device); a logged step stays within the budget. With
     ``optimizer.shard_state`` too (its allgathers are NCCL calls on the streams)."""
-    cfg = spec(work, "seg", "budget", {"default": {"h": 2}}, steps=5)
+    # a run directory per case: a fresh run refuses a directory holding another run's checkpoints
+    name = "budget" + "-sharded" * shard + "-staged" * staged
+    cfg = spec(work, "seg", name, {"default": {"h": 2}}, steps=5)
     rows = gpu_launch(HERE, "budget", 2, cfg, *GPU, "--set", "output.log_every=5",
                       "--set", f"optimizer.shard_state={str(shard).lower()}", timeout=240, staged=staged)
     for row in rows:
