@@ -25,6 +25,22 @@ def _splits():
     return splits
 
 
+def _cuts_groups(layers, channels: int, parts: int) -> bool:
+    """Whether a channel split in ``parts`` gives a group norm of ``layers`` a block that is not whole
+    groups (its channels: the filters of the layer before it, else the input's)."""
+    from lbannpy.dist import block_starts
+
+    for i, layer in enumerate(layers):
+        if layer["type"] != "groupnorm" or parts == 1:
+            continue
+        c = layers[i - 1].get("filters", channels) if i else channels
+        size = c // layer["groups"]
+        starts = block_starts(c, parts)
+        if any(a % size or b % size for a, b in zip(starts, starts[1:])):
+            return True
+    return False
+
+
 def cases(size):
     from layer_cases import Case
 
@@ -35,6 +51,8 @@ def cases(size):
         # ``own``: the layer that must split as written (a per-layer entry: a default a type cannot split
         # would quietly leave it whole)
         for par in splits(size, dims):
+            if _cuts_groups(layers, shape[1], par.get("c", 1)):
+                continue  # a channel block that is not whole groups: refused (tests/test_split_groups.py)
             out.append(Case(name, layers, shape, {"default": par, **({"layers": {own: par}} if own else {})}))
 
     inst = {"name": "i", "type": "instancenorm"}
