@@ -85,7 +85,8 @@ def run(args) -> int:
             for i in range(args.repeat):
                 crc_s[0] = 0.0
                 t0 = time.perf_counter()
-                path = checkpoint.save(world, root, i + 1, model.params, opt, {"bench": True}, model.layers)
+                path = checkpoint.save(world, root, i + 1, model.params, opt, {"bench": True}, model.layers,
+                                       run_id="bench")
                 writes.append(time.perf_counter() - t0)
                 crcs.append(crc_s[0])
                 for verify, out in ((True, reads_v), (False, reads_p)):
@@ -96,7 +97,8 @@ def run(args) -> int:
                     finally:
                         ck.close()
                     out.append(time.perf_counter() - t0)
-                checkpoint.prune(root, 1)
+                if world.rank == 0:
+                    checkpoint.prune(root, 1, run_id="bench", newest=path)
         finally:
             ckwrite.crc32 = plain
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
