@@ -255,12 +255,13 @@ def sync_ref(work):
     (2, {"default": {"h": 2}, "layers": {"f1": {"c": 2}, "f2": {"c": 2}}}),
     (4, {"default": {"n": 2, "h": 2}, "layers": {"f1": {"n": 2, "c": 2}, "f2": {"n": 4}}}),
 ], ids=["2-sample", "2-spatial-modelparallel-fc", "4-hybrid-1.5d-fc"])
-def test_gradient_sync_modes_give_the_same_weights(work, sync_ref, ranks, parallel):
+def test_gradient_sync_modes_give_the_same_weights(work, sync_ref, ranks, parallel, request):
     """Blocking sync, overlapped buckets of several sizes and the two-chunk mode end with the weights of
     the single-rank run (float64, 1e-10); the summary reports buckets and the hidden fraction."""
     want = sync_ref
     for name, comm in COMM_MODES:
-        tag = f"sync-{ranks}-{name}"
+        # a run directory per case and mode: a fresh run refuses one holding another run's checkpoints
+        tag = f"sync-{request.node.callspec.id}-{name}"
         train(ranks, spec(work, "cls", 3, parallel, tag=tag, comm=comm))
         assert_same_weights(final_params(work / tag / "ckpt"), want, 1e-10, f"{name} on {ranks} ranks")
         summary = json.loads((work / tag / "out" / "summary.json").read_text())
