@@ -34,6 +34,7 @@ setup(cmdclass={"build_ext": BuildExt}, ext_modules=[
               extra_compile_args=["-O3", "-ffp-contract=off", "-fno-trapping-math"], optional=True),
     Extension("lbannpy.layers.kernels._cnorm", ["layers/kernels/_cnorm.c"],
               extra_compile_args=["-O3", "-ffp-contract=fast", "-Wno-psabi"], optional=True),
+    Extension("lbannpy._crelayout", ["src/_crelayout.c"], extra_compile_args=["-O3"], optional=True),
     Extension("lbannpy.layers.kernels._cupsample", ["layers/kernels/_cupsample.c"],
               extra_compile_args=["-O3", "-ffp-contract=off", "-Wno-psabi"], optional=True),
 ])

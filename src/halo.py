@@ -57,7 +57,8 @@ from lbannpy.dist import (Box, Distribution, DistributionError, block_range, box
                           box_subtract, empty_block, intersect, relative_slices, shape_str)
 from lbannpy.halo_boundary import boundary_modes, runs_1d, source_slices, window_sources
 from lbannpy.stencil import Stencil
-from lbannpy.packing import Segment, check_array, check_comm, pack, packed_size, segments, unpack
+from lbannpy.packing import (Segment, check_array, check_comm, pack, packed_size, relayout, segments,
+                             unpack)
 
 TAG_LIMIT = 16384  # base tags are < TAG_LIMIT; messages use 2*tag and 2*tag+1 <= 32767
 
@@ -398,7 +399,7 @@ class HaloPlan:
         for sl in self.padding_slices:
             out[sl] = 0
         if self.owned_box is not None:
-            out[self.owned_window_slices] = local[self.owned_local_slices]
+            relayout(out[self.owned_window_slices], local[self.owned_local_slices])
         for wsl, lsl in self.wraps:
             out[wsl] = local[lsl]
         return unpack(received, self.recvs, out)
@@ -416,7 +417,7 @@ class HaloPlan:
         for sl in self.padding_slices:
             window[sl] = 0
         if self.owned_box is not None:
-            window[self.owned_window_slices] = local[self.owned_local_slices]
+            relayout(window[self.owned_window_slices], local[self.owned_local_slices])
         for wsl, lsl in self.wraps:
             window[wsl] = local[lsl]
         return window
@@ -426,7 +427,8 @@ class HaloPlan:
         new array): the owned part of ``grad_window``; inputs no window reads get zeros."""
         check_array(grad_window, self.window_shape, "halo accumulate window gradient", self.rank)
         if self.owned_box == self.input_box:  # every input is read: one copy, nothing to zero
-            grad = grad_window[self.owned_window_slices].copy()
+            owned = grad_window[self.owned_window_slices]
+            grad = relayout(array_module(grad_window).empty(owned.shape, dtype=owned.dtype), owned)
         else:
             grad = array_module(grad_window).zeros(self.local_shape, dtype=grad_window.dtype)
             if self.owned_box is not None:

@@ -8,9 +8,16 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from lbannpy.backend import array_module
 from lbannpy.comm.base import Communicator
 from lbannpy.dist import Box, Distribution, DistributionError, box_shape, relative_slices
+
+try:  # optional compiled kernel (setup.py); without it relayout is NumPy's assignment
+    from . import _crelayout
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _crelayout = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,19 @@ def unpack(flat, segs: Sequence[Segment], arr, add: bool = False):
         else:
             arr[s.slices] = part
     return arr
+
+
+def relayout(dst, src):
+    """``dst[...] = src`` for arrays of the same shape and type, returning ``dst``. Host arrays whose fastest
+    axes differ (one NCHW, the other channels-last: a convolution run in that layout) go through the
+    compiled tiled copy, which NumPy's strided assignment is several times slower than; the bits are the
+    same either way."""
+    if (_crelayout is not None and type(dst) is np.ndarray and isinstance(src, np.ndarray)
+            and dst.dtype == src.dtype and dst.shape == src.shape and 2 <= dst.ndim <= 6
+            and not np.may_share_memory(dst, src) and _crelayout.copy(dst, src)):
+        return dst
+    dst[...] = src
+    return dst
 
 
 def check_comm(comm: Communicator, dist: Distribution, rank: int | None, what: str) -> None:
