@@ -450,7 +450,9 @@ class Conv(HaloLayer):
         # the window gradient lives until the halo accumulation below ends: a workspace shared by all layers,
         # unless the kernels allocate it anyway; a kernel-padded one is the input gradient itself, which lives
         # on after this layer (the next convolution's backward would write the shared workspace under it)
-        space = (None if self.kern.allocates or pads is not None
+        # on the channels-last path the kernel's own result (that layout) is what the halo's adjoint reads:
+        # an NCHW workspace would add a copy
+        space = (None if self.kern.allocates or pads is not None or self._channels_last(dy.dtype)
                  else ctx.workspace("conv window gradient", window.shape, dy.dtype))
         if self._segs is not None:
             dwin = self._backward_input_segments(dy, window)

@@ -64,6 +64,7 @@ def test_calibration_records_channels_last_only_where_it_is_faster_by_the_margin
     convolution (no such layout) say nothing."""
     pytest.importorskip("torch")
     from lbannpy.bench import kernel_choice as kc
+    from lbannpy.bench import layout_choice
     from lbannpy.bench.layers import LayerShape
     from lbannpy.comm import SingleCommunicator
 
@@ -71,7 +72,7 @@ def test_calibration_records_channels_last_only_where_it_is_faster_by_the_margin
         return LayerShape("conv", (2, c, side, side), 4, (3, 3), (1, 1), (1, 1), (1, 1))
     shapes = [("m", shape(6, 12)), ("m", shape(6, 10)), ("m", shape(1, 12)), ("m", shape(6, 8))]
     sets = {12: "aten", 10: "aten", 8: "own"}
-    ratio = {12: 10.0, 10: kc.CHANNELS_LAST_MARGIN * 0.9}
+    ratio = {12: 10.0, 10: layout_choice.CHANNELS_LAST_MARGIN * 0.9}
     seen = []
 
     def time_sets(s, dtype, repeats, adaptive=True):
@@ -97,10 +98,10 @@ def test_calibration_records_channels_last_only_where_it_is_faster_by_the_margin
 
 def test_measure_layouts_times_both_layouts_on_a_bounded_stand_in(monkeypatch):
     pytest.importorskip("torch")
-    from lbannpy.bench import kernel_choice as kc
+    from lbannpy.bench import layout_choice
 
-    monkeypatch.setattr(kc, "MEASURE_ELEMENTS", 1 << 12)
-    nchw, cl = kc.measure_layouts((1, 6, 600, 700), (4, 6, 3, 3), 1, 1, np.float64)
+    monkeypatch.setattr(layout_choice, "MEASURE_ELEMENTS", 1 << 12)
+    nchw, cl = layout_choice.measure_layouts((1, 6, 600, 700), (4, 6, 3, 3), 1, 1, np.float64)
     assert 0 < nchw < 1 and 0 < cl < 1
 
 

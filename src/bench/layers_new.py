@@ -5,8 +5,9 @@ the registered layer's forward and backward on one rank, PyTorch in NCHW and cha
 against the faster of the two (and of CPU times, which other processes on the cores do not lengthen)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .layout_choice import layout_choice, measure_layouts
 from .timing import time_calls
 
 TARGET_NEW_RATIO = 1.3  # the new layer types' rows: each at most this times PyTorch's time
@@ -223,6 +224,29 @@ def new_row_missing(row: NewRow) -> str:
     return ""
 
 
+def calibrated_set(row: NewRow, kernels):
+    """``kernels`` as a run on a calibrated machine would hand them to the row's layer: for a convolution
+    on ATen's host set, with the layout ``bench calibrate --kernels`` records for its shape
+    (:func:`.kernel_choice.layout_of`: channels-last where that times at least its margin faster, both
+    layouts timed here and now); any other row's set as it is."""
+    if row.type != "conv" or kernels.name != "aten":
+        return kernels
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.layers.kernels import aten
+
+    prm, x = dict(row.params), row.shapes[0]
+    nsp = len(x) - 2
+    per = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v,) * nsp  # noqa: E731
+    pads = per(prm.get("padding", 0))
+    window = tuple(x[:2]) + tuple(n + 2 * p for n, p in zip(x[2:], pads))
+    w_shape = (prm["filters"], x[1] // prm.get("groups", 1)) + per(prm.get("kernel", 3))
+    layout = None
+    if aten.has_channels_last(window, w_shape):
+        layout = layout_choice(*measure_layouts(window, w_shape, per(prm.get("stride", 1)),
+                                                per(prm.get("dilation", 1))))
+    return kernels if layout is None else replace(kernels, layout=layout)
+
+
 def new_row_contenders(row: NewRow, dtype) -> dict:
     """``{"ours": ..., "torch NCHW": ..., "torch NHWC": ...}``: zero-argument callables, each one forward
     and backward of the row on the same inputs and output gradient (ours: the registered layer on one
@@ -243,7 +267,7 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
     rng = np.random.default_rng(0)
     hosts = [rng.standard_normal(s).astype(dtype) for s in row.shapes]
     ctx = LayerContext(SingleCommunicator(), np, dtype, seed=0)
-    ctx.conv_kernels = conv_kernels(NEW_KERNELS[0])
+    ctx.conv_kernels = calibrated_set(row, conv_kernels(NEW_KERNELS[0]))
     layer = layer_classes()[row.type]("bench", **prm)
     d = Distribution.make(len(row.shapes[0]), 1)
     layer.configure(ctx, list(row.shapes), [d] * len(row.shapes), d)
@@ -255,6 +279,8 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
         layer.forward(xs)
         layer.backward(dy)
 
+    # the host layout of a convolution row's window, as calibrated (printed beside the row)
+    ours.layout = ctx.conv_kernels.layout if row.type == "conv" and ctx.conv_kernels.name == "aten" else ""
     out = {"ours": ours}
     for label, fmt in (("torch NCHW", torch.contiguous_format), ("torch NHWC", None)):
         if fmt is None:
@@ -309,7 +335,8 @@ def run_new(dtype, repeats: int, size: int, adaptive: bool = True) -> int:
             skipped.append(row.id)
             print(f"{row.id:<44} skipped: {why}", flush=True)
             continue
-        calls = time_calls(new_row_contenders(row, dtype), repeats, adaptive)
+        contenders = new_row_contenders(row, dtype)
+        calls = time_calls(contenders, repeats, adaptive)
         t = {k: statistics.median(w for w, _ in v) for k, v in calls.items()}
         c = {k: statistics.median(u for _, u in v) for k, v in calls.items()}
         layout = min((k for k in t if k.startswith("torch")), key=lambda k: t[k])
@@ -320,7 +347,9 @@ def run_new(dtype, repeats: int, size: int, adaptive: bool = True) -> int:
         over = "  over" if max(ratio, cpu) > TARGET_NEW_RATIO else ""
         nhwc = f"{t['torch NHWC'] * 1e3:9.3f}" if "torch NHWC" in t else f"{'-':>9}"
         print(f"{row.id:<44} {t['ours'] * 1e3:9.3f} {t[layout] * 1e3:9.3f} {ratio:6.2f} {cpu:6.2f}  "
-              f"{layout[6:]:<12} {t['torch NCHW'] * 1e3:9.3f} {nhwc}{over}", flush=True)
+              f"{layout[6:]:<12} {t['torch NCHW'] * 1e3:9.3f} {nhwc}{over}"
+              + (f"  (ours {contenders['ours'].layout}, as calibrated)" if contenders["ours"].layout else ""),
+              flush=True)
     print()
     for kind, rs in ratios.items():
         if not rs:
