@@ -240,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-fuse", action="store_true", help="every layer on its own (no fusion)")
     ap.add_argument("--model", default="mesh_tiny", help="zoo model of the step line (default mesh_tiny)")
     ap.add_argument("--size", type=int, default=16, help="its input size (default 16)")
-    ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="own",
+    ap.add_argument("--kernels", choices=("auto", "own", "aten", "cudnn"), default="own",
                     help="conv kernel set, as runtime.kernels (default own: lbannpy's fixed cost; ATen adds "
-                         "torch's own per-call cost, about 15-30 us per convolution call at these sizes)")
+                         "torch's own per-call cost, about 15-30 us per convolution call at these sizes; "
+                         "cudnn: cuDNN Frontend's, with --device gpu)")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                     help="gpu: the host time per layer and pass on this node's GPU (CuPy; exits 0 with one "
                          "line where there is none)")
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     KERNELS[0] = args.kernels
+    if args.kernels == "cudnn" and args.device != "gpu":
+        print("overhead: --kernels cudnn runs on a GPU only; add --device gpu", file=sys.stderr)
+        return 2
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in LINKS]
     if unknown:
@@ -272,6 +276,13 @@ def main(argv=None) -> int:
         if why:
             print(f"bench overhead --device gpu: skipped, {why}")
             return 0
+        # late: loaded when the command runs, so its --help and argument errors come without it
+        from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels
+        try:
+            conv_kernels(args.kernels, "gpu")
+        except KernelChoiceError as exc:  # cudnn asked for where cuDNN Frontend is not installed
+            print(f"overhead: {exc}", file=sys.stderr)
+            return 2
         table = report_gpu
     for line in table(kinds, chain, steps, rounds, not args.no_fuse, args.model, args.size):
         print(line, flush=True)

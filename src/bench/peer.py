@@ -419,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="small networks (lenet5 batch 8, mesh_tiny 32²)")
     ap.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds allowed for each run")
-    ap.add_argument("--kernels", choices=("auto", "own", "aten"), default="auto",
-                    help="lbannpy's runtime.kernels for its runs")
+    ap.add_argument("--kernels", choices=("auto", "own", "aten", "cudnn"), default="auto",
+                    help="lbannpy's runtime.kernels for its runs (auto on a GPU: cuDNN Frontend's where it "
+                         "is installed; cudnn: with --device gpu)")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                     help="gpu: lbannpy (runtime.device gpu, CuPy) against PyTorch CUDA on this node's first "
                          "GPU, one process each (the 2-rank tables need 2 GPUs and are left out); step times "
@@ -439,6 +440,9 @@ def main(argv=None) -> int:
     DEVICE[0] = args.device
     if args.torch_worker is not None:
         return torch_worker(json.loads(args.torch_worker))
+    if args.kernels == "cudnn" and args.device != "gpu":
+        print("lbannpy.bench peer: --kernels cudnn runs on a GPU only; add --device gpu", file=sys.stderr)
+        return 2
     try:
         import torch  # noqa: F401  (the peer)
     except ImportError:

@@ -25,6 +25,7 @@ from lbannpy.data.dataset import DataError
 from lbannpy.dist import DistributionError
 from lbannpy.layers.base import LayerError
 from lbannpy.layers.context import LayerContext
+from lbannpy.layers.kernels.select import KernelChoiceError, conv_kernels
 from lbannpy.machine import DEFAULT_MACHINE
 from lbannpy.strategy.planner import PlanError, plan
 from lbannpy.threads import threads_problem
@@ -195,13 +196,19 @@ def build(run: RunConfig, ctx, world, dry: bool = False, data: bool = True,
 
 
 def check_device(cfg: dict) -> None:
-    """What this machine cannot run (``runtime.device``, ``backend``, ``share_gpu``, ``threads``), refused
-    by the checks train makes before MPI starts (:func:`lbannpy.backend.device_problem`,
-    :func:`lbannpy.threads.threads_problem`), in their words, which name the key."""
+    """What this machine cannot run (``runtime.device``, ``backend``, ``share_gpu``, ``threads``; a
+    ``runtime.kernels`` set named outright that cannot run here), refused in the words of the checks train
+    makes (:func:`lbannpy.backend.device_problem` and :func:`lbannpy.threads.threads_problem` before MPI
+    starts, :func:`lbannpy.layers.kernels.select.conv_kernels` at set-up), which name the key."""
     rt = cfg["runtime"]
     problem = device_problem(rt["device"], rt["backend"], rt["share_gpu"]) or threads_problem(rt["threads"])
     if problem:
         raise ConfigError("", problem)
+    if rt["kernels"] in ("cudnn", "aten"):  # a set named outright must run here (auto and own always do)
+        try:
+            conv_kernels(rt["kernels"], rt["device"])
+        except KernelChoiceError as exc:
+            raise ConfigError("", str(exc)) from None
 
 
 def start_checks(cfg: dict, ranks: int | None, data: bool = True, base_dir: str | None = None,
