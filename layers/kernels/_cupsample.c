@@ -42,6 +42,9 @@ typedef struct {
      * input; every input gathers from two outputs further on): outputs [fb, fe), inputs [bb, be), found
      * here from the tables themselves; their loops vectorise (the weights are read as they come) */
     Py_ssize_t fb, fe, bb, be;
+    /* the axis a pure repeat (nearest at an integer scale from the first input: output o reads input
+     * o / rep, each input's gradient the plain sum of its rep outputs): rep, else 0 */
+    Py_ssize_t rep;
 } Axis;
 
 typedef struct {
@@ -138,9 +141,24 @@ same_in(const Axis *a, Py_ssize_t j, int isz)
     return a->start[j + 1] == a->start[j] + 2;
 }
 
+static Py_ssize_t
+pure_repeat(const Axis *a, int isz)
+{
+    if (!a->nearest || a->nout % a->nin || a->taps != a->nout / a->nin) return 0;
+    Py_ssize_t r = a->taps;
+    for (Py_ssize_t o = 0; o < a->nout; o++)
+        if (a->i0[o] != o / r) return 0;
+    for (Py_ssize_t j = 0; j < a->nin; j++)
+        if (a->start[j] != j * r) return 0;
+    for (Py_ssize_t k = 0; k < r * a->nin; k++)
+        if ((isz == 4 ? ((const float *)a->w)[k] : ((const double *)a->w)[k]) != 1) return 0;
+    return r;
+}
+
 static void
 regular_runs(Axis *a, int isz)
 {
+    a->rep = pure_repeat(a, isz);
     Py_ssize_t b, e;
     longest(a, same_out, isz, a->nout - 2, &b, &e);  /* outputs [b, e + 2) repeat with period 2 */
     a->fb = b, a->fe = e > b ? b + ((e + 2 - b) & ~(Py_ssize_t)1) : b;
@@ -343,9 +361,43 @@ FN(plane_forward)(const R *x, const Py_ssize_t *xs, R *y, const Py_ssize_t *ys, 
                       t2 + (D->i1[od] * OH + oh) * OW, ld[od], OW);
 }
 
+/* every axis a pure repeat: each input row is written once, as the first of the output rows that read it
+ * (its entries repeated), and the others are copies of that row */
+CLONES static void
+FN(plane_forward_rep)(const R *x, const Py_ssize_t *xs, R *y, const Py_ssize_t *ys, const Axis ax[3])
+{
+    Py_ssize_t sd = ax[0].rep, sh = ax[1].rep, sw = ax[2].rep, IW = ax[2].nin, OW = ax[2].nout;
+    for (Py_ssize_t d = 0; d < ax[0].nin; d++)
+        for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
+            const R *src = x + d * xs[0] + h * xs[1];
+            R *first = y + d * sd * ys[0] + h * sh * ys[1];
+            if (xs[2] == 1 && ys[2] == 1 && sw == 2)
+                for (Py_ssize_t w = 0; w < IW; w++) first[2 * w] = first[2 * w + 1] = src[w];
+            else
+                for (Py_ssize_t w = 0; w < IW; w++)
+                    for (Py_ssize_t j = 0; j < sw; j++) first[(w * sw + j) * ys[2]] = src[w * xs[2]];
+            for (Py_ssize_t jd = 0; jd < sd; jd++)
+                for (Py_ssize_t jh = 0; jh < sh; jh++) {
+                    if (!jd && !jh) continue;
+                    R *dst = first + jd * ys[0] + jh * ys[1];
+                    if (ys[2] == 1)
+                        memcpy(dst, first, OW * sizeof(R));
+                    else
+                        for (Py_ssize_t o = 0; o < OW; o++) dst[o * ys[2]] = first[o * ys[2]];
+                }
+        }
+}
+
 static int
 FN(forward)(const View *x, const View *y, const Axis ax[3], void *t)
 {
+    if (ax[0].rep && ax[1].rep && ax[2].rep) {
+        for (Py_ssize_t n = 0; n < x->n[0]; n++)
+            for (Py_ssize_t c = 0; c < x->n[1]; c++)
+                FN(plane_forward_rep)((const R *)x->p + n * x->s[0] + c * x->s[1], x->s + 2,
+                                      (R *)y->p + n * y->s[0] + c * y->s[1], y->s + 2, ax);
+        return 0;
+    }
     for (Py_ssize_t n = 0; n < x->n[0]; n++)
         for (Py_ssize_t c = 0; c < x->n[1]; c++)
             FN(plane_forward)((const R *)x->p + n * x->s[0] + c * x->s[1], x->s + 2,
@@ -448,9 +500,57 @@ FN(plane_backward)(const R *g, const Py_ssize_t *gs, R *dx, const Py_ssize_t *xs
         }
 }
 
+/* the adjoint of plane_forward_rep, summed in the order of the general path (over D, then H, then W, each
+ * from its first output): row = the H sum of the D sums of the output rows an input row feeds, then each
+ * input the sum of its sw entries of row; t: two rows of OW */
+CLONES static void
+FN(plane_backward_rep)(const R *g, const Py_ssize_t *gs, R *dx, const Py_ssize_t *xs, const Axis ax[3], R *t)
+{
+    Py_ssize_t sd = ax[0].rep, sh = ax[1].rep, sw = ax[2].rep, IW = ax[2].nin, OW = ax[2].nout;
+    R *row = t, *part = t + OW;
+    for (Py_ssize_t d = 0; d < ax[0].nin; d++)
+        for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
+            const R *g0 = g + d * sd * gs[0] + h * sh * gs[1];
+            for (Py_ssize_t jh = 0; jh < sh; jh++) {
+                R *acc = jh ? part : row;
+                const R *r = g0 + jh * gs[1];
+                if (gs[2] == 1) {
+                    if (sd == 1)
+                        memcpy(acc, r, OW * sizeof(R));
+                    else
+                        for (Py_ssize_t o = 0; o < OW; o++) acc[o] = r[o] + r[gs[0] + o];
+                    for (Py_ssize_t jd = 2; jd < sd; jd++)
+                        for (Py_ssize_t o = 0; o < OW; o++) acc[o] += r[jd * gs[0] + o];
+                } else {
+                    for (Py_ssize_t o = 0; o < OW; o++) acc[o] = r[o * gs[2]];
+                    for (Py_ssize_t jd = 1; jd < sd; jd++)
+                        for (Py_ssize_t o = 0; o < OW; o++) acc[o] += r[jd * gs[0] + o * gs[2]];
+                }
+                if (jh)
+                    for (Py_ssize_t o = 0; o < OW; o++) row[o] += part[o];
+            }
+            R *out = dx + d * xs[0] + h * xs[1];
+            if (sw == 2 && xs[2] == 1)
+                for (Py_ssize_t w = 0; w < IW; w++) out[w] = row[2 * w] + row[2 * w + 1];
+            else
+                for (Py_ssize_t w = 0; w < IW; w++) {
+                    R v = row[w * sw];
+                    for (Py_ssize_t j = 1; j < sw; j++) v += row[w * sw + j];
+                    out[w * xs[2]] = v;
+                }
+        }
+}
+
 static int
 FN(backward)(const View *g, const View *dx, const Axis ax[3], void *t)
 {
+    if (ax[0].rep && ax[1].rep && ax[2].rep) {
+        for (Py_ssize_t n = 0; n < g->n[0]; n++)
+            for (Py_ssize_t c = 0; c < g->n[1]; c++)
+                FN(plane_backward_rep)((const R *)g->p + n * g->s[0] + c * g->s[1], g->s + 2,
+                                       (R *)dx->p + n * dx->s[0] + c * dx->s[1], dx->s + 2, ax, t);
+        return 0;
+    }
     for (Py_ssize_t n = 0; n < g->n[0]; n++)
         for (Py_ssize_t c = 0; c < g->n[1]; c++)
             FN(plane_backward)((const R *)g->p + n * g->s[0] + c * g->s[1], g->s + 2,
