@@ -27,7 +27,7 @@ _cudnn = None
 #: whether float32 convolutions may run as TF32 (``runtime.tf32``); part of each plan's key
 TF32 = False
 _HANDLES: dict = {}  # device id -> cuDNN handle
-_PLANS: dict = {}    # (pass, device, shapes, geometry, dtype, tf32) -> _Plan
+_PLANS: dict = {}    # (pass, device, shapes, geometry, dtype, tf32) -> Plan
 
 
 def module():
@@ -62,7 +62,7 @@ def _tuple(v, nd: int) -> tuple:
     return tuple(int(s) for s in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
 
 
-def _strides(shape) -> list:
+def row_major(shape) -> list:
     """Row-major (C-contiguous) element strides of ``shape``."""
     out, acc = [], 1
     for n in reversed(shape):
@@ -87,8 +87,9 @@ def _geometry(x_shape, w_shape, stride, dilation, padding):
     return x_shape, w_shape, y_shape, s, p, d
 
 
-class _Plan:
-    """One built cuDNN Frontend graph of one pass: its tensors by role and its workspace."""
+class Plan:
+    """One built cuDNN Frontend graph of one pass: its tensors by role and its workspace (also the plans of
+    :mod:`.cudnn_bn`)."""
 
     __slots__ = ("graph", "tensors", "workspace", "handle")
 
@@ -103,7 +104,8 @@ class _Plan:
                            self.workspace.data.ptr, handle=self.handle)
 
 
-def _data_type(cd, dtype):
+def data_type(cd, dtype):
+    """cuDNN's data type of a float32 or float64 NumPy/CuPy ``dtype``."""
     char = getattr(dtype, "char", None)
     if char == "f":
         return cd.data_type.FLOAT
@@ -112,7 +114,8 @@ def _data_type(cd, dtype):
     raise TypeError(f"cuDNN kernels take float32 or float64 arrays, got {dtype}")
 
 
-def _handle(cp):
+def device_handle(cp):
+    """``(device id, its cuDNN handle)`` of the current device: one handle per device, made on first use."""
     dev = int(cp.cuda.runtime.getDevice())
     h = _HANDLES.get(dev)
     if h is None:
@@ -120,9 +123,9 @@ def _handle(cp):
     return dev, h
 
 
-def _plan(cp, kind: str, x_shape, w_shape, y_shape, stride, padding, dilation, dtype) -> _Plan:
+def _plan(cp, kind: str, x_shape, w_shape, y_shape, stride, padding, dilation, dtype) -> Plan:
     """The plan of pass ``kind`` (fprop, dgrad, wgrad) for these shapes, built on first use and kept."""
-    dev, handle = _handle(cp)
+    dev, handle = device_handle(cp)
     key = (kind, dev, x_shape, w_shape, y_shape, stride, padding, dilation, dtype.char,
            TF32 and dtype.char == "f")
     plan = _PLANS.get(key)
@@ -132,13 +135,13 @@ def _plan(cp, kind: str, x_shape, w_shape, y_shape, stride, padding, dilation, d
     return plan
 
 
-def _build(cp, handle, kind, x_shape, w_shape, y_shape, stride, padding, dilation, dtype) -> _Plan:
+def _build(cp, handle, kind, x_shape, w_shape, y_shape, stride, padding, dilation, dtype) -> Plan:
     cd = module()
-    dt = _data_type(cd, dtype)
+    dt = data_type(cd, dtype)
     g = cd.pygraph(io_data_type=dt, intermediate_data_type=dt, compute_data_type=dt, handle=handle)
 
     def tensor(name, shape):
-        return g.tensor(name=name, dim=list(shape), stride=_strides(shape), data_type=dt)
+        return g.tensor(name=name, dim=list(shape), stride=row_major(shape), data_type=dt)
 
     geo = dict(padding=list(padding), stride=list(stride), dilation=list(dilation), compute_data_type=dt)
     if kind == "fprop":
@@ -153,28 +156,39 @@ def _build(cp, handle, kind, x_shape, w_shape, y_shape, stride, padding, dilatio
         x, dy = tensor("x", x_shape), tensor("dy", y_shape)
         out, shape = g.conv_wgrad(image=x, loss=dy, name="wgrad", **geo), w_shape
         tensors = {"x": x, "dy": dy, "dw": out}
-    out.set_output(True).set_dim(list(shape)).set_stride(_strides(shape)).set_data_type(dt)
+    out.set_output(True).set_dim(list(shape)).set_stride(row_major(shape)).set_data_type(dt)
+    return finish(cp, g, tensors, handle, exact_float32=dtype.char == "f" and not TF32)
+
+
+def finish(cp, g, tensors: dict, handle, exact_float32: bool) -> Plan:
+    """Validate and plan the graph ``g`` (set-up work, never inside a capture) and allocate its workspace:
+    the :class:`Plan` of it. Engines cuDNN marks non-deterministic are left out, and with
+    ``exact_float32`` (a float32 graph that stays float32) those that round operands down or run
+    tensor-core approximations."""
+    cd = module()
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
     notes = [cd.numerical_note.NONDETERMINISTIC]  # a replayed step computes what the eager one did
-    if dtype.char == "f" and not TF32:  # float32 stays float32: no TF32 tensor cores, no down-conversion
+    if exact_float32:  # float32 stays float32: no TF32 tensor cores, no down-conversion
         notes += [cd.numerical_note.TENSOR_CORE, cd.numerical_note.DOWN_CONVERT_INPUTS]
     g.deselect_numeric_notes(notes)
     g.check_support()
     g.build_plans()
     # one byte at least: a live allocation to point at where the plan needs none
     workspace = cp.empty(max(int(g.get_workspace_size()), 1), dtype=cp.uint8)
-    return _Plan(g, tensors, workspace, handle)
+    return Plan(g, tensors, workspace, handle)
 
 
-def _cupy():
+def cupy_module():
+    """CuPy, the array module of every argument here."""
     import cupy  # the array module of every argument here (a GPU run has it)
 
     return cupy
 
 
-def _contig(cp, a):
+def contiguous(cp, a):
+    """``a``, or a C-contiguous copy of it (what a plan's dense tensors take)."""
     return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
 
@@ -204,7 +218,7 @@ def _check(x, w):
 def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0):
     """Valid convolution of the window: ``(N, F, *out)``; with ``padding`` (both sides of each spatial
     dimension) the window is the input block, padded with zeros inside the kernel."""
-    cp = _cupy()
+    cp = cupy_module()
     _check(x_window, w)
     xs, ws, ys, s, p, d = _geometry(x_window.shape, w.shape, stride, dilation, padding)
     shape = (ys[:2] + ys[3:]) if x_window.ndim == 3 else ys
@@ -212,7 +226,7 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0)
         raise ValueError(f"a {tuple(w.shape[2:])} filter does not fit the window {tuple(x_window.shape)}")
     y = _result(cp, shape, x_window.dtype, out)
     plan = _plan(cp, "fprop", xs, ws, ys, s, p, d, x_window.dtype)
-    plan.run(cp, {"x": _contig(cp, x_window).reshape(xs), "w": _contig(cp, w).reshape(ws),
+    plan.run(cp, {"x": contiguous(cp, x_window).reshape(xs), "w": contiguous(cp, w).reshape(ws),
                   "y": y.reshape(ys)})
     if b is not None:
         y += b.reshape((1, -1) + (1,) * (y.ndim - 2))
@@ -221,24 +235,25 @@ def conv_forward(x_window, w, b=None, stride=1, dilation=1, out=None, padding=0)
 
 def conv_backward_input(dy, w, x_window, stride=1, dilation=1, out=None, padding=0):
     """Gradient w.r.t. the window, of ``x_window``'s shape (only its shape is read)."""
-    cp = _cupy()
+    cp = cupy_module()
     _check(dy, w)
     xs, ws, ys, s, p, d = _geometry(x_window.shape, w.shape, stride, dilation, padding)
     shape = tuple(int(n) for n in x_window.shape)
     dx = _result(cp, shape, dy.dtype, out)
     plan = _plan(cp, "dgrad", xs, ws, ys, s, p, d, dy.dtype)
-    plan.run(cp, {"dy": _contig(cp, dy).reshape(ys), "w": _contig(cp, w).reshape(ws), "dx": dx.reshape(xs)})
+    plan.run(cp, {"dy": contiguous(cp, dy).reshape(ys), "w": contiguous(cp, w).reshape(ws),
+                  "dx": dx.reshape(xs)})
     return _give(dx, out)
 
 
 def conv_backward_params(x_window, dy, w, bias=False, stride=1, dilation=1, padding=0):
     """``(filter gradient of w's shape, bias gradient or None)``."""
-    cp = _cupy()
+    cp = cupy_module()
     _check(x_window, w)
     xs, ws, ys, s, p, d = _geometry(x_window.shape, w.shape, stride, dilation, padding)
     dw = cp.empty(tuple(int(n) for n in w.shape), dtype=x_window.dtype)
     plan = _plan(cp, "wgrad", xs, ws, ys, s, p, d, x_window.dtype)
-    plan.run(cp, {"x": _contig(cp, x_window).reshape(xs), "dy": _contig(cp, dy).reshape(ys),
+    plan.run(cp, {"x": contiguous(cp, x_window).reshape(xs), "dy": contiguous(cp, dy).reshape(ys),
                   "dw": dw.reshape(ws)})
     db = None
     if bias:
