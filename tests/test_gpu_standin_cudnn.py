@@ -26,10 +26,10 @@ REQUIRED = os.environ.get("LBANNPY_REQUIRE_REAL_CUDNN") == "1"
 PIN = "nvidia-cudnn-frontend==1.32.0"  # the wheel .ci/run unpacks
 HAVE_REAL = (REAL / "cudnn" / "__init__.py").exists()
 
-# Run in a subprocess against either module: its public surface as JSON. A convolution builder of the real
-# pygraph takes (*args, name, compute_data_type, out_dims, **kwargs) and reads its ports and attributes from
-# a table, so there the positional names are what the builder itself says it takes when given a name it
-# does not know; a nanobind function's signature is its ``__nb_signature__``.
+# Run in a subprocess against either module: its public surface as JSON. A convolution or batch-norm builder
+# of the real pygraph takes (*args, name, compute_data_type, out_dims, **kwargs) and reads its ports and
+# attributes from a table, so there the positional names are what the builder itself says it takes when
+# given a name it does not know; a nanobind function's signature is its ``__nb_signature__``.
 DUMP = r'''
 import enum, inspect, json, re, sys
 import cudnn
@@ -68,7 +68,7 @@ def members(cls):
             continue
         if isinstance(v, property):
             out[name] = "property"
-        elif name.startswith("conv_"):
+        elif name.startswith(("conv_", "batchnorm")):
             out[name] = builder(name)
         elif callable(v):
             out[name] = params(v)

@@ -1,6 +1,6 @@
-"""The cuDNN Frontend stand-in (``tests/gpu_standin/cudnn``): its convolutions against PyTorch, ``execute`` as
-a checked launch that a stream capture records and replays, and each refusal, with the refusal switched off
-(``cudnn._bind.RULES``) to show the bad call would otherwise go through. Run by
+"""The cuDNN Frontend stand-in (``tests/gpu_standin/cudnn``): its convolutions and batch-norm nodes against
+PyTorch, ``execute`` as a checked launch that a stream capture records and replays, and each refusal, with
+the refusal switched off (``cudnn._bind.RULES``) to show the bad call would otherwise go through. Run by
 tests/test_gpu_standin_cudnn.py in a subprocess whose PYTHONPATH starts with tests/gpu_standin."""
 import numpy as np
 import pytest
@@ -379,3 +379,170 @@ def test_graph_state_errors_are_the_real_frontend_s(h):
         g.validate()
     with pytest.raises(RuntimeError, match="not the convolution's"):
         Conv("conv_dgrad", h, x.shape, w.shape, (2, 4, 3), geo)
+
+
+# ---------------------------------------------------------------- batch-norm nodes
+class Norm:
+    """One batch-norm node in its own graph (as lbannpy's cudnn_bn builds them), planned on handle ``h``."""
+
+    def __init__(self, op, h, image, dtype=np.float64, eps=1e-5):
+        t = DT[dtype]
+        chan = [1, image[1]] + [1] * (len(image) - 2)
+        self.g = cudnn.pygraph(io_data_type=t, intermediate_data_type=t, compute_data_type=t, handle=h)
+
+        def tensor(name, shape):
+            return self.g.tensor(name=name, dim=list(shape), stride=row_major(shape), data_type=t)
+        if op == "batchnorm":
+            self.ins = {"x": tensor("x", image), "scale": tensor("scale", chan), "bias": tensor("bias", chan)}
+            self.eps = self.g.tensor_scalar(eps, t, name="eps")
+            outs = self.g.batchnorm(self.ins["x"], self.ins["scale"], self.ins["bias"], epsilon=self.eps,
+                                    name="bn")
+            assert outs[3:] == [None, None]
+            names = ("y", "mean", "inv")
+        elif op == "batchnorm_inference":
+            self.ins = {k: tensor(k, image if k == "x" else chan)
+                        for k in ("x", "mean", "inv", "scale", "bias")}
+            outs = [self.g.batchnorm_inference(self.ins["x"], self.ins["mean"], self.ins["inv"],
+                                               self.ins["scale"], self.ins["bias"])]
+            names = ("y",)
+        else:
+            self.ins = {k: tensor(k, image if k in ("dy", "x") else chan)
+                        for k in ("dy", "x", "scale", "mean", "inv")}
+            outs = self.g.batchnorm_backward(*self.ins.values())
+            names = ("dx", "dscale", "dbias")
+        self.outs = dict(zip(names, outs[:len(names)]))
+        for o in self.outs.values():
+            o.set_output(True).set_data_type(t)
+        self.g.build([cudnn.heur_mode.A])
+        self.dtype, self.image, self.chan = dtype, image, chan
+
+    def execute(self, h, arrays, ws=None):
+        outs = {k: cupy.zeros(self.image if k in ("y", "dx") else self.chan, dtype=self.dtype)
+                for k in self.outs}
+        pack = {t: cupy.asarray(np.asarray(arrays[k], self.dtype)) for k, t in self.ins.items()}
+        pack.update({t: outs[k] for k, t in self.outs.items()})
+        need = self.g.get_workspace_size()
+        self.g.execute(pack, cupy.empty(max(need, 1), dtype=np.uint8) if ws is None else ws, handle=h)
+        return {k: v.get() for k, v in outs.items()}
+
+
+def _torch_bn(x, scale, bias, dy, eps=1e-5):
+    xt = torch.tensor(x, requires_grad=True)
+    st, bt = torch.tensor(scale.ravel(), requires_grad=True), torch.tensor(bias.ravel(), requires_grad=True)
+    y = F.batch_norm(xt, None, None, st, bt, training=True, eps=eps)
+    y.backward(torch.tensor(dy))
+    return y.detach().numpy(), xt.grad.numpy(), st.grad.numpy(), bt.grad.numpy()
+
+
+@pytest.mark.parametrize("image", [(3, 4, 5, 6), (2, 3, 4, 3, 5)])
+def test_batchnorm_passes_equal_torch_in_float64(h, image):
+    chan = [1, image[1]] + [1] * (len(image) - 2)
+    x, dy = RNG.standard_normal(image) * 3 + 1, RNG.standard_normal(image)
+    scale, bias = RNG.standard_normal(chan), RNG.standard_normal(chan)
+    y, dx, ds, db = _torch_bn(x, scale, bias, dy)
+    got = Norm("batchnorm", h, image).execute(h, {"x": x, "scale": scale, "bias": bias})
+    np.testing.assert_allclose(got["y"], y, rtol=1e-12, atol=1e-12)
+    axes = (0,) + tuple(range(2, x.ndim))
+    np.testing.assert_allclose(got["mean"], x.mean(axis=axes, keepdims=True), rtol=1e-13)
+    np.testing.assert_allclose(got["inv"], 1 / np.sqrt(x.var(axis=axes, keepdims=True) + 1e-5), rtol=1e-13)
+    back = Norm("batchnorm_backward", h, image).execute(
+        h, {"dy": dy, "x": x, "scale": scale, "mean": got["mean"], "inv": got["inv"]})
+    np.testing.assert_allclose(back["dx"], dx, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(back["dscale"].ravel(), ds, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(back["dbias"].ravel(), db, rtol=1e-12, atol=1e-12)
+    inf = Norm("batchnorm_inference", h, image).execute(
+        h, {"x": x, "mean": got["mean"], "inv": got["inv"], "scale": scale, "bias": bias})
+    np.testing.assert_allclose(inf["y"], y, rtol=1e-12, atol=1e-12)
+
+
+def test_batchnorm_float32_is_float64_arithmetic_rounded_once(h):
+    image = (3, 4, 5, 6)
+    chan = [1, 4, 1, 1]
+    x = RNG.standard_normal(image).astype(np.float32).astype(np.float64)
+    scale, bias = np.ones(chan), np.zeros(chan)
+    got = Norm("batchnorm", h, image, np.float32).execute(h, {"x": x, "scale": scale, "bias": bias})
+    y = _torch_bn(x, scale, bias, np.zeros(image))[0]
+    assert got["y"].dtype == np.float32 and got["inv"].dtype == np.float32
+    np.testing.assert_allclose(got["y"], y.astype(np.float32), rtol=2e-7, atol=1e-6)
+
+
+def test_batchnorm_training_passes_ask_for_a_workspace_and_a_short_one_is_refused(h, rule):
+    n = Norm("batchnorm", h, (2, 3, 4, 4))
+    need = n.g.get_workspace_size()
+    assert need > 0 and Norm("batchnorm_inference", h, (2, 3, 4, 4)).g.get_workspace_size() == 0
+    arrays = {"x": RNG.standard_normal((2, 3, 4, 4)), "scale": np.ones((1, 3, 1, 1)),
+              "bias": np.zeros((1, 3, 1, 1))}
+    with pytest.raises(ValueError, match="the plan needs"):
+        n.execute(h, arrays, ws=cupy.empty(need - 1, dtype=np.uint8))
+    rule("workspace")
+    n.execute(h, arrays, ws=cupy.empty(need - 1, dtype=np.uint8))
+
+
+def test_batchnorm_capture_records_execute_and_replays_on_new_data(h):
+    image = (2, 3, 4, 5)
+    n = Norm("batchnorm", h, image)
+    X, S, B = cupy.zeros(image), cupy.ones((1, 3, 1, 1)), cupy.zeros((1, 3, 1, 1))
+    Y, M, V = cupy.zeros(image), cupy.zeros((1, 3, 1, 1)), cupy.zeros((1, 3, 1, 1))
+    ws = cupy.empty(n.g.get_workspace_size(), dtype=np.uint8)
+    s = cupy.cuda.get_current_stream()
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
+        s.begin_capture()
+        n.g.execute({n.ins["x"]: X, n.ins["scale"]: S, n.ins["bias"]: B, n.outs["y"]: Y, n.outs["mean"]: M,
+                     n.outs["inv"]: V}, ws, handle=h)
+        graph = s.end_capture()
+    for _ in range(2):
+        x = RNG.standard_normal(image)
+        X.set(x, stream=s)
+        _standin.reset_host_syncs()
+        graph.launch(stream=s)
+        assert _standin.host_syncs() == {}
+        s.synchronize()
+        np.testing.assert_allclose(Y.get(), _torch_bn(x, np.ones(3), np.zeros(3), np.zeros(image))[0],
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_batchnorm_ports_the_standin_does_not_model_are_refused(h):
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.DOUBLE, handle=h)
+    x, c = g.tensor(dim=[2, 3, 4, 4]), g.tensor(dim=[1, 3, 1, 1])
+    eps = g.tensor_scalar(1e-5, cudnn.data_type.DOUBLE)
+    with pytest.raises(TypeError, match="running statistics"):
+        g.batchnorm(x, c, c, in_running_mean=c, in_running_var=c, epsilon=eps,
+                    momentum=g.tensor_scalar(0.1, cudnn.data_type.DOUBLE))
+    with pytest.raises(TypeError, match="peer_stats"):
+        g.batchnorm(x, c, c, epsilon=eps, peer_stats=[c])
+    with pytest.raises(TypeError, match="missing tensor argument"):
+        g.batchnorm(x, c, c)
+
+
+def test_a_pass_by_value_scalar_is_not_a_buffer(h):
+    n = Norm("batchnorm", h, (2, 3, 4, 4))
+    eps = n.eps
+    assert eps.is_pass_by_value and eps.pass_by_value == 1e-5
+    pack = {n.ins["x"]: cupy.zeros((2, 3, 4, 4)), n.ins["scale"]: cupy.ones((1, 3, 1, 1)),
+            n.ins["bias"]: cupy.zeros((1, 3, 1, 1)), n.outs["y"]: cupy.zeros((2, 3, 4, 4)),
+            n.outs["mean"]: cupy.zeros((1, 3, 1, 1)), n.outs["inv"]: cupy.zeros((1, 3, 1, 1)),
+            eps: cupy.zeros((1, 1, 1, 1))}
+    with pytest.raises(ValueError, match="pass-by-value scalar"):
+        n.g.execute(pack, cupy.empty(n.g.get_workspace_size(), dtype=np.uint8), handle=h)
+
+
+def test_what_no_norm_engine_supports_raises_cudnn_graph_not_supported(h):
+    d, f = cudnn.data_type.DOUBLE, cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=d, compute_data_type=d, handle=h)
+    x, c = g.tensor(dim=[2, 3, 4, 4]), g.tensor(dim=[1, 3, 1, 1], data_type=f)
+    for o in g.batchnorm(x, c, c, epsilon=g.tensor_scalar(1e-5, d))[:3]:
+        o.set_output(True)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="per-channel tensors"):
+        g.build([cudnn.heur_mode.A])
+    g = cudnn.pygraph(io_data_type=d, compute_data_type=d, handle=h)
+    x, c = g.tensor(dim=[2, 3, 4, 4]), g.tensor(dim=[1, 3, 1, 1])
+    y = g.batchnorm_inference(x, c, c, c, c)
+    g.conv_fprop(image=y, weight=g.tensor(dim=[3, 3, 1, 1]), padding=[0, 0], stride=[1, 1],
+                 dilation=[1, 1]).set_output(True)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="alone|one norm node"):
+        g.build([cudnn.heur_mode.A])
+    g = cudnn.pygraph(io_data_type=d, compute_data_type=d, handle=h)
+    x, c = g.tensor(dim=[2, 3, 4, 4]), g.tensor(dim=[1, 4, 1, 1])
+    g.batchnorm_inference(x, c, c, c, c).set_output(True)
+    with pytest.raises(RuntimeError, match="CUDNN_STATUS_BAD_PARAM"):
+        g.validate()

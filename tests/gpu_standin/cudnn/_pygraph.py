@@ -1,4 +1,5 @@
-"""``cudnn.pygraph`` of the stand-in: tensors, convolution nodes, the planning sequence and ``execute``.
+"""``cudnn.pygraph`` of the stand-in: tensors, pass-by-value scalars, convolution and batch-norm nodes
+(:mod:`cudnn._bn`), the planning sequence and ``execute``.
 
 Planning is modelled as host work that must not happen inside a stream capture (graph building and engine
 choice belong to set-up; real plan finalisation allocates and loads kernels, which a capture refuses).
@@ -7,7 +8,7 @@ the workspace, checked for stream order by the CuPy stand-in, and under capture 
 replay that recomputes from the buffers' contents at every graph launch.
 """
 import cudnn
-from cudnn import _bind, _conv
+from cudnn import _bind, _bn, _conv
 from cudnn.graph_types import Tensor
 
 _PORTS = {"conv_fprop": ("image", "weight"), "conv_dgrad": ("loss", "filter"),
@@ -25,10 +26,19 @@ def _row_major(dim):
 
 
 class _Node:
-    def __init__(self, op, name, inputs, output, params, compute):
-        self.op, self.name, self.inputs, self.output = op, name, inputs, output
+    def __init__(self, op, name, inputs, outputs, params, compute):
+        self.op, self.name, self.inputs, self.outputs = op, name, inputs, outputs
         self.params, self.compute = params, compute
         self.geometry = None        # set by validate: (pre, post, stride, dilation)
+
+    @property
+    def output(self):
+        """A convolution's one output."""
+        return next(iter(self.outputs.values()))
+
+    @property
+    def norm(self):
+        return self.op in _bn.OPS
 
 
 class pygraph:
@@ -102,9 +112,56 @@ class pygraph:
         dims = out_dims if out_dims is not None else _bind.infer_dims(op, a.dim, b.dim, params)
         if dims:  # as the real builder, which infers what it can at once (a filter gradient's dims it cannot)
             out.dim, out.stride = [int(d) for d in dims], _row_major(dims)
-        self._nodes.append(_Node(op, name, dict(zip(ports, (a, b))), out, params,
+        self._nodes.append(_Node(op, name, dict(zip(ports, (a, b))), {_OUT[op]: out}, params,
                                  compute_data_type or self.compute_data_type))
         return out
+
+    def tensor_scalar(self, value, scalar_type, name=""):
+        """A pass-by-value scalar (e.g. a norm's epsilon): its value is part of the graph, never a buffer."""
+        if not isinstance(scalar_type, cudnn.data_type) or scalar_type is cudnn.data_type.NOT_SET:
+            raise TypeError(f"tensor_scalar: scalar_type must be a cudnn.data_type, got {scalar_type!r}")
+        return self._new_tensor(name=name or f"scalar_{len(self._tensors)}", dim=[1, 1, 1, 1],
+                                stride=[1, 1, 1, 1], is_pass_by_value=True, pass_by_value=value,
+                                scalar_type=scalar_type)
+
+    def _norm(self, op, given, name, compute_data_type, out_dims):
+        inputs = _bn.ports(op, given)
+        for port, t in inputs.items():
+            if not isinstance(t, Tensor) or t.owner is not self:
+                raise TypeError(f"{op}(): {port} must be a tensor of this graph, got {type(t).__name__}")
+        name = name or f"{op}.{len(self._nodes)}"
+        dims = dict(_bn.output_dims(op, inputs), **(out_dims or {}))
+        outs = {}
+        for port, suffix in zip(_bn.OPS[op][1], _bn.OPS[op][2]):
+            o = outs[port] = self._new_tensor(name=f"{name}::{suffix}", is_virtual=True)
+            if dims.get(port):
+                o.dim, o.stride = [int(d) for d in dims[port]], _row_major(dims[port])
+        self._nodes.append(_Node(op, name, inputs, outs, {}, compute_data_type or self.compute_data_type))
+        if len(outs) == 1:
+            return outs[_bn.OPS[op][1][0]]
+        # a multi-output builder returns a list, None for the outputs not asked for (running statistics)
+        return list(outs.values()) + ([None, None] if op == "batchnorm" else [])
+
+    def batchnorm(self, input, scale, bias, in_running_mean=None, in_running_var=None, epsilon=None,
+                  momentum=None, *, name="", compute_data_type=None, out_dims=None):
+        """-> [Y, MEAN, INV_VARIANCE, None, None] (the running statistics' outputs are not modelled)."""
+        given = dict(input=input, scale=scale, bias=bias, in_running_mean=in_running_mean,
+                     in_running_var=in_running_var, epsilon=epsilon, momentum=momentum)
+        return self._norm("batchnorm", given, name, compute_data_type, out_dims)
+
+    def batchnorm_backward(self, grad, input, scale, mean, inv_variance, *, name="", compute_data_type=None,
+                           out_dims=None):
+        """-> [DX, DSCALE, DBIAS]."""
+        return self._norm("batchnorm_backward", dict(grad=grad, input=input, scale=scale, mean=mean,
+                                                     inv_variance=inv_variance),
+                          name, compute_data_type, out_dims)
+
+    def batchnorm_inference(self, input, mean, inv_variance, scale, bias, *, name="", compute_data_type=None,
+                            out_dims=None):
+        """-> Y."""
+        return self._norm("batchnorm_inference", dict(input=input, mean=mean, inv_variance=inv_variance,
+                                                      scale=scale, bias=bias),
+                          name, compute_data_type, out_dims)
 
     def conv_fprop(self, image, weight, padding=None, pre_padding=None, post_padding=None, stride=None,
                    dilation=None, convolution_mode=None, *, name="", compute_data_type=None, out_dims=None):
@@ -124,7 +181,7 @@ class pygraph:
     # ---------------------------------------------------------------- planning
     def validate(self):
         for n in self._nodes:
-            _bind.validate_node(n)
+            (_bn.validate if n.norm else _bind.validate_node)(n)
         for t in self._tensors:
             t.validate()
         self._validated = True
@@ -164,8 +221,7 @@ class pygraph:
         self._planning("check_support")
         if not self._planned:
             raise RuntimeError("check_support() before create_execution_plans(): no plan to check")
-        for n in self._nodes:
-            _bind.check_node_support(n)
+        self._check_nodes()
 
     def build_plans(self, *args, ctx=None, **kwargs):
         self._planning("build_plans")
@@ -174,9 +230,18 @@ class pygraph:
                 raise TypeError(f"build_plans: a policy must be a cudnn.build_plan_policy, got {a!r}")
         if not self._planned:
             self.create_execution_plans()
-        for n in self._nodes:
-            _bind.check_node_support(n)
+        self._check_nodes()
         self._built = True
+
+    def _check_nodes(self):
+        for n in self._nodes:
+            if n.norm:
+                _bn.check_support(n, self._nodes)
+            elif any(m.norm for m in self._nodes):
+                raise cudnn.cudnnGraphNotSupportedError(
+                    f"{n.name}: the cuDNN stand-in runs a norm node alone in its graph")
+            else:
+                _bind.check_node_support(n)
 
     def build(self, heuristics=None, ctx=None):
         self.build_operation_graph()
@@ -190,7 +255,7 @@ class pygraph:
         if not self._built:
             raise RuntimeError("Call build() first")
         _bind.no_overrides(override_uids, override_shapes, override_strides)
-        return sum(_bind.node_workspace(n) for n in self._nodes)
+        return sum(_workspace(n) for n in self._nodes)
 
     # ---------------------------------------------------------------- execution
     def execute(self, tensor_dict, workspace=None, handle=None, override_uids=None, override_shapes=None,
@@ -209,11 +274,16 @@ class pygraph:
         for t in self._tensors:
             if t.is_virtual:
                 continue
+            if t.is_pass_by_value:
+                if t.uid in by_uid:
+                    raise ValueError(f"tensor uid {t.uid} ({t.name!r}) is a pass-by-value scalar: its value "
+                                     f"is part of the graph, not a buffer of the variant pack")
+                continue
             if t.uid not in by_uid:
                 raise ValueError(f"the variant pack is missing a buffer for tensor uid {t.uid} ({t.name!r})")
             alloc, views[t.uid] = _bind.device_view(t, by_uid[t.uid], dev)
-            (writes if any(n.output is t for n in self._nodes) else reads).append(alloc)
-        need = sum(_bind.node_workspace(n) for n in self._nodes)
+            (writes if any(t in n.outputs.values() for n in self._nodes) else reads).append(alloc)
+        need = sum(_workspace(n) for n in self._nodes)
         ws = _bind.workspace_allocation(workspace, need, dev)
         if ws is not None:
             writes.append(ws)
@@ -230,7 +300,14 @@ class pygraph:
         run()
 
 
+def _workspace(n):
+    return _bn.workspace(n) if n.norm else _bind.node_workspace(n)
+
+
 def _run_node(n, views):
+    if n.norm:
+        _bn.run(n, views)
+        return
     pre, post, stride, dil = n.geometry
     a, b = (views[t.uid] for t in n.inputs.values())
     out = views[n.output.uid]

@@ -3,10 +3,12 @@ dataclass in cuDNN Frontend 1.32; the stand-in keeps the attributes and chainabl
 
 
 class Tensor:
-    """A tensor of a ``pygraph``: name, uid, dims and strides in elements, data type, and whether it is a
-    virtual intermediate (op outputs start virtual; ``set_output(True)`` makes one a caller buffer)."""
+    """A tensor of a ``pygraph``: name, uid, dims and strides in elements, data type, whether it is a
+    virtual intermediate (op outputs start virtual; ``set_output(True)`` makes one a caller buffer), and for
+    a pass-by-value scalar its value and type."""
 
-    def __init__(self, name="", data_type=None, dim=(), stride=(), is_virtual=False, uid=0, owner=None):
+    def __init__(self, name="", data_type=None, dim=(), stride=(), is_virtual=False, uid=0, owner=None,
+                 is_pass_by_value=False, pass_by_value=None, scalar_type=None):
         self.name = name
         self.data_type = data_type
         self.dim = list(dim)
@@ -14,6 +16,10 @@ class Tensor:
         self.is_virtual = is_virtual
         self.uid = uid
         self.owner = owner          # the graph: a setter after planning is refused there
+        # a scalar whose value is part of the graph (pygraph.tensor_scalar), never a buffer
+        self.is_pass_by_value = is_pass_by_value
+        self.pass_by_value = pass_by_value
+        self.scalar_type = scalar_type
 
     def _guard(self, what="mutate a tensor attribute"):
         if self.owner is not None:
