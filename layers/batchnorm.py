@@ -4,7 +4,9 @@
 that share the same samples and channels but hold different parts of space (exactly a single-GPU BN of
 that sample block — the default of Dryden et al. when a sample is split). ``sync: global`` aggregates over
 all ranks holding the batch (synchronised BN: identical to single-rank BN of the whole mini-batch).
-Channels may be split (statistics are per channel). Evaluation uses running statistics.
+Channels may be split (statistics are per channel). Evaluation uses running statistics. A GPU run whose
+kernel set is cuDNN Frontend's (``runtime.kernels``) computes with its batch-norm plans
+(:mod:`lbannpy.layers.kernels.cudnn_bn`: fused where the statistics are one rank's block).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from lbannpy.config_types import Float, Key, Str
 from lbannpy.dist import Distribution, shape_str
 
 from . import kernels as K
+from .kernels import cudnn_bn
 from .base import Layer, LayerError
 from .registry import Inferred, LayerArgs, LayerSpec, ShapeError, register
 from .state import StateTensor, is_writer
@@ -76,6 +79,15 @@ class BatchNorm(Layer):
                                     if name != "c"))
         self.running_mean = xp.zeros(cbox[1] - cbox[0])
         self.running_var = xp.ones(cbox[1] - cbox[0])
+        # cuDNN Frontend's batch-norm plans where the run's kernel set is cuDNN's (a GPU run: select.py)
+        cudnn_set = getattr(self.ctx.conv_kernels, "name", None) == "cudnn" and xp.__name__ != "numpy"
+        self.cudnn = cudnn_bn.LayerPlans(self.eps, self.momentum) if cudnn_set else None
+
+    @property
+    def kernel_set(self) -> str | None:
+        """The kernels this layer computes with where they are not the family's own (``summary.json``):
+        ``cudnn`` while every pass it ran was cuDNN Frontend's."""
+        return None if self.cudnn is None else self.cudnn.name
 
     def state(self) -> dict:
         """Not collective: the running statistics as tensors of shape (groups, C), one row per group of
@@ -111,28 +123,43 @@ class BatchNorm(Layer):
     def fp_compute(self, xs):
         (x,) = xs
         relu = self.fuse_relu
+        bn = self.cudnn if x.size else None
+        gamma, beta = self.gamma.value, self.beta.value
         if not self.train:
             self._saved = None
-            return K.bn_forward(x, self.running_mean, self.running_var, self.gamma.value, self.beta.value,
-                                self.eps, relu=relu)
+            y = None if bn is None else bn.forward_eval(x, self.running_mean, self.running_var, gamma, beta,
+                                                        relu)
+            return y if y is not None else K.bn_forward(x, self.running_mean, self.running_var, gamma, beta,
+                                                        self.eps, relu=relu)
         if x.shape != self.local_block:
             raise LayerError(f"layer '{self.name}' (batchnorm) on rank {self.ctx.rank}: input block "
                              f"{tuple(x.shape)} is not the block {self.local_block} of {self.in_shapes[0]} "
                              f"under {self.in_dists[0]}; batches must have the configured batch size")
+        count = self.stat_count
+        # the running statistics are written in place: the buffers stay those of set-up (capture-safe)
+        if bn is not None and self.stats_comm.size == 1 and count > 1:  # cuDNN's fused pass (cudnn_bn)
+            done = bn.forward_local(x, gamma, beta, count, self.running_mean, self.running_var, relu)
+            if done is not None:
+                self._saved = (x, None, None, count, done[0] if relu else None, done[1])
+                return done[0]
         tot = K.bn_local_sums(x)
         if self.stats_comm.size > 1:
             tot = self.stats_comm.allreduce(tot)
-        count = self.stat_count
-        # the running statistics are written in place: the buffers stay those of set-up (capture-safe)
-        y, mean, var, _, _ = K.bn_train_forward(
-            x, tot, count, self.gamma.value, self.beta.value, self.eps, self.momentum, self.running_mean,
-            self.running_var, relu=relu, in_place=True)
-        self._saved = (x, mean, var, count, y if relu else None)
+        done = None if bn is None else bn.forward_reduced(x, tot, count, gamma, beta, self.running_mean,
+                                                          self.running_var, relu)
+        if done is None:
+            done = K.bn_train_forward(x, tot, count, gamma, beta, self.eps, self.momentum, self.running_mean,
+                                      self.running_var, relu=relu, in_place=True)
+        y, mean, var = done[:3]
+        self._saved = (x, mean, var, count, y if relu else None, None)
         return y
 
     def bp_compute(self, dy):
-        x, mean, var, count, y = self._saved
+        x, mean, var, count, y, planned = self._saved
         gamma = self.gamma.value
+        if planned is not None:  # the forward was cuDNN's fused pass: so is the backward
+            self._saved = None
+            return [self.cudnn.backward_local(dy, planned, gamma, self.gamma.grad, self.beta.grad, y)]
         tot = K.bn_backward_sums(dy, x, mean, var, self.eps, y=y)
         # gradients of scale/shift are partial sums over this block; the grad sync sums them
         K.bn_add_param_grads(tot, self.gamma.grad, self.beta.grad)

@@ -9,7 +9,8 @@ calibration of the run's machine (``parallel.machine``, written by ``python -m l
 --kernels``) timed, the set it found faster there (:func:`kernel_table`). Every rank applies the same rule
 to the same installation and machine file, so all ranks of a layer agree. The sets compute the same
 convolutions (equal to float32 round-off, float64 to 1e-10: ``tests/test_kernels_aten.py``,
-``tests/gpu/test_cudnn_gpu.py``). A CPU run never imports ``cudnn``.
+``tests/gpu/test_cudnn_gpu.py``). A CPU run never imports ``cudnn``. Where the run's set is ``cudnn``, the
+batch-norm layers take cuDNN Frontend's batch-norm plans too (:mod:`.cudnn_bn`).
 """
 from __future__ import annotations
 
@@ -167,9 +168,13 @@ _FAMILY: dict = {}
 
 def layer_set(layer) -> str:
     """The kernels ``layer`` computes with: a convolution its set's (``cudnn``, ``aten``; lbannpy's own is
-    ``own`` on a GPU, on the host ``c`` where its compiled kernels are built, else ``numpy``); any other
+    ``own`` on a GPU, on the host ``c`` where its compiled kernels are built, else ``numpy``); a layer
+    with a ``kernel_set`` that says one, that set (batch-norm on cuDNN Frontend); any other
     layer ``own`` on a GPU (lbannpy's CuPy kernels) and on the host ``c`` where a kernel module its code
     calls has its compiled kernels built (``USE_COMPILED``), else ``numpy``."""
+    named = getattr(layer, "kernel_set", None)  # a layer that says its set (batch-norm on cuDNN)
+    if named is not None:
+        return named
     host = getattr(layer.ctx.xp, "__name__", "") == "numpy"
     kern = getattr(layer, "kern", None)
     if kern is not None and kern.name != "own":

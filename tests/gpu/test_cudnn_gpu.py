@@ -114,13 +114,14 @@ def _layer_kernels(work, tag) -> dict:
 
 
 def test_auto_picks_cudnn_on_a_gpu_and_captures(work, gpu_run):
-    """Where ``cudnn`` imports, ``runtime.kernels: auto`` (the default) takes it and ``cuda_graph: auto``
-    (the default) captures the step; summary.json names every layer's kernels."""
+    """Where ``cudnn`` imports, ``runtime.kernels: auto`` (the default) takes it, for the convolutions and
+    the batch-norm (:mod:`lbannpy.layers.kernels.cudnn_bn`), and ``cuda_graph: auto`` (the default)
+    captures the step; summary.json names every layer's kernels."""
     p = _auto_run(work, gpu_run, "auto-cudnn", "-m", "lbannpy.train")
     assert len(G.lines_with(p.stderr, "step: one CUDA graph per input shape, captured after 2 eager steps "
                                       "(runtime.cuda_graph auto)")) == 1, p.stderr
     assert "not capturable" not in p.stderr
-    assert _layer_kernels(work, "auto-cudnn") == {"c1": "cudnn", "b1": "own", "r1": "own", "p1": "own",
+    assert _layer_kernels(work, "auto-cudnn") == {"c1": "cudnn", "b1": "cudnn", "r1": "own", "p1": "own",
                                                    "f1": "own"}
 
 
