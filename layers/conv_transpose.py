@@ -34,7 +34,7 @@ import math
 
 from lbannpy.config_types import REQUIRED, Bool, Int, Key, PerDim
 from lbannpy.dist import Distribution, DistributionError, block_starts, box_size, shape_str
-from lbannpy.packing import pack
+from lbannpy.packing import pack, relayout
 from lbannpy.stencil import Stencil
 
 from .base import LayerError
@@ -245,6 +245,25 @@ class ConvTranspose(HaloLayer):
         (:func:`.kernels.aten.conv_transpose_forward`)."""
         return self.kern is not None and self.__dict__.get("_native", False)
 
+    @property
+    def channels_last(self) -> bool:
+        """Whether the native operator runs on channels-last operands: host arrays, 2-D or 3-D, one group of
+        more than one input channel, and the set's layout ``channels_last``, which only a calibration of the
+        run's machine names for the layer's shape (``bench calibrate --kernels``: oneDNN's NCHW transposed
+        convolution is several times slower than its channels-last one at some shapes, its copies
+        included). Never timed in a run: the layouts round differently."""
+        hit = self.__dict__.get("_cl")
+        if hit is None:
+            x = self.in_shapes[0][:1] + (self._cin_local,) + tuple(self.in_shapes[0][2:])
+            hit = self._cl = bool(self.native and getattr(self.ctx.xp, "__name__", "") == "numpy"
+                                  and CT.transposed_channels_last(x, self.local_groups, self.kern.layout))
+        return hit
+
+    def _laid_out(self, a, name: str):
+        """``a`` copied channels-last into the workspace ``name`` (:func:`lbannpy.packing.relayout`)."""
+        buf = self.ctx.workspace(name, CT.channels_last_shape(a.shape), a.dtype)
+        return relayout(CT.channels_last_view(buf, a.ndim), a)
+
     # -- forward ---------------------------------------------------------------------------------------
     def _scatter(self, x, shape, out=None, padding=0):
         """The adjoint convolution's data gradient of ``x``: the window of ``Y`` of ``shape`` it writes
@@ -270,6 +289,8 @@ class ConvTranspose(HaloLayer):
             x = ctx.xp.ascontiguousarray(x[:, self._cin])
         self._x = x if self.train else None
         if self.native:
+            if self.channels_last:  # its result comes back NCHW (:func:`.kernels.aten._back`)
+                x = self._laid_out(x, "conv_transpose input channels-last")
             return CT.conv_transpose_forward(x, self.w.value, None if self.b is None else self.b.value,
                                              self.stride, self.padding, self.output_padding, self.dilation,
                                              self.local_groups)
@@ -379,9 +400,15 @@ class ConvTranspose(HaloLayer):
     def bp_compute(self, dy):
         x, self._x = self._x, None
         if self.native:
-            dx, dw, db = CT.conv_transpose_backward(dy, x, self.w.value, self.b is not None,
+            bias, g = self.b is not None, dy
+            if self.channels_last:  # the bias gradient summed from the NCHW dL/dY (oneDNN's is slow there)
+                x = self._laid_out(x, "conv_transpose input channels-last")
+                g, bias = self._laid_out(dy, "conv_transpose output gradient channels-last"), False
+            dx, dw, db = CT.conv_transpose_backward(g, x, self.w.value, bias,
                                                     self.needs_input_grad, self.stride, self.padding,
                                                     self.output_padding, self.dilation, self.local_groups)
+            if self.b is not None and not bias:
+                db = _channel_sums(dy)
             pending = self._reduce_start(dx)
             self.w.accumulate(dw)
             if db is not None:

@@ -154,6 +154,15 @@ def takes_channels_last(x_shape, w_shape, calibrated: str | None = None) -> bool
     return calibrated == "channels_last" and has_channels_last(x_shape, w_shape)
 
 
+def transposed_channels_last(x_shape, groups: int, calibrated: str | None = None) -> bool:
+    """Whether a host transposed convolution of the input ``x_shape`` goes channels-last: 2-D or 3-D, one
+    group of more than one input channel, as :data:`LAYOUT` forces, else where ``calibrated`` (the layout of
+    the machine row of the layer's shape) says ``channels_last``. Nothing is timed."""
+    if len(x_shape) not in (4, 5) or x_shape[1] == 1 or groups != 1:
+        return False
+    return (LAYOUT if LAYOUT is not None else calibrated) == "channels_last"
+
+
 # the ATen operators themselves (not torch.nn.functional / torch.nn.grad, whose Python layers cost about as
 # much as a small convolution): convolution, and convolution_backward with an output mask, which computes
 # only the gradients asked for. Each through its compiled entry point: torch.convolution (a C function) and

@@ -120,22 +120,30 @@ def test_upsample_forward_and_backward_are_adjoint(comm, xp, shape):
 
 
 @pytest.mark.timeout(240)
-def test_conv_transpose_on_aten_kernels_matches_pytorch(comm):
+@pytest.mark.parametrize("layout", [None, "channels_last"], ids=["calibrated", "channels-last"])
+def test_conv_transpose_on_aten_kernels_matches_pytorch(comm, monkeypatch, layout):
     """Under ``runtime.kernels: aten`` the layer runs PyTorch's transposed convolution itself where space is
-    whole, and ATen's convolutions on its windows where it is split: every case of the family equals
-    PyTorch as with lbannpy's kernels."""
+    whole (on channels-last copies of its operands where that layout is the one taken), and ATen's
+    convolutions on its windows where it is split: every case of the family equals PyTorch as with lbannpy's
+    kernels."""
     pytest.importorskip("torch")
     from case_sets.transpose import cases
     from layer_cases import compare
 
-    bad, native = [], 0
+    from lbannpy.layers.kernels import aten
+
+    monkeypatch.setattr(aten, "LAYOUT", layout)
+    bad, native, cl = [], 0, 0
     for case in cases(comm.size):
         if not case.name.startswith("convT"):
             continue
         models = []
         bad += compare(case, comm, kernels="aten", out=models)
         native += sum(bool(getattr(lay, "native", False)) for lay in models[0].layers)
-    assert_all(comm, not bad and native > 0, "\n".join(bad) or "no layer ran ATen's transposed convolution")
+        cl += sum(bool(getattr(lay, "native", False) and lay.channels_last) for lay in models[0].layers)
+    ran = native > 0 and (layout is None) == (cl == 0)
+    assert_all(comm, not bad and ran, "\n".join(bad) or f"{native} layer(s) ran ATen's transposed "
+                                                         f"convolution, {cl} of them channels-last")
 
 
 @pytest.mark.timeout(240)
