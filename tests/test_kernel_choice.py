@@ -190,3 +190,35 @@ def test_calibrate_refuses_an_unknown_model_at_once(tmp_path):
                         "--kernels", "nosuchnet"], capture_output=True, text=True, timeout=60, env=ENV)
     assert r.returncode != 0 and "--kernels" in r.stderr and "nosuchnet" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "m.yaml").exists()
+
+
+def test_calibration_names_a_transposed_convolutions_host_layout(tmp_path, monkeypatch):
+    """``bench calibrate --kernels`` times a transposed convolution whose space is whole on ATen's set in
+    both host layouts (the layer itself, :func:`lbannpy.bench.layout_choice.layer_layouts`) and records
+    ``kernel: aten`` with ``layout: channels_last`` where that layout is the faster by the margin; a run on
+    that machine file hands the layer that layout (its native operator on channels-last operands)."""
+    pytest.importorskip("torch")
+    from lbannpy.bench import calibrate_layers as cl
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.layers.kernels.select import kernel_table
+
+    spec = tmp_path / "up.yaml"
+    spec.write_text(yaml.safe_dump({
+        "model": {"input": {"channels": 4, "spatial": [8, 8]},
+                  "layers": [{"name": "t", "type": "conv_transpose", "filters": 4, "kernel": 2, "stride": 2}]},
+        "trainer": {"batch_size": 2}}))
+    asked = []
+
+    def layer_layouts(typ, params, in_shape, dtype="float32"):
+        asked.append((typ, tuple(in_shape)))
+        return 2.0, 1.0  # channels-last twice as fast
+    monkeypatch.setattr(cl, "layer_layouts", layer_layouts)
+    rows, _ = cl.measure_split_layers(SingleCommunicator(), np, [str(spec)], quick=True)
+    mine = [r for r in rows if r["type"] == "conv_transpose"]
+    whole = [r for r in mine if "split" not in r]
+    assert len(whole) == 1 and whole[0]["kernel"] == "aten" and whole[0]["layout"] == "channels_last", mine
+    assert asked and all(t == "conv_transpose" for t, _ in asked)
+    m = machine_from_dict(_tree(rows))
+    table = kernel_table("auto", "cpu", m)
+    key = ("conv_transpose", (2, 4, 8, 8), (2, 4, 16, 16))
+    assert table[key].name == "aten" and table[key].layout == "channels_last"

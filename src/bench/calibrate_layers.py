@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from .kernel_choice import layout_of, time_sets
+from .layout_choice import layer_layouts, layout_choice
 from .layers import MODEL_RUNS, QUICK_RUNS, LayerShape
 
 SPLIT_DIMS = ("n", "c", "h")  # one-dimension splits timed (the planner keeps h >= w: w alone never comes)
@@ -105,9 +107,11 @@ def conv_problem(node, dist, out_local: tuple) -> LayerShape | None:
                       tuple(w.stride for w in dims), tuple(pads), tuple(w.dilation for w in dims))
 
 
-def time_layer(xp, typ: str, params: dict, in_local: tuple, reps: int) -> tuple[tuple, float, float] | None:
+def time_layer(xp, typ: str, params: dict, in_local: tuple, reps: int, kernels=None
+               ) -> tuple[tuple, float, float] | None:
     """``(output shape, forward s, backward s)`` of the registered layer on ``in_local`` on this rank alone
-    (medians after a warm-up; at least ``reps`` calls, more for short ones, about 50 ms in all)."""
+    (medians after a warm-up; at least ``reps`` calls, more for short ones, about 50 ms in all), its
+    convolutions on ``kernels`` where given (a :class:`~lbannpy.layers.kernels.select.ConvKernels`)."""
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.comm import SingleCommunicator
     from lbannpy.dist import Distribution
@@ -116,6 +120,8 @@ def time_layer(xp, typ: str, params: dict, in_local: tuple, reps: int) -> tuple[
     from lbannpy.tensor import DistTensor
 
     ctx = LayerContext(SingleCommunicator(), xp, "float32", seed=0)
+    if kernels is not None:
+        ctx.conv_kernels = kernels
     layer = layer_classes()[typ]("block", **params)
     d = Distribution.make(len(in_local), 1)
     layer.configure(ctx, [in_local], [d], d)
@@ -147,6 +153,27 @@ def _block_params(node, out_local: tuple) -> dict:
         if key in params:
             params[key] = out_local[1]
     return params
+
+
+def _transposed_set(comm, xp, node, dist, in_local, out_local):
+    """Collective: ``(kernel set, its name, host layout)`` of a transposed convolution whose space is whole
+    (the layer runs ATen's operator itself) on the host where torch imports: ATen's set, ``channels_last``
+    where that layout times at least the margin faster on the slowest rank
+    (:func:`.layout_choice.layer_layouts`); ``(None, None, None)`` for every other block (its layer's
+    default kernels)."""
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.layers.kernels import aten
+    from lbannpy.layers.kernels.select import conv_kernels
+
+    if (node.type != "conv_transpose" or any(p > 1 for p in dist.split[2:]) or xp is not np
+            or not aten.available("cpu")):
+        return None, None, None
+    times = layer_layouts(node.type, _block_params(node, out_local), in_local)
+    every = comm.allgather_obj(times)
+    layout = None
+    if all(e is not None for e in every):
+        layout = layout_choice(*(max(e[i] for e in every) for i in range(2)))
+    return replace(conv_kernels("aten"), layout=layout or "nchw"), "aten", layout
 
 
 def measure_split_layers(comm, xp, items: list[str], quick: bool, repeats: int = 5
@@ -181,8 +208,9 @@ def measure_split_layers(comm, xp, items: list[str], quick: bool, repeats: int =
                 f, bd, bw = worst[kernel]
                 layout = layout_of(comm, shape) if kernel == "aten" else None  # the window a split builds
             else:
+                kernels, kernel, layout = _transposed_set(comm, xp, node, dist, in_local, out_local)
                 got = time_layer(xp, node.type, _block_params(node, out_local), in_local,
-                                 3 if quick else repeats)
+                                 3 if quick else repeats, kernels)
                 every = comm.allgather_obj(None if got is None or got[0] != out_local else got[1:])
                 if any(e is None for e in every):
                     continue

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .layout_choice import layout_choice, measure_layouts
+from .layout_choice import layer_layouts, layout_choice, measure_layouts
 from .timing import time_calls
 
 TARGET_NEW_RATIO = 1.3  # the new layer types' rows: each at most this times PyTorch's time
@@ -226,11 +226,15 @@ def new_row_missing(row: NewRow) -> str:
 
 def calibrated_set(row: NewRow, kernels):
     """``kernels`` as a run on a calibrated machine would hand them to the row's layer: for a convolution
-    on ATen's host set, with the layout ``bench calibrate --kernels`` records for its shape
-    (:func:`.kernel_choice.layout_of`: channels-last where that times at least its margin faster, both
-    layouts timed here and now); any other row's set as it is."""
-    if row.type != "conv" or kernels.name != "aten":
+    or a transposed convolution on ATen's host set, with the layout ``bench calibrate --kernels`` records
+    for its shape (channels-last where that times at least the margin faster, both layouts timed here and
+    now: :func:`.layout_choice.measure_layouts`, :func:`.layout_choice.layer_layouts`); any other row's
+    set as it is."""
+    if row.type not in ("conv", "conv_transpose") or kernels.name != "aten":
         return kernels
+    if row.type == "conv_transpose":  # the layer itself, as the calibration times it
+        times = layer_layouts(row.type, dict(row.params), row.shapes[0])
+        return kernels if times is None else replace(kernels, layout=layout_choice(*times))
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels import aten
 
@@ -280,7 +284,8 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
         layer.backward(dy)
 
     # the host layout of a convolution row's window, as calibrated (printed beside the row)
-    ours.layout = ctx.conv_kernels.layout if row.type == "conv" and ctx.conv_kernels.name == "aten" else ""
+    ours.layout = (ctx.conv_kernels.layout if row.type in ("conv", "conv_transpose")
+                   and ctx.conv_kernels.name == "aten" else "")
     out = {"ours": ours}
     for label, fmt in (("torch NCHW", torch.contiguous_format), ("torch NHWC", None)):
         if fmt is None:

@@ -61,3 +61,49 @@ def measure_layouts(x_shape, w_shape, stride, dilation, dtype="float32") -> tupl
 def layout_choice(nchw_s: float, channels_last_s: float) -> str:
     """The recorded layout of a shape whose two layouts took these times."""
     return "channels_last" if channels_last_s * CHANNELS_LAST_MARGIN <= nchw_s else "nchw"
+
+
+def layer_layouts(typ: str, params: dict, in_shape, dtype="float32") -> tuple[float, float] | None:
+    """``(NCHW s, channels-last s)``: CPU time of one forward and backward of the registered layer ``typ``
+    on one rank on ATen's host set with each layout (the layer's own copies included: what a run pays),
+    interleaved, the best of four rounds each after a warm-up; None where the layer takes no channels-last
+    layout at this shape (``channels_last`` stays false under that set). For the layers whose operator a
+    layout changes as a whole (the transposed convolution's native path)."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    # late: loaded when the command runs, so its --help and argument errors come without it
+    from lbannpy.comm import SingleCommunicator
+    from lbannpy.dist import Distribution
+    from lbannpy.layers.context import LayerContext
+    from lbannpy.layers.kernels.select import conv_kernels
+    from lbannpy.layers.registry import layer_classes
+    from lbannpy.tensor import DistTensor
+
+    in_shape = tuple(int(n) for n in in_shape)
+    d = Distribution.make(len(in_shape), 1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(in_shape).astype(dtype)
+    runs = []
+    for layout in ("nchw", "channels_last"):
+        ctx = LayerContext(SingleCommunicator(), np, dtype, seed=0)
+        ctx.conv_kernels = replace(conv_kernels("aten"), layout=layout)
+        layer = layer_classes()[typ]("layout", **params)
+        layer.configure(ctx, [in_shape], [d], d)
+        if layout == "channels_last" and not getattr(layer, "channels_last", False):
+            return None
+        dy = rng.standard_normal(layer.out_shape).astype(dtype)
+        runs.append((layer, DistTensor(x, in_shape, d, 0),
+                     DistTensor(dy, layer.out_shape, layer.out_dist, 0)))
+    best = [float("inf")] * 2
+    for r in range(5):
+        for i, (layer, xt, dyt) in enumerate(runs):
+            t0 = time.process_time()
+            layer.forward([xt])
+            layer.backward(dyt)
+            layer.ctx.timer.totals.clear()
+            if r:  # the first round builds oneDNN's primitives
+                best[i] = min(best[i], time.process_time() - t0)
+    return best[0], best[1]
