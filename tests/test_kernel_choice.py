@@ -205,7 +205,8 @@ def test_calibration_names_a_transposed_convolutions_host_layout(tmp_path, monke
     spec = tmp_path / "up.yaml"
     spec.write_text(yaml.safe_dump({
         "model": {"input": {"channels": 4, "spatial": [8, 8]},
-                  "layers": [{"name": "t", "type": "conv_transpose", "filters": 4, "kernel": 2, "stride": 2}]},
+                  "layers": [{"name": "t", "type": "conv_transpose", "filters": 4, "kernel": 2,
+                              "stride": 2}]},
         "trainer": {"batch_size": 2}}))
     asked = []
 
