@@ -41,14 +41,28 @@ def module():
 
 
 def available(device: str = "gpu") -> bool:
-    """Whether this set can run here: a GPU run and cuDNN Frontend imports (a CPU run never imports it)."""
-    if device != "gpu":
-        return False
-    try:
-        module()
-    except (ImportError, OSError):  # not installed, or its cuDNN library cannot be loaded
-        return False
-    return True
+    """Whether this set can run here: a GPU run, cuDNN Frontend imports and its cuDNN library answers (a
+    CPU run never imports it)."""
+    return device == "gpu" and missing() is None
+
+
+def missing() -> str | None:
+    """Why cuDNN Frontend cannot run here, or None: not installed, or installed without the cuDNN library
+    it loads (the frontend imports without it and fails at its first call into cuDNN, so that call is made
+    here, once: the library's version)."""
+    global _MISSING
+    if _MISSING is False:
+        try:
+            module().backend_version()
+            _MISSING = None
+        except ImportError as exc:
+            _MISSING = f"cuDNN Frontend is not installed ({exc})"
+        except Exception as exc:  # noqa: BLE001 - the library's own error, whatever its class
+            _MISSING = f"cuDNN Frontend cannot load the cuDNN library ({exc})"
+    return _MISSING
+
+
+_MISSING: str | None | bool = False  # False: not asked yet
 
 
 def set_tf32(on: bool) -> None:

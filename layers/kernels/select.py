@@ -104,8 +104,10 @@ def conv_kernels(choice: str = "own", device: str = "cpu") -> ConvKernels:
             return cudnn_set()
         if choice == "cudnn":
             raise KernelChoiceError("runtime.kernels: cudnn needs "
-                                    + ("cuDNN Frontend (pip install nvidia-cudnn-frontend, or lbannpy's gpu "
-                                       "extra)" if device == "gpu" else "runtime.device: gpu")
+                                    + (f"cuDNN Frontend with its cuDNN library (pip install "
+                                       f"nvidia-cudnn-frontend and the nvidia-cudnn-cuXX of your CUDA, or "
+                                       f"lbannpy's gpu extra): {cudnn.missing()}" if device == "gpu"
+                                       else "runtime.device: gpu")
                                     + "; use own or auto")
     if not aten.available(device):
         if choice == "aten":

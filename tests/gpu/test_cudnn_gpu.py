@@ -36,6 +36,9 @@ GPU = ("--set", "runtime.device=gpu")
 # a command that runs lbannpy.train with the cudnn module made unimportable (as where it is not installed)
 NO_CUDNN = ("-c", "import sys; sys.modules['cudnn'] = None; from lbannpy.train import main; "
                   "sys.exit(main(sys.argv[1:]))")
+# the frontend installed without the cuDNN library it loads: its first call into cuDNN raises
+NO_LIBRARY = ("-c", "import sys, cudnn; cudnn._NO_LIBRARY = 'Unable to dlopen libcudnn.so.9'; "
+                    "from lbannpy.train import main; sys.exit(main(sys.argv[1:]))")
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -125,25 +128,29 @@ def test_auto_picks_cudnn_on_a_gpu_and_captures(work, gpu_run):
                                                    "f1": "own"}
 
 
-def test_auto_without_cudnn_keeps_the_own_kernels_and_captures(work, gpu_run):
-    """Without cuDNN Frontend (and with no CUDA torch, as on the stand-in) ``auto`` is lbannpy's own kernels
-    as before, and the step is captured with the same line."""
-    p = _auto_run(work, gpu_run, "auto-own", *NO_CUDNN)
+@pytest.mark.parametrize("missing", ["frontend", "library"])
+def test_auto_without_cudnn_keeps_the_own_kernels_and_captures(work, gpu_run, missing):
+    """Without cuDNN Frontend, or with it but not the cuDNN library it loads (and with no CUDA torch, as on
+    the stand-in), ``auto`` is lbannpy's own kernels as before, and the step is captured with the same
+    line."""
+    p = _auto_run(work, gpu_run, f"auto-own-{missing}", *(NO_CUDNN if missing == "frontend" else NO_LIBRARY))
     assert len(G.lines_with(p.stderr, "step: one CUDA graph per input shape, captured after 2 eager steps "
                                       "(runtime.cuda_graph auto)")) == 1, p.stderr
-    assert _layer_kernels(work, "auto-own")["c1"] == "own"
+    assert _layer_kernels(work, f"auto-own-{missing}")["c1"] == "own"
 
 
-@pytest.mark.parametrize("where", ["cpu", "gpu-without-cudnn"])
+@pytest.mark.parametrize("where", ["cpu", "gpu-without-cudnn", "gpu-without-its-library"])
 def test_cudnn_where_it_cannot_run_is_one_line(work, gpu_run, where):
     cfg = G.config(work, f"cudnn-refused-{where}", G.BN_NET, steps=2, parallel={})
     cmd = ([PY, "-m", "lbannpy.train", cfg] if where == "cpu"
-           else [PY, *NO_CUDNN, cfg, *GPU])
+           else [PY, *(NO_CUDNN if where == "gpu-without-cudnn" else NO_LIBRARY), cfg, *GPU])
     p = gpu_run([*cmd, "--quiet", "--set", "runtime.kernels=cudnn"], check=False)
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     said = G.lines_with(p.stderr, "error")
     assert len(said) == 1 and "error: runtime.kernels: cudnn needs " in said[0], p.stderr
-    assert ("runtime.device: gpu" if where == "cpu" else "nvidia-cudnn-frontend") in said[0], said
+    why = {"cpu": "runtime.device: gpu", "gpu-without-cudnn": "cuDNN Frontend is not installed",
+           "gpu-without-its-library": "cannot load the cuDNN library (Unable to dlopen libcudnn.so.9)"}[where]
+    assert why in said[0] and (where == "cpu" or "nvidia-cudnn-frontend" in said[0]), said
     assert "Traceback" not in p.stderr
 
 

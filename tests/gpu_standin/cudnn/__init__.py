@@ -16,6 +16,14 @@ from cudnn._handle import Handle as Handle
 
 __version__ = "1.32.0+standin"
 _BACKEND = (9, 14, 0)
+#: None: the cuDNN library loaded; else the reason it did not (a test sets it: a frontend installed without
+#: the library, whose first call into cuDNN raises as the real module's does)
+_NO_LIBRARY = None
+
+
+def _library():
+    if _NO_LIBRARY is not None:
+        raise RuntimeError(_NO_LIBRARY)
 
 
 class cudnnGraphNotSupportedError(Exception):
@@ -57,10 +65,12 @@ class numerical_note(_enum.Enum):
 
 def backend_version():
     """The cuDNN library version as an int (major * 10000 + minor * 100 + patch, cuDNN 9's encoding)."""
+    _library()
     return _BACKEND[0] * 10000 + _BACKEND[1] * 100 + _BACKEND[2]
 
 
 def backend_version_string():
+    _library()
     return ".".join(str(v) for v in _BACKEND)
 
 
@@ -71,6 +81,7 @@ def _current_device():
 
 def create_handle():
     """A handle bound to the device current on the calling thread, on stream 0 until ``set_stream``."""
+    _library()
     return Handle(_handle.new_backend_handle(), _current_device(), 0)
 
 
