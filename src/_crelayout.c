@@ -8,7 +8,7 @@
  * 16 x 16 tiles, so each cache line of either side is touched once per tile. A copy moves bits: the result
  * is what NumPy's assignment gives, for any element type of 4 or 8 bytes.
  *
- *   copy(dst, src) -> bool   both arrays of the same shape (at most 6 dimensions) and item size; False
+ *   copy(dst, src) -> bool   both arrays of the same shape (at most 8 dimensions) and item size; False
  *                            (nothing written) where the two have the same fastest axis or an item size
  *                            other than 4 or 8, for the caller's plain assignment
  */
@@ -16,7 +16,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define MAXD 6
+#define MAXD 8
 #ifndef TILE_IN
 #define TILE_IN 16
 #endif
@@ -89,7 +89,7 @@ py_copy(PyObject *self, PyObject *args)
         PyBuffer_Release(&d);
         PyBuffer_Release(&s);
         PyErr_SetString(PyExc_ValueError, "relayout: the arrays differ in shape or item size, or have "
-                                          "more than 6 dimensions");
+                                          "more than 8 dimensions");
         return NULL;
     }
     Py_ssize_t count = 1;

@@ -90,7 +90,7 @@ def relayout(dst, src):
     compiled tiled copy, which NumPy's strided assignment is several times slower than; the bits are the
     same either way."""
     if (_crelayout is not None and type(dst) is np.ndarray and isinstance(src, np.ndarray)
-            and dst.dtype == src.dtype and dst.shape == src.shape and 2 <= dst.ndim <= 6
+            and dst.dtype == src.dtype and dst.shape == src.shape and 2 <= dst.ndim <= 8
             and not np.may_share_memory(dst, src) and _crelayout.copy(dst, src)):
         return dst
     dst[...] = src

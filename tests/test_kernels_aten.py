@@ -377,3 +377,36 @@ def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
             assert np.abs(np.asarray(ours) - ref).max() <= 1e-10 * np.abs(ref).max()
         layer.w.grad[...] = 0
         layer.b.grad[...] = 0
+
+
+@pytest.mark.parametrize("shape,k", [((2, 3, 7), (2,)), ((2, 4, 5, 6), (2, 2)), ((1, 3, 4, 3, 5), (2, 3, 2)),
+                                     ((3, 2, 4, 5), (3, 1))], ids=["1d", "2d", "3d", "2d-k3x1"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_transposed_convolution_whose_stride_is_its_kernel_is_one_product_each_way(shape, k, bias):
+    """A host transposed convolution with stride = kernel (no padding, no dilation, one group: a U-Net's
+    up-convolution) goes through one matrix product each way (:func:`aten.tiles`): output, input, filter and
+    bias gradients equal PyTorch's autograd in float64, a random bias included; other geometries do not take
+    it."""
+    torch = pytest.importorskip("torch")
+    from lbannpy.layers.kernels import aten
+
+    rng = np.random.default_rng(7)
+    f = 5
+    x, w = rng.standard_normal(shape), rng.standard_normal((shape[1], f) + k)
+    b = rng.standard_normal(f) if bias else None
+    assert aten.tiles(x.shape, w.shape, k, 0, 0, 1, 1)
+    assert not aten.tiles(x.shape, w.shape, k, 1, 0, 1, 1) and not aten.tiles(x.shape, w.shape, 1, 0, 0, 1, 1)
+    y = aten.conv_transpose_forward(x, w, b, k, 0, 0, 1, 1)
+    dy = rng.standard_normal(y.shape)
+    dx, dw, db = aten.conv_transpose_backward(dy, x, w, bias, True, k, 0, 0, 1, 1)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    tb = torch.tensor(b, requires_grad=True) if bias else None
+    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+          torch.nn.functional.conv_transpose3d)[len(k)]
+    ty = fn(tx, tw, tb, stride=k)
+    ty.backward(torch.tensor(dy))
+    for ours, ref in ((y, ty.detach()), (dx, tx.grad), (dw, tw.grad)) + (((db, tb.grad),) if bias else ()):
+        ref = ref.numpy()
+        assert ours.shape == ref.shape and np.abs(ours - ref).max() <= 1e-12 * np.abs(ref).max()
+    if not bias:
+        assert db is None

@@ -10,6 +10,7 @@ the surrounding CuPy work without a host synchronisation. Torch is imported on f
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import numpy as np
@@ -291,11 +292,64 @@ def _lists(*vals):
     return [list(int(x) for x in v) for v in vals]
 
 
+# -- a transposed convolution whose stride is its kernel (no padding, no dilation, one group: a U-Net's
+# up-convolution) on the host is one matrix product and a copy each way: every input pixel writes its own
+# k0 x k1 block of the output, ``Z = W^T X`` with ``W`` as (C_in, F*K) and ``X`` as (C_in, pixels) holds the
+# blocks, and the output is ``Z`` with its axes (F, k0, k1, S0, S1) laid out as (F, S0, k0, S1, k1)
+# (:func:`lbannpy.packing.relayout`). oneDNN's NCHW operator for it is several times slower than its
+# channels-last one, and the product needs neither layout's copies.
+def tiles(x_shape, w_shape, stride, padding, output_padding, dilation, groups: int) -> bool:
+    """Whether a host transposed convolution of this geometry takes the matrix-product path."""
+    k, nsp = tuple(w_shape[2:]), len(x_shape) - 2
+    return (groups == 1 and 1 <= nsp <= 3 and tuple(_tuple(stride, nsp)) == k
+            and not any(_tuple(padding, nsp)) and not any(_tuple(output_padding, nsp))
+            and all(v == 1 for v in _tuple(dilation, nsp)))
+
+
+def _blocks_view(a, nsp: int, k) -> tuple:
+    """``(a as (N*F, S0, k0, S1, k1, ...), the same axes of an (N*F, k0, k1, ..., S0, S1, ...) array)``:
+    the two sides of the copy between an output and its blocks."""
+    s = [n // kk for n, kk in zip(a.shape[2:], k)]
+    inter = (a.shape[0] * a.shape[1],) + tuple(v for pair in zip(s, k) for v in pair)
+    order = (0,) + tuple(i for d in range(nsp) for i in (1 + nsp + d, 1 + d))
+    return a.reshape(inter), order, (inter[0],) + tuple(k) + tuple(s)
+
+
+def _tiles_forward(x, w, b):
+    n, c, nsp, k = x.shape[0], x.shape[1], x.ndim - 2, tuple(w.shape[2:])
+    f, pix, kk = w.shape[1], math.prod(x.shape[2:]), math.prod(w.shape[2:])
+    z = torch().matmul(_t(w).reshape(c, f * kk).t(), _t(x).reshape(n, c, pix))  # (N, F*K, pixels)
+    if b is not None:
+        z += _t(b).repeat_interleave(kk).reshape(1, f * kk, 1)
+    y = np.empty((n, f) + tuple(sp * kd for sp, kd in zip(x.shape[2:], k)), dtype=x.dtype)
+    yv, order, zshape = _blocks_view(y, nsp, k)
+    relayout(yv, z.numpy().reshape(zshape).transpose(order))
+    return y
+
+
+def _tiles_backward(dy, x, w, bias: bool, want_dx: bool):
+    n, c, nsp, k = x.shape[0], x.shape[1], x.ndim - 2, tuple(w.shape[2:])
+    f, pix, kk = w.shape[1], math.prod(x.shape[2:]), math.prod(w.shape[2:])
+    dyv, order, zshape = _blocks_view(dy, nsp, k)
+    g = np.empty(zshape, dtype=dy.dtype)  # dL/dY in blocks: (N*F, k0, k1, ..., S0, S1, ...)
+    relayout(g.transpose(order), dyv)
+    tg, tw = torch().from_numpy(g).reshape(n, f * kk, pix), _t(w).reshape(c, f * kk)
+    dx = torch().matmul(tw, tg).numpy().reshape(x.shape) if want_dx else None
+    dw = torch().matmul(_t(x).reshape(n, c, pix), tg.transpose(1, 2)).sum(0) if n > 1 else \
+        torch().matmul(_t(x).reshape(c, pix), tg[0].t())
+    db = dy.reshape(n, f, -1).sum(axis=2).sum(axis=0) if bias else None
+    return dx, dw.numpy().reshape(w.shape), db
+
+
 @_on_device
 def conv_transpose_forward(x, w, b, stride, padding, output_padding, dilation, groups: int):
     """PyTorch's own transposed convolution (ATen ``convolution`` with ``transposed=True``), for a layer
     whose spatial dimensions are not split: ``conv_transpose`` of ``x`` (``(N, C_in, *S)``) with ``w``
-    (``(C_in, F/groups, *k)``) and ``b``."""
+    (``(C_in, F/groups, *k)``) and ``b``; on the host, one matrix product where the stride is the kernel
+    (:func:`tiles`)."""
+    if _host(x) and x.flags.c_contiguous and tiles(x.shape, w.shape, stride, padding, output_padding,
+                                                   dilation, groups):
+        return _tiles_forward(x, w, b)
     conv, _ = _ops()
     s, p, op, d = _lists(stride, padding, output_padding, dilation)
     y = conv(_t(x), _t(w), None if b is None else _t(b), s, p, d, True, op, int(groups))
@@ -305,7 +359,11 @@ def conv_transpose_forward(x, w, b, stride, padding, output_padding, dilation, g
 @_on_device
 def conv_transpose_backward(dy, x, w, bias: bool, want_dx: bool, stride, padding, output_padding, dilation,
                             groups: int):
-    """``(dL/dx or None, dL/dw, dL/db or None)`` in one operator call."""
+    """``(dL/dx or None, dL/dw, dL/db or None)`` in one operator call (on the host, two matrix products
+    where the stride is the kernel: :func:`tiles`)."""
+    if (_host(dy) and dy.flags.c_contiguous and x.flags.c_contiguous
+            and tiles(x.shape, w.shape, stride, padding, output_padding, dilation, groups)):
+        return _tiles_backward(dy, x, w, bias, want_dx)
     _, bwd = _ops()
     s, p, op, d = _lists(stride, padding, output_padding, dilation)
     sizes = [int(w.shape[1]) * int(groups)] if bias else None
