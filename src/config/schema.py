@@ -234,10 +234,11 @@ SCHEMA = Section("spec", "an lbannpy run: model, data, training, parallelism and
         Key("kernels", Str(("auto", "own", "aten", "cudnn")), "auto",
             "convolution kernels: own (lbannpy's), aten (PyTorch's oneDNN/cuDNN through DLPack, zero-copy; "
             "a gpu step with them runs eagerly), cudnn (gpu: cuDNN through cuDNN Frontend on CuPy arrays, "
-            "planned once per layer shape, capturable in the step's CUDA graph; pip install "
-            "nvidia-cudnn-frontend), auto: at each conv shape parallel.machine's calibration timed, the "
-            "faster set there, elsewhere cudnn on a gpu where cuDNN Frontend is installed, else aten where "
-            "torch is installed (with CUDA on a gpu), else own"),
+            "convolutions and batch-norm, planned once per layer shape, capturable in the step's CUDA "
+            "graph; pip install nvidia-cudnn-frontend and the nvidia-cudnn-cuXX of your CUDA), auto: at "
+            "each conv shape parallel.machine's calibration timed, the faster set there, elsewhere cudnn "
+            "on a gpu where cuDNN Frontend and its library load, else aten where torch is installed (with "
+            "CUDA on a gpu), else own"),
         Key("tf32", Bool(), False,
             "gpu, cudnn or ATen kernels: let cuDNN run float32 convolutions as TF32 (tensor cores, 10-bit "
             "mantissa products, on Ampere and later GPUs; PyTorch's own default is on). Off: float32 "
