@@ -40,11 +40,12 @@ def _start_hanging(tmp, cfg: dict, env: dict) -> util.Job:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its launcher, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    return True
 
 
 def _slurm_preemption(job: util.Job, ready, delay: float) -> bool:
@@ -58,7 +59,9 @@ def _slurm_preemption(job: util.Job, ready, delay: float) -> bool:
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         time.sleep(delay)
-        during = any(_alive(pid) for pid in pids)
+        # a rank still inside train's main (no exit status written yet); one that has returned, even if its
+        # process is still finalizing or not yet reaped, has nothing left to lose to the second signal
+        during = any(_alive(pid) and not (job.tmp / f"rc.{r}").exists() for r, pid in enumerate(pids))
         try:
             os.kill(job.proc.pid, signal.SIGTERM)
         except ProcessLookupError:  # the job already ended: the second signal came too late to matter

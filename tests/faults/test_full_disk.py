@@ -124,16 +124,19 @@ def test_free_space_is_checked_again_before_each_checkpoint(tmp_path, small_disk
     refused before anything is written, on every rank (exit 7), naming the space and the newest complete
     checkpoint; the metric rows keep being written until then."""
     util.make_data(tmp_path / "data.h5")
-    cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 60}, checkpoint={"every_steps": 50})
+    # checkpoints 500 steps apart, a metric row every 10: the disk is filled while the run is hundreds of
+    # steps (a second or more) short of its second checkpoint, however fast the steps
+    cfg = util.spec(tmp_path, trainer={"steps": 100000, "watchdog_s": 60}, output={"log_every": 10},
+                    checkpoint={"every_steps": 500})
     del cfg["checkpoint"]["dir"]
     job = util.start(tmp_path, cfg, ranks=2)
     metrics = small_disk / "metrics.csv"
-    first = small_disk / "ckpt" / "ckpt-00000050"
+    first = small_disk / "ckpt" / "ckpt-00000500"
     try:
         util.wait_for(lambda: first.is_dir() and metrics.exists()
-                      and len(metrics.read_text().splitlines()) > 52, 90, "the step-50 checkpoint")
+                      and len(metrics.read_text().splitlines()) > 50, 90, "the step-500 checkpoint")
         # the model's 626 parameters make a checkpoint estimate of 3 * 8 * 626 bytes (15 KB): 10 KiB free
-        # holds the rows up to step 100 (about 100 bytes each), not the checkpoint
+        # holds the rows up to step 1000 (50 rows of about 100 bytes), not the checkpoint
         _leave_free(small_disk, 10 * 1024)
         job.wait(60)
     finally:
@@ -142,8 +145,8 @@ def test_free_space_is_checked_again_before_each_checkpoint(tmp_path, small_disk
     job.assert_no_traceback()
     lines = util.error_lines(job.err)
     assert len(lines) == 1, job.err
-    assert "the checkpoint of step 100 was not written" in lines[0] and "KiB free" in lines[0] \
-        and "ckpt-00000050" in lines[0], lines[0]
-    assert sorted(p.name for p in (small_disk / "ckpt").glob("ckpt-*")) == ["ckpt-00000050"]
+    assert "the checkpoint of step 1000 was not written" in lines[0] and "KiB free" in lines[0] \
+        and "ckpt-00000500" in lines[0], lines[0]
+    assert sorted(p.name for p in (small_disk / "ckpt").glob("ckpt-*")) == ["ckpt-00000500"]
     with open(metrics) as f:
-        assert [int(r["step"]) for r in csv.DictReader(f)][-1] >= 100
+        assert [int(r["step"]) for r in csv.DictReader(f)][-1] >= 1000
