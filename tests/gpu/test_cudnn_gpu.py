@@ -280,22 +280,6 @@ def _case_kernels(comm, cupy, out):
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(HERE.parents[1] / "mpi")]
-    from mpi4py import MPI
+    from gpu_worker import run_worker
 
-    import cupy
-
-    from lbannpy.comm import make_communicator
-
-    comm = make_communicator(os.environ.get("LBANNPY_TEST_BACKEND", "nccl"), device="gpu",
-                             share_gpu=os.environ.get("LBANNPY_TEST_SHARE_GPU") == "1")
-    out = {"rank": comm.rank, "error": None}
-    try:
-        {"tier": _case_tier, "kernels": _case_kernels}[sys.argv[1]](comm, cupy, out)
-    except Exception as exc:
-        import traceback
-
-        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
-    print("RESULT " + json.dumps(out), flush=True)
-    comm.free()
-    MPI.COMM_WORLD.Barrier()
+    run_worker({"tier": _case_tier, "kernels": _case_kernels})
