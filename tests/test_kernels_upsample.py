@@ -210,3 +210,33 @@ def test_compiled_kernels_refuse_arrays_that_do_not_fit_their_tables():
     with pytest.raises(ValueError, match="5-d array of float32"):
         plan.compiled(U._cupsample.forward, np.zeros((1, 2, 4, 5), np.float32), np.zeros((1, 2, 8, 10)))
     assert not plan.compiled.takes(np.zeros(1))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 37), (1, 2, 3, 4, 37), (1, 2, 5, 16)],
+                         ids=["2d", "3d", "2d-one-vector"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_nearest_scale_two_takes_one_pass_with_the_numpy_paths_numbers(monkeypatch, shape, dtype):
+    """Nearest at scale 2 in H and W (and D or not) runs a one-pass kernel each way (whole vectors and a
+    remainder on rows of 37): the forward is the input repeated, bit for bit, and the gradient is the NumPy
+    path's bit for bit (the same order of additions) and PyTorch's to round-off."""
+    require_built(getattr(U, "_cupsample", None), "_cupsample")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(shape).astype(dtype)
+    axes = U._axes(shape, 2, "nearest", False)
+    whole = [(0, a.out) for a in axes]
+    plan = U.Plan(axes, whole, (0,) * len(axes), np, dtype)
+    assert plan.compiled is not None
+    y = plan.forward(x)
+    rep = x
+    for d in range(2, x.ndim):
+        rep = np.repeat(rep, 2, axis=d)
+    assert np.array_equal(y, rep)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dx = plan.backward(dy)
+    monkeypatch.setattr(U, "USE_COMPILED", False)
+    ref = U.Plan(axes, whole, (0,) * len(axes), np, dtype)
+    assert ref.compiled is None
+    assert np.array_equal(dx, ref.backward(dy))
+    _, tdx = _torch(x.astype(np.float64), 2, "nearest", False, dy.astype(np.float64))
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    assert np.abs(dx - tdx).max() <= tol * np.abs(tdx).max()

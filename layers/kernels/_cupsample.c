@@ -56,16 +56,46 @@ typedef struct {
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, UPS_SFX)
 
+/* 64-byte vectors of either type (GCC vector extensions; each clone lowers them to its own width), the
+ * lane indices that repeat each entry of a vector's low (high) half twice, and those that take the even
+ * (odd) entries of two vectors */
+typedef float ups_vf __attribute__((vector_size(64)));
+typedef float ups_vfu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t ups_if __attribute__((vector_size(64)));
+typedef double ups_vd __attribute__((vector_size(64)));
+typedef double ups_vdu __attribute__((vector_size(64), aligned(8), may_alias));
+typedef int64_t ups_id __attribute__((vector_size(64)));
+static const ups_if UPS_TWICE_LO_f = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const ups_if UPS_TWICE_HI_f = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+static const ups_if UPS_EVEN_f = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const ups_if UPS_ODD_f = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static const ups_id UPS_TWICE_LO_d = {0, 0, 1, 1, 2, 2, 3, 3};
+static const ups_id UPS_TWICE_HI_d = {4, 4, 5, 5, 6, 6, 7, 7};
+static const ups_id UPS_EVEN_d = {0, 2, 4, 6, 8, 10, 12, 14};
+static const ups_id UPS_ODD_d = {1, 3, 5, 7, 9, 11, 13, 15};
+
 #define UPS_REAL float
 #define UPS_SFX f
+#define UPS_V ups_vf
+#define UPS_VU ups_vfu
+#define UPS_L 16
 #include "_cupsample.c"
 #undef UPS_REAL
 #undef UPS_SFX
+#undef UPS_V
+#undef UPS_VU
+#undef UPS_L
 #define UPS_REAL double
 #define UPS_SFX d
+#define UPS_V ups_vd
+#define UPS_VU ups_vdu
+#define UPS_L 8
 #include "_cupsample.c"
 #undef UPS_REAL
 #undef UPS_SFX
+#undef UPS_V
+#undef UPS_VU
+#undef UPS_L
 
 /* ----------------------------------------------------------------------------------------- Python glue */
 typedef struct {
@@ -267,6 +297,8 @@ PyInit__cupsample(void)
 
 #else /* ------------------------------------------------------------- the kernels, once per float type */
 #define R UPS_REAL
+#define V UPS_V
+#define VU UPS_VU
 
 /* dst[0:n] (stride ds) = a + l (b - a), or a copy of a where l is 0 (a, b contiguous) */
 static inline void
@@ -367,6 +399,28 @@ CLONES static void
 FN(plane_forward_rep)(const R *x, const Py_ssize_t *xs, R *y, const Py_ssize_t *ys, const Axis ax[3])
 {
     Py_ssize_t sd = ax[0].rep, sh = ax[1].rep, sw = ax[2].rep, IW = ax[2].nin, OW = ax[2].nout;
+    if (sd <= 2 && sh == 2 && sw == 2 && xs[2] == 1 && ys[2] == 1) {
+        /* scale 2 in H and W (and D or not): each input written straight into the 4 (8) outputs it
+         * fills, one pass */
+        for (Py_ssize_t d = 0; d < ax[0].nin; d++)
+            for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
+                const R *src = x + d * xs[0] + h * xs[1];
+                R *rows[4] = {y + d * sd * ys[0] + h * 2 * ys[1]};
+                rows[1] = rows[0] + ys[1], rows[2] = rows[0] + ys[0], rows[3] = rows[1] + ys[0];
+                const int nr = (int)(2 * sd);
+                for (int k = 0; k < nr; k++) { /* row by row: the output is written in memory order */
+                    R *row = rows[k];
+                    Py_ssize_t w = 0;
+                    for (; w + UPS_L <= IW; w += UPS_L) {
+                        const V v = *(const VU *)(src + w);
+                        *(VU *)(row + 2 * w) = __builtin_shuffle(v, FN(UPS_TWICE_LO));
+                        *(VU *)(row + 2 * w + UPS_L) = __builtin_shuffle(v, FN(UPS_TWICE_HI));
+                    }
+                    for (; w < IW; w++) row[2 * w] = row[2 * w + 1] = src[w];
+                }
+            }
+        return;
+    }
     for (Py_ssize_t d = 0; d < ax[0].nin; d++)
         for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
             const R *src = x + d * xs[0] + h * xs[1];
@@ -507,6 +561,34 @@ CLONES static void
 FN(plane_backward_rep)(const R *g, const Py_ssize_t *gs, R *dx, const Py_ssize_t *xs, const Axis ax[3], R *t)
 {
     Py_ssize_t sd = ax[0].rep, sh = ax[1].rep, sw = ax[2].rep, IW = ax[2].nin, OW = ax[2].nout;
+    if (sd <= 2 && sh == 2 && sw == 2 && gs[2] == 1 && xs[2] == 1) {
+        /* scale 2 in H and W (and D or not), one pass in the same order: each of the two rows' entries
+         * summed over D, the two rows added, then each input's pair */
+        for (Py_ssize_t d = 0; d < ax[0].nin; d++)
+            for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
+                const R *r0 = g + d * sd * gs[0] + h * 2 * gs[1], *r1 = r0 + gs[1];
+                const R *q0 = r0 + gs[0], *q1 = r1 + gs[0];
+                R *out = dx + d * xs[0] + h * xs[1];
+                Py_ssize_t w = 0;
+                for (; w + UPS_L <= IW; w += UPS_L) {
+                    V a = *(const VU *)(r0 + 2 * w), b = *(const VU *)(r0 + 2 * w + UPS_L);
+                    V c = *(const VU *)(r1 + 2 * w), e = *(const VU *)(r1 + 2 * w + UPS_L);
+                    if (sd == 2) {
+                        a += *(const VU *)(q0 + 2 * w), b += *(const VU *)(q0 + 2 * w + UPS_L);
+                        c += *(const VU *)(q1 + 2 * w), e += *(const VU *)(q1 + 2 * w + UPS_L);
+                    }
+                    a += c, b += e;
+                    *(VU *)(out + w) = __builtin_shuffle(a, b, FN(UPS_EVEN)) + __builtin_shuffle(a, b, FN(UPS_ODD));
+                }
+                for (; w < IW; w++) {
+                    R e0 = r0[2 * w], e1 = r0[2 * w + 1], f0 = r1[2 * w], f1 = r1[2 * w + 1];
+                    if (sd == 2)
+                        e0 += q0[2 * w], e1 += q0[2 * w + 1], f0 += q1[2 * w], f1 += q1[2 * w + 1];
+                    out[w] = (e0 + f0) + (e1 + f1);
+                }
+            }
+        return;
+    }
     R *row = t, *part = t + OW;
     for (Py_ssize_t d = 0; d < ax[0].nin; d++)
         for (Py_ssize_t h = 0; h < ax[1].nin; h++) {
@@ -559,4 +641,6 @@ FN(backward)(const View *g, const View *dx, const Axis ax[3], void *t)
 }
 
 #undef R
+#undef V
+#undef VU
 #endif
