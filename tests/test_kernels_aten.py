@@ -379,6 +379,48 @@ def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
         layer.b.grad[...] = 0
 
 
+@pytest.mark.parametrize("shape,k", [((2, 3, 50), (2,)), ((2, 4, 3, 50), (3, 2)), ((2, 3, 2, 3, 49), (2, 3, 2)),
+                                     ((2, 6, 2, 3, 48), (2, 2, 2)), ((1, 5, 4, 24), (2, 2))],
+                         ids=["1d", "2d-k3x2", "3d-k2x3x2", "3d", "2d-narrow"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_transposed_convolution_with_a_last_kernel_extent_of_two_runs_compiled(monkeypatch, shape, k, dtype):
+    """Where the stride is the kernel and its last extent 2 (a U-Net's 2x2 or 2x2x2 up-convolution), the
+    host path interleaves in compiled calls (:mod:`lbannpy.layers.kernels._conv_tiles`): the forward writes
+    both column phases of a row at once (output rows of 48+), the input gradient reads ``dy``'s columns two
+    apart (input rows of 48+; the 24-wide case keeps the matrix product), the filter gradient's blocks are
+    split out of ``dy`` in one pass; all equal PyTorch's autograd (float64 to 1e-12, float32 to round-off)
+    with a random bias, and on a CPU without AVX-512 the general path computes them instead."""
+    from lbannpy.layers.kernels import _conv_tiles
+
+    taken = {}
+    for name in ("forward", "backward_data", "split"):
+        fn = getattr(_conv_tiles, name)
+
+        def spy(*a, fn=fn, name=name):
+            taken[name] = fn(*a)
+            return taken[name]
+        monkeypatch.setattr(_conv_tiles, name, spy)
+    rng = np.random.default_rng(3)
+    f = 5
+    x, w = rng.standard_normal(shape).astype(dtype), rng.standard_normal((shape[1], f) + k).astype(dtype)
+    b = rng.standard_normal(f).astype(dtype)
+    y = aten.conv_transpose_forward(x, w, b, k, 0, 0, 1, 1)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dx, dw, db = aten.conv_transpose_backward(dy, x, w, True, True, k, 0, 0, 1, 1)
+    fast = own.DIRECT_FAST and own.USE_COMPILED
+    assert taken == {"forward": fast, "backward_data": fast and shape[-1] >= 48, "split": own.USE_COMPILED}
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+          torch.nn.functional.conv_transpose3d)[len(k)]
+    ty = fn(tx, tw, tb, stride=k)
+    ty.backward(torch.tensor(dy, dtype=torch.float64))
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    for ours, ref in ((y, ty.detach()), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
+        ref = ref.numpy()
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("shape,k", [((2, 3, 7), (2,)), ((2, 4, 5, 6), (2, 2)), ((1, 3, 4, 3, 5), (2, 3, 2)),
                                      ((3, 2, 4, 5), (3, 1))], ids=["1d", "2d", "3d", "2d-k3x1"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])

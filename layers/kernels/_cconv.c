@@ -6,9 +6,10 @@
  * conv_wgrad(itemsize, x, xend, off, ntap, rsx, cs, dy, F, fsdy, rsdy, rows, cols, dw):
  *     dw[k*ntap + t] += sum_{h, w} dy[k*fsdy + h*rsdy + w] * x[off[t] + h*rsx + cs*w]
  * for 0 <= h < rows, 0 <= w < cols, 0 <= k < F, column stride cs = 1 or 2, nothing read at or past xend;
- * conv_pair(itemsize, x, off0, ntap0, off1, ntap1, rsx, wp0, wp1, F, y, fsy, rsy, rows, cols):
- *     y[k*fsy + h*rsy + 2r + b] = sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]  for 0 <= 2r + b < cols
- *     (the two column phases of a stride-2 data gradient, written interleaved);
+ * conv_pair(itemsize, x, off0, ntap0, off1, ntap1, rsx, wp0, wp1, F, y, fsy, rsy, rows, cols, bias):
+ *     y[k*fsy + h*rsy + 2r + b] = bias[k] + sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]
+ *     for 0 <= 2r + b < cols (the two column phases of a stride-2 data gradient, or of a transposed
+ *     convolution whose stride is its kernel, written interleaved; bias 0: none);
  * phase_rows(itemsize, win, n1, n2, r1, r2, ncols, s, ph, p1, p2, dp, merge):
  *     rows of a window split into (merge=0) or merged from (merge=1) their s column phases;
  * arrays are passed as addresses (integers), offsets and strides in elements, off as int64. Each tap t is a
@@ -117,19 +118,21 @@ static PyObject *
 py_conv_pair(PyObject *self, PyObject *args)
 {
     int isz;
-    Py_ssize_t x, off0, ntap0, off1, ntap1, rsx, wp0, wp1, F, y, fsy, rsy, rows, cols;
-    if (!PyArg_ParseTuple(args, "innnnnnnnnnnnnn", &isz, &x, &off0, &ntap0, &off1, &ntap1, &rsx, &wp0, &wp1,
-                          &F, &y, &fsy, &rsy, &rows, &cols))
+    Py_ssize_t x, off0, ntap0, off1, ntap1, rsx, wp0, wp1, F, y, fsy, rsy, rows, cols, bias;
+    if (!PyArg_ParseTuple(args, "innnnnnnnnnnnnnn", &isz, &x, &off0, &ntap0, &off1, &ntap1, &rsx, &wp0, &wp1,
+                          &F, &y, &fsy, &rsy, &rows, &cols, &bias))
         return NULL;
     if (isz != 4 && isz != 8)
         return PyErr_Format(PyExc_ValueError, "conv_pair: itemsize %d (need 4 or 8)", isz);
     Py_BEGIN_ALLOW_THREADS
     if (isz == 4)
         conv_pair_f32((const float *)x, (const int64_t *)off0, ntap0, (const int64_t *)off1, ntap1, rsx,
-                      (const float *)wp0, (const float *)wp1, F, (float *)y, fsy, rsy, rows, cols);
+                      (const float *)wp0, (const float *)wp1, F, (float *)y, fsy, rsy, rows, cols,
+                      (const float *)bias);
     else
         conv_pair_f64((const double *)x, (const int64_t *)off0, ntap0, (const int64_t *)off1, ntap1, rsx,
-                      (const double *)wp0, (const double *)wp1, F, (double *)y, fsy, rsy, rows, cols);
+                      (const double *)wp0, (const double *)wp1, F, (double *)y, fsy, rsy, rows, cols,
+                      (const double *)bias);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -270,19 +270,21 @@ NAME(phase_rows)(T *win, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t r1, Py_ssize_t
         }
 }
 
-/* Both column phases of a stride-2 data gradient at once, interleaved on the store:
- *   y[k*fsy + h*rsy + 2r + b] = sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]    (b = 0, 1)
+/* Both column phases of a stride-2 data gradient (or of a transposed convolution whose stride is its
+ * kernel) at once, interleaved on the store:
+ *   y[k*fsy + h*rsy + 2r + b] = bias[k] + sum_t wp_b[t*F + k] * x[off_b[t] + h*rsx + r]    (b = 0, 1)
+ * (bias NULL: none)
  * for output columns 0 <= 2r + b < cols. Each 2L-column block holds L columns of either phase. */
 static inline __attribute__((always_inline)) void
 NAME(pair_row)(const T *x, const int64_t *const off[2], const Py_ssize_t ntap[2], const T *const wp[2],
-               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t cols, const int fb)
+               Py_ssize_t F, T *y, Py_ssize_t fsy, Py_ssize_t cols, const T *bias, const int fb)
 {
     const Py_ssize_t L = NAME(LANES), step = 2 * NAME(LANES);
     if (cols < step) {
         for (Py_ssize_t q = 0; q < cols; q++) {
             const int b = (int)(q & 1);
             for (int k = 0; k < fb; k++) {
-                T s = 0;
+                T s = bias ? bias[k] : (T)0;
                 for (Py_ssize_t t = 0; t < ntap[b]; t++)
                     s += x[off[b][t] + q / 2] * wp[b][t * F + k];
                 y[k * fsy + q] = s;
@@ -300,7 +302,7 @@ NAME(pair_row)(const T *x, const int64_t *const off[2], const Py_ssize_t ntap[2]
             const Py_ssize_t r = p ? (q0 + b0) / 2 : (q0 - b0) / 2;
 #pragma GCC unroll 16
             for (int k = 0; k < fb; k++)
-                acc[p][k] = (V){0};
+                acc[p][k] = (V){0} + (bias ? bias[k] : (T)0);
             const T *xr = x + r;
             for (Py_ssize_t t = 0; t < ntap[b]; t++) {
                 const V xv = *(const VU *)(xr + off[b][t]);
@@ -324,12 +326,12 @@ NAME(pair_row)(const T *x, const int64_t *const off[2], const Py_ssize_t ntap[2]
 static void
 NAME(conv_pair)(const T *x, const int64_t *off0, Py_ssize_t ntap0, const int64_t *off1, Py_ssize_t ntap1,
                 Py_ssize_t rsx, const T *wp0, const T *wp1, Py_ssize_t F, T *y, Py_ssize_t fsy,
-                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols) CLONES;
+                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols, const T *bias) CLONES;
 
 static void
 NAME(conv_pair)(const T *x, const int64_t *off0, Py_ssize_t ntap0, const int64_t *off1, Py_ssize_t ntap1,
                 Py_ssize_t rsx, const T *wp0, const T *wp1, Py_ssize_t F, T *y, Py_ssize_t fsy,
-                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols)
+                Py_ssize_t rsy, Py_ssize_t rows, Py_ssize_t cols, const T *bias)
 {
     const Py_ssize_t nb = (F + MAX_FB - 1) / MAX_FB;
     const int64_t *const off[2] = {off0, off1};
@@ -341,7 +343,8 @@ NAME(conv_pair)(const T *x, const int64_t *off0, Py_ssize_t ntap0, const int64_t
             const T *const wp[2] = {wp0 + f0, wp1 + f0};
             const T *xr = x + h * rsx;
             T *yr = y + f0 * fsy + h * rsy;
-#define PAIR_CASE(n) case n: NAME(pair_row)(xr, off, ntap, wp, F, yr, fsy, cols, n); break;
+            const T *bk = bias ? bias + f0 : NULL;
+#define PAIR_CASE(n) case n: NAME(pair_row)(xr, off, ntap, wp, F, yr, fsy, cols, bk, n); break;
             switch (fb) {
                 PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6)
                 PAIR_CASE(7) PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11) PAIR_CASE(12)

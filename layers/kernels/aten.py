@@ -17,7 +17,7 @@ import numpy as np
 
 from lbannpy.packing import relayout
 
-from . import _conv_one
+from . import _conv_one, _conv_tiles
 
 _torch = None
 
@@ -318,12 +318,17 @@ def _blocks_view(a, nsp: int, k) -> tuple:
 def _tiles_forward(x, w, b):
     n, c, nsp, k = x.shape[0], x.shape[1], x.ndim - 2, tuple(w.shape[2:])
     f, pix, kk = w.shape[1], math.prod(x.shape[2:]), math.prod(w.shape[2:])
-    z = torch().matmul(_t(w).reshape(c, f * kk).t(), _t(x).reshape(n, c, pix))  # (N, F*K, pixels)
-    if b is not None:
-        z += _t(b).repeat_interleave(kk).reshape(1, f * kk, 1)
     y = np.empty((n, f) + tuple(sp * kd for sp, kd in zip(x.shape[2:], k)), dtype=x.dtype)
+    if _conv_tiles.forward(x, w, b, y):  # a last kernel extent of 2: both column phases at once
+        return y
+    z = np.empty((n, f * kk, pix), dtype=x.dtype)  # the blocks
+    tz, tx, twt = _t(z), _t(x).reshape(n, c, pix), _t(w).reshape(c, f * kk).t()
+    for i in range(n):  # a matrix product per sample: broadcast over the batch, torch's is twice as slow
+        torch().matmul(twt, tx[i], out=tz[i])
+    if b is not None:
+        tz += _t(b).repeat_interleave(kk).reshape(1, f * kk, 1)
     yv, order, zshape = _blocks_view(y, nsp, k)
-    relayout(yv, z.numpy().reshape(zshape).transpose(order))
+    relayout(yv, z.reshape(zshape).transpose(order))
     return y
 
 
@@ -332,13 +337,22 @@ def _tiles_backward(dy, x, w, bias: bool, want_dx: bool):
     f, pix, kk = w.shape[1], math.prod(x.shape[2:]), math.prod(w.shape[2:])
     dyv, order, zshape = _blocks_view(dy, nsp, k)
     g = np.empty(zshape, dtype=dy.dtype)  # dL/dY in blocks: (N*F, k0, k1, ..., S0, S1, ...)
-    relayout(g.transpose(order), dyv)
-    tg, tw = torch().from_numpy(g).reshape(n, f * kk, pix), _t(w).reshape(c, f * kk)
-    dx = torch().matmul(tw, tg).numpy().reshape(x.shape) if want_dx else None
-    dw = torch().matmul(_t(x).reshape(n, c, pix), tg.transpose(1, 2)).sum(0) if n > 1 else \
-        torch().matmul(_t(x).reshape(c, pix), tg[0].t())
-    db = dy.reshape(n, f, -1).sum(axis=2).sum(axis=0) if bias else None
-    return dx, dw.numpy().reshape(w.shape), db
+    if not _conv_tiles.split(dy, g, k):
+        relayout(g.transpose(order), dyv)
+    tg, tw, tx = _t(g).reshape(n, f * kk, pix), _t(w).reshape(c, f * kk), _t(x).reshape(n, c, pix)
+    dx = np.empty(x.shape, dtype=x.dtype) if want_dx else None
+    direct = want_dx and _conv_tiles.backward_data(dy, w, dx)  # dx straight from dy (compiled)
+    dw = np.empty((c, f * kk), dtype=x.dtype)
+    tdx, tdw = (_t(dx).reshape(n, c, pix) if want_dx else None), _t(dw)
+    for i in range(n):  # matrix products per sample (see _tiles_forward)
+        if want_dx and not direct:
+            torch().matmul(tw, tg[i], out=tdx[i])
+        if i == 0:
+            torch().matmul(tx[0], tg[0].t(), out=tdw)
+        else:
+            tdw.addmm_(tx[i], tg[i].t())
+    db = g.reshape(n, f, kk * pix).sum(axis=2).sum(axis=0) if bias else None
+    return dx, dw.reshape(w.shape), db
 
 
 @_on_device

@@ -493,7 +493,7 @@ def _backward_data_pairs_compiled(dy, w, geo: ConvGeometry, out=None):
                 for xo, yo in planes:
                     _cconv.conv_pair(isz, _addr(xg) + xo * isz, _addr(off0), off0.size, _addr(off1),
                                      off1.size, rsx, _addr(wp0[g]), _addr(wp1[g]), cg, _addr(yg) + yo * isz,
-                                     yg.strides[0] // isz, rsy, nrows, geo.window[-1])
+                                     yg.strides[0] // isz, rsy, nrows, geo.window[-1], 0)
     return dx
 
 
