@@ -65,7 +65,7 @@ def test_calibration_records_channels_last_only_where_it_is_faster_by_the_margin
     pytest.importorskip("torch")
     from lbannpy.bench import kernel_choice as kc
     from lbannpy.bench import layout_choice
-    from lbannpy.bench.layers import LayerShape
+    from lbannpy.bench.layer_shapes import LayerShape
     from lbannpy.comm import SingleCommunicator
 
     def shape(c, side):

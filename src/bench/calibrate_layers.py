@@ -26,7 +26,7 @@ import numpy as np
 
 from .kernel_choice import layout_of, time_sets
 from .layout_choice import layer_layouts, layout_choice
-from .layers import MODEL_RUNS, QUICK_RUNS, LayerShape
+from .layer_shapes import MODEL_RUNS, QUICK_RUNS, LayerShape
 
 SPLIT_DIMS = ("n", "c", "h")  # one-dimension splits timed (the planner keeps h >= w: w alone never comes)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from .layout_choice import layout_choice, measure_layouts
-from .layers import MODEL_RUNS, QUICK_RUNS, LayerShape, conv_set_ops, model_shapes, time_pair
+from .layer_shapes import MODEL_RUNS, QUICK_RUNS, LayerShape, conv_set_ops, model_shapes, time_pair
 
 
 def _runs(item: str, quick: bool) -> list[tuple[str, int, int]] | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .kernel_choice import time_sets
+from .layer_shapes import LayerShape
 from .layout_choice import layer_layouts, layout_choice, measure_layouts
 from .timing import time_calls
 
@@ -224,30 +226,43 @@ def new_row_missing(row: NewRow) -> str:
     return ""
 
 
-def calibrated_set(row: NewRow, kernels):
-    """``kernels`` as a run on a calibrated machine would hand them to the row's layer: for a convolution
-    or a transposed convolution on ATen's host set, with the layout ``bench calibrate --kernels`` records
-    for its shape (channels-last where that times at least the margin faster, both layouts timed here and
-    now: :func:`.layout_choice.measure_layouts`, :func:`.layout_choice.layer_layouts`); any other row's
-    set as it is."""
+def calibrated_set(row: NewRow, kernels, choice: str = "auto", dtype="float32"):
+    """``kernels`` (``runtime.kernels`` = ``choice``) as a run on a calibrated machine would hand them to the
+    row's layer, as ``bench calibrate --kernels`` records them for its shape, timed here and now:
+
+    - a convolution under ``auto``: the faster of lbannpy's own set and ATen's by forward, data and filter
+      gradient (:func:`.kernel_choice.time_sets`, as the calibration picks a shape's ``kernel``);
+    - a convolution on ATen's host set: channels-last where that times at least the margin faster
+      (:func:`.layout_choice.measure_layouts`); a transposed convolution on it likewise, the layer itself
+      timed (:func:`.layout_choice.layer_layouts`);
+
+    any other row's set as it is."""
     if row.type not in ("conv", "conv_transpose") or kernels.name != "aten":
         return kernels
     if row.type == "conv_transpose":  # the layer itself, as the calibration times it
         times = layer_layouts(row.type, dict(row.params), row.shapes[0])
         return kernels if times is None else replace(kernels, layout=layout_choice(*times))
+    import numpy as np
+
     # late: loaded when the command runs, so its --help and argument errors come without it
     from lbannpy.layers.kernels import aten
+    from lbannpy.layers.kernels.select import own
 
     prm, x = dict(row.params), row.shapes[0]
     nsp = len(x) - 2
     per = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v,) * nsp  # noqa: E731
     pads = per(prm.get("padding", 0))
-    window = tuple(x[:2]) + tuple(n + 2 * p for n, p in zip(x[2:], pads))
+    stride, dilation = per(prm.get("stride", 1)), per(prm.get("dilation", 1))
     w_shape = (prm["filters"], x[1] // prm.get("groups", 1)) + per(prm.get("kernel", 3))
+    if choice == "auto" and prm.get("groups", 1) == 1:
+        times = time_sets(LayerShape("conv", tuple(x), prm["filters"], tuple(w_shape[2:]), stride, pads,
+                                     dilation), np.dtype(dtype), 5)
+        if sum(times["own"]) < sum(times["aten"]):
+            return own()
+    window = tuple(x[:2]) + tuple(n + 2 * p for n, p in zip(x[2:], pads))
     layout = None
     if aten.has_channels_last(window, w_shape):
-        layout = layout_choice(*measure_layouts(window, w_shape, per(prm.get("stride", 1)),
-                                                per(prm.get("dilation", 1))))
+        layout = layout_choice(*measure_layouts(window, w_shape, stride, dilation))
     return kernels if layout is None else replace(kernels, layout=layout)
 
 
@@ -271,7 +286,7 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
     rng = np.random.default_rng(0)
     hosts = [rng.standard_normal(s).astype(dtype) for s in row.shapes]
     ctx = LayerContext(SingleCommunicator(), np, dtype, seed=0)
-    ctx.conv_kernels = calibrated_set(row, conv_kernels(NEW_KERNELS[0]))
+    ctx.conv_kernels = calibrated_set(row, conv_kernels(NEW_KERNELS[0]), NEW_KERNELS[0], dtype)
     layer = layer_classes()[row.type]("bench", **prm)
     d = Distribution.make(len(row.shapes[0]), 1)
     layer.configure(ctx, list(row.shapes), [d] * len(row.shapes), d)
@@ -283,9 +298,10 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
         layer.forward(xs)
         layer.backward(dy)
 
-    # the host layout of a convolution row's window, as calibrated (printed beside the row)
-    ours.layout = (ctx.conv_kernels.layout if row.type in ("conv", "conv_transpose")
-                   and ctx.conv_kernels.name == "aten" else "")
+    # a convolution row's kernel set and host layout, as calibrated (printed beside the row)
+    ours.layout = ""
+    if row.type in ("conv", "conv_transpose"):
+        ours.layout = ctx.conv_kernels.layout if ctx.conv_kernels.name == "aten" else ctx.conv_kernels.name
     out = {"ours": ours}
     for label, fmt in (("torch NCHW", torch.contiguous_format), ("torch NHWC", None)):
         if fmt is None:
