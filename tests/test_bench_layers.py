@@ -84,3 +84,32 @@ def test_bench_layers_new_quick_prints_every_row():
         assert "skipped: " in mine[0] or mine[0].split()[len(row.id.split()) + 2].replace(".", "").isdigit()
     if not all(layers_new.new_row_missing(row) for row in layers_new.new_rows(8)):
         assert any(ln.startswith("new layers ratio ours/torch") and "geometric mean" in ln for ln in lines)
+
+
+def test_a_convolution_row_takes_the_set_and_layout_the_calibration_would_record(monkeypatch):
+    """``calibrated_set``: under ``auto`` a convolution row runs lbannpy's own set where the three calls time
+    faster on it (as ``bench calibrate --kernels`` picks a shape's ``kernel``), else ATen's with the host
+    layout the calibration would record; a run that names ``aten`` never gets the own set."""
+    pytest.importorskip("torch")
+    from lbannpy.layers.kernels.select import conv_kernels
+
+    row = next(r for r in layers_new.new_rows(16) if r.type == "conv")
+    aten = conv_kernels("aten")
+    seen = []
+
+    def sets(own_s, aten_s):
+        def fake(shape, dtype, repeats):
+            seen.append(shape)
+            return {"own": (own_s,) * 3, "aten": (aten_s,) * 3}
+        return fake
+    monkeypatch.setattr(layers_new, "measure_layouts", lambda *a: (1.0, 0.5))  # channels-last 2x faster
+    monkeypatch.setattr(layers_new, "time_sets", sets(1.0, 2.0))
+    assert layers_new.calibrated_set(row, aten, "auto").name == "own"
+    x = row.shapes[0]
+    assert seen[-1].x_shape == x and seen[-1].filters == dict(row.params)["filters"] and seen[-1].pad == (1, 1)
+    monkeypatch.setattr(layers_new, "time_sets", sets(2.0, 1.0))
+    got = layers_new.calibrated_set(row, aten, "auto")
+    assert (got.name, got.layout) == ("aten", "channels_last")
+    monkeypatch.setattr(layers_new, "time_sets", sets(1.0, 2.0))
+    got = layers_new.calibrated_set(row, aten, "aten")
+    assert (got.name, got.layout) == ("aten", "channels_last")
