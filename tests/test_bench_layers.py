@@ -106,7 +106,7 @@ def test_a_convolution_row_takes_the_set_and_layout_the_calibration_would_record
     monkeypatch.setattr(layers_new, "time_sets", sets(1.0, 2.0))
     assert layers_new.calibrated_set(row, aten, "auto").name == "own"
     x = row.shapes[0]
-    assert seen[-1].x_shape == x and seen[-1].filters == dict(row.params)["filters"] and seen[-1].pad == (1, 1)
+    assert (seen[-1].x_shape, seen[-1].filters, seen[-1].pad) == (x, dict(row.params)["filters"], (1, 1))
     monkeypatch.setattr(layers_new, "time_sets", sets(2.0, 1.0))
     got = layers_new.calibrated_set(row, aten, "auto")
     assert (got.name, got.layout) == ("aten", "channels_last")
