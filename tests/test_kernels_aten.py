@@ -379,8 +379,9 @@ def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
         layer.b.grad[...] = 0
 
 
-@pytest.mark.parametrize("shape,k", [((2, 3, 50), (2,)), ((2, 4, 3, 50), (3, 2)), ((2, 3, 2, 3, 49), (2, 3, 2)),
-                                     ((2, 6, 2, 3, 48), (2, 2, 2)), ((1, 5, 4, 24), (2, 2))],
+@pytest.mark.parametrize("shape,k", [((2, 3, 50), (2,)), ((2, 4, 3, 50), (3, 2)),
+                                     ((2, 3, 2, 3, 49), (2, 3, 2)), ((2, 6, 2, 3, 48), (2, 2, 2)),
+                                     ((1, 5, 4, 24), (2, 2))],
                          ids=["1d", "2d-k3x2", "3d-k2x3x2", "3d", "2d-narrow"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 def test_transposed_convolution_with_a_last_kernel_extent_of_two_runs_compiled(monkeypatch, shape, k, dtype):
