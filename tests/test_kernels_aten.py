@@ -379,6 +379,44 @@ def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
         layer.b.grad[...] = 0
 
 
+@pytest.mark.parametrize("case", [((2, 3, 9, 50), 5, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1)),
+                                  ((1, 4, 60), 3, (4,), (2,), (1,), (0,), (1,)),
+                                  ((1, 2, 3, 4, 49), 3, (3, 2, 3), (2, 1, 2), (1, 0, 1), (1, 0, 0),
+                                   (1, 1, 1)),
+                                  ((2, 3, 5, 50), 4, (3, 3), (1, 1), (1, 1), (0, 0), (2, 2)),
+                                  ((1, 65, 4, 50), 2, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1))],
+                         ids=["2d-k3s2", "1d-k4s2", "3d", "2d-dilated", "2d-65-channels"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_a_transposed_convolution_of_few_channels_runs_forward_compiled(monkeypatch, case, dtype):
+    """A host transposed convolution of up to ``aten.DIRECT_MAX_CHANNELS`` input channels that is not the
+    stride-is-kernel case computes its forward as a convolution's input gradient on lbannpy's compiled
+    kernels (where they run with AVX-512), its gradients on ATen's operator: all equal PyTorch's autograd
+    (float64 to 1e-12, float32 to round-off) with output padding, dilation and a bias; 65 channels, or a
+    CPU without AVX-512, take ATen's forward."""
+    shape, f, k, stride, pad, opad, dil = case
+    taken = []
+    real = aten._direct_forward
+    monkeypatch.setattr(aten, "_direct_forward", lambda *a: taken.append(1) or real(*a))
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal(shape).astype(dtype), rng.standard_normal((shape[1], f) + k).astype(dtype)
+    b = rng.standard_normal(f).astype(dtype)
+    assert not aten.tiles(x.shape, w.shape, stride, pad, opad, dil, 1)
+    y = aten.conv_transpose_forward(x, w, b, stride, pad, opad, dil, 1)
+    assert bool(taken) == (own.DIRECT_FAST and own.USE_COMPILED and shape[1] <= aten.DIRECT_MAX_CHANNELS)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dx, dw, db = aten.conv_transpose_backward(dy, x, w, True, True, stride, pad, opad, dil, 1)
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+          torch.nn.functional.conv_transpose3d)[len(k)]
+    ty = fn(tx, tw, tb, stride, pad, opad, 1, dil)
+    ty.backward(torch.tensor(dy, dtype=torch.float64))
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    for ours, ref in ((y, ty.detach()), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
+        ref = ref.numpy()
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("shape,k", [((2, 3, 50), (2,)), ((2, 4, 3, 50), (3, 2)),
                                      ((2, 3, 2, 3, 49), (2, 3, 2)), ((2, 6, 2, 3, 48), (2, 2, 2)),
                                      ((1, 5, 4, 24), (2, 2))],

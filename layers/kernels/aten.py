@@ -18,6 +18,7 @@ import numpy as np
 from lbannpy.packing import relayout
 
 from . import _conv_one, _conv_tiles
+from . import conv as _conv
 
 _torch = None
 
@@ -355,15 +356,45 @@ def _tiles_backward(dy, x, w, bias: bool, want_dx: bool):
     return dx, dw.reshape(w.shape), db
 
 
+# -- any other host transposed convolution of up to DIRECT_MAX_CHANNELS input channels (one group): its
+# forward is a convolution's input gradient, and lbannpy's compiled kernels for that
+# (:func:`lbannpy.layers.kernels.conv.conv_backward_data`, where they run with AVX-512) take a half to a
+# quarter of oneDNN's NCHW transposed-convolution time at 16 and 32 channels and the same at 64 (beyond,
+# oneDNN's is the faster); its gradients stay ATen's, which are not slower than ours there
+DIRECT_MAX_CHANNELS = 64
+
+
+def _direct(x, w, groups: int) -> bool:
+    """Whether a host transposed convolution's forward takes the compiled data-gradient kernels."""
+    return (groups == 1 and type(x) is np.ndarray and type(w) is np.ndarray and x.dtype.char in "fd"
+            and w.dtype == x.dtype and x.shape[1] <= DIRECT_MAX_CHANNELS and _conv.DIRECT_FAST
+            and _conv.USE_COMPILED)
+
+
+def _direct_forward(x, w, b, stride, padding, output_padding, dilation):
+    nsp = x.ndim - 2
+    s, p, op, d = (_tuple(v, nsp) for v in (stride, padding, output_padding, dilation))
+    out = tuple((n - 1) * st - 2 * pp + dd * (kk - 1) + o + 1
+                for n, st, pp, dd, kk, o in zip(x.shape[2:], s, p, d, w.shape[2:], op))
+    y = _conv.conv_backward_data(np.ascontiguousarray(x), np.ascontiguousarray(w),
+                                 (x.shape[0], w.shape[1]) + out, s, d, padding=p)
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * nsp)
+    return y
+
+
 @_on_device
 def conv_transpose_forward(x, w, b, stride, padding, output_padding, dilation, groups: int):
     """PyTorch's own transposed convolution (ATen ``convolution`` with ``transposed=True``), for a layer
     whose spatial dimensions are not split: ``conv_transpose`` of ``x`` (``(N, C_in, *S)``) with ``w``
-    (``(C_in, F/groups, *k)``) and ``b``; on the host, one matrix product where the stride is the kernel
-    (:func:`tiles`)."""
+    (``(C_in, F/groups, *k)``) and ``b``; on the host, where the stride is the kernel, one matrix product or
+    compiled interleaving (:func:`tiles`), and up to :data:`DIRECT_MAX_CHANNELS` input channels otherwise
+    lbannpy's compiled data-gradient kernels (:func:`_direct`)."""
     if _host(x) and x.flags.c_contiguous and tiles(x.shape, w.shape, stride, padding, output_padding,
                                                    dilation, groups):
         return _tiles_forward(x, w, b)
+    if _direct(x, w, groups):
+        return _direct_forward(x, w, b, stride, padding, output_padding, dilation)
     conv, _ = _ops()
     s, p, op, d = _lists(stride, padding, output_padding, dilation)
     y = conv(_t(x), _t(w), None if b is None else _t(b), s, p, d, True, op, int(groups))
