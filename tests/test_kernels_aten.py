@@ -425,19 +425,20 @@ def test_a_transposed_convolution_of_few_channels_runs_forward_compiled(monkeypa
 def test_transposed_convolution_with_a_last_kernel_extent_of_two_runs_compiled(monkeypatch, shape, k, dtype):
     """Where the stride is the kernel and its last extent 2 (a U-Net's 2x2 or 2x2x2 up-convolution), the
     host path interleaves in compiled calls (:mod:`lbannpy.layers.kernels._conv_tiles`): the forward writes
-    both column phases of a row at once (output rows of 48+), the input gradient reads ``dy``'s columns two
-    apart (input rows of 48+; the 24-wide case keeps the matrix product), the filter gradient's blocks are
-    split out of ``dy`` in one pass; all equal PyTorch's autograd (float64 to 1e-12, float32 to round-off)
-    with a random bias, and on a CPU without AVX-512 the general path computes them instead."""
+    both column phases of a row at once (output rows of 48+), both gradients read ``dy``'s columns two
+    apart (input rows of 48+; the 24-wide case splits ``dy``'s blocks out in one pass for two matrix
+    products); all equal PyTorch's autograd (float64 to 1e-12, float32 to round-off) with a random bias,
+    and on a CPU without AVX-512 the general path computes them instead."""
     from lbannpy.layers.kernels import _conv_tiles
 
     taken = {}
-    for name in ("forward", "backward_data", "split"):
+    for name in ("forward", "backward_data", "backward_filter", "split"):
         fn = getattr(_conv_tiles, name)
 
         def spy(*a, fn=fn, name=name):
-            taken[name] = fn(*a)
-            return taken[name]
+            got = fn(*a)
+            taken[name] = got is not None and got is not False
+            return got
         monkeypatch.setattr(_conv_tiles, name, spy)
     rng = np.random.default_rng(3)
     f = 5
@@ -447,7 +448,9 @@ def test_transposed_convolution_with_a_last_kernel_extent_of_two_runs_compiled(m
     dy = rng.standard_normal(y.shape).astype(dtype)
     dx, dw, db = aten.conv_transpose_backward(dy, x, w, True, True, k, 0, 0, 1, 1)
     fast = own.DIRECT_FAST and own.USE_COMPILED
-    assert taken == {"forward": fast, "backward_data": fast and shape[-1] >= 48, "split": own.USE_COMPILED}
+    direct = fast and shape[-1] >= 48
+    assert taken == {"forward": fast, "backward_data": direct,
+                     **({"backward_filter": True} if direct else {"split": own.USE_COMPILED})}
     tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
     fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
           torch.nn.functional.conv_transpose3d)[len(k)]

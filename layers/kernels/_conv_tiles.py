@@ -7,15 +7,16 @@ is 2 (a U-Net's 2x2 or 2x2x2 up-convolution), in compiled calls (``_cconv.c``):
 - **input gradient**: a convolution of ``dy`` with stride ``k`` whose taps are (filter, kernel offset),
   ``dx[c, i, j] = sum W[c, f, a, b] dy[f, k*i + a, 2j + b]``: ``conv_fwd`` reads ``dy``'s columns two
   apart, so ``dy`` is not copied for it;
-- **filter gradient**: the output gradient's blocks, ``g[f, a, b, i, j] = dy[f, k*i + a, 2j + b]``, as the
-  operand of a matrix product, split out of ``dy`` by ``phase_rows`` (one pass, rows of even and odd
-  columns).
+- **filter gradient**: the direct filter-gradient kernel (``conv_wgrad``) with ``x`` as its output
+  gradient, reading ``dy``'s columns two apart; where that does not apply, the output gradient's blocks,
+  ``g[f, a, b, i, j] = dy[f, k*i + a, 2j + b]``, as the operand of a matrix product, split out of ``dy`` by
+  ``phase_rows`` (one pass, rows of even and odd columns).
 
 All apply to C-contiguous NumPy float32/float64 arrays where the compiled kernels are built; the forward
-and the input gradient also need the conv kernels' vector width
+and the direct gradients also need the conv kernels' vector width
 (:data:`lbannpy.layers.kernels.conv.DIRECT_FAST`: their register blocks spill without AVX-512), rows of
-at least :data:`MIN_ROW` outputs (narrower rows run mostly as scalar remainders), and, for the input
-gradient, at most ``conv.COMPILED_MAX_CHANNELS`` filters (with more, the matrix product is the faster one,
+at least :data:`MIN_ROW` outputs (narrower rows run mostly as scalar remainders), and, for the direct
+gradients, at most ``conv.COMPILED_MAX_CHANNELS`` filters (with more, the matrix product is the faster one,
 as for a convolution's input channels). The callers
 (:func:`lbannpy.layers.kernels.aten.conv_transpose_forward` and its backward) take their general path where
 these return False.
@@ -95,31 +96,66 @@ def _offset(view, base) -> int:
     return (_addr(view) - _addr(base)) // base.itemsize
 
 
-def backward_data(dy, w, dx) -> bool:
-    """``dx`` (``(N, C, *S)``) = the input gradient of :func:`forward` for ``dy`` (``(N, F, *(k*S))``);
-    False (nothing written) where this path does not apply."""
-    k, s = tuple(w.shape[2:]), tuple(dx.shape[2:])
-    if (k[-1] != 2 or not _conv.DIRECT_FAST or s[-1] < MIN_ROW or w.shape[1] > _conv.COMPILED_MAX_CHANNELS
-            or not _host_ready(dy, w, dx)):
-        return False
-    n, c, f, isz = dx.shape[0], dx.shape[1], w.shape[1], dx.itemsize
-    pix, opix = math.prod(s), math.prod(dy.shape[2:])
-    # taps (filter, a..., b): offsets into one sample of dy, in w's (F, *k) order
-    ost = np.array([math.prod(dy.shape[3 + d:]) for d in range(len(s))], dtype=np.int64)
-    off = np.arange(f, dtype=np.int64).reshape((f,) + (1,) * len(k)) * opix
+def _direct_taps(dy, w, s: tuple):
+    """``(offsets, row step)`` of the taps (filter, a..., b) of :func:`backward_data` and
+    :func:`backward_filter` in one sample of ``dy``, in ``w``'s ``(F, *k)`` order, or None where those do not
+    apply (see the module)."""
+    k, f = tuple(w.shape[2:]), w.shape[1]
+    if k[-1] != 2 or not _conv.DIRECT_FAST or s[-1] < MIN_ROW or f > _conv.COMPILED_MAX_CHANNELS:
+        return None
+    ost = [math.prod(dy.shape[3 + d:]) for d in range(len(s))]
+    off = np.arange(f, dtype=np.int64).reshape((f,) + (1,) * len(k)) * math.prod(dy.shape[2:])
     for d, kd in enumerate(k):
         at = np.arange(kd, dtype=np.int64) * ost[d]
         off = off + at.reshape((1,) * (1 + d) + (kd,) + (1,) * (len(k) - 1 - d))
-    off = off.ravel()
-    wp = np.ascontiguousarray(w.reshape(c, f * math.prod(k)).T)  # (taps, C)
-    rows, rsx = (s[-2], k[-2] * ost[-2]) if len(s) > 1 else (1, 0)
-    da, xa, oa, wa = _addr(dy), _addr(dx), _addr(off), _addr(wp)
+    return off.ravel(), (k[-2] * ost[-2] if len(s) > 1 else 0)
+
+
+def _direct_calls(dy, x, k: tuple):
+    """``(dy offset, x offset)`` in elements of every 2-D plane of rows the direct kernels run over."""
+    s, n, c, f = tuple(x.shape[2:]), x.shape[0], x.shape[1], dy.shape[1]
+    pix, opix = math.prod(s), math.prod(dy.shape[2:])
+    ost = [math.prod(dy.shape[3 + d:]) for d in range(len(s))]
     for lead in itertools.product(range(n), *(range(m) for m in s[:-2])):
-        xo = lead[0] * f * opix + sum(i * kd * int(st) for i, kd, st in zip(lead[1:], k, ost))
-        yo = lead[0] * c * pix + sum(i * math.prod(s[d + 1:]) for d, i in enumerate(lead[1:]))
-        _cconv.conv_fwd(isz, da + xo * isz, da + dy.nbytes, oa, off.size, int(rsx), 2, wa, c,
-                              xa + yo * isz, pix, s[-1], rows, s[-1], 0)
+        yield (lead[0] * f * opix + sum(i * kd * st for i, kd, st in zip(lead[1:], k, ost)),
+               lead[0] * c * pix + sum(i * math.prod(s[d + 1:]) for d, i in enumerate(lead[1:])))
+
+
+def backward_data(dy, w, dx) -> bool:
+    """``dx`` (``(N, C, *S)``) = the input gradient of :func:`forward` for ``dy`` (``(N, F, *(k*S))``);
+    False (nothing written) where this path does not apply."""
+    s = tuple(dx.shape[2:])
+    taps = _direct_taps(dy, w, s) if _host_ready(dy, w, dx) else None
+    if taps is None:
+        return False
+    off, rsx = taps
+    c, isz, pix = dx.shape[1], dx.itemsize, math.prod(s)
+    wp = np.ascontiguousarray(w.reshape(c, -1).T)  # (taps, C)
+    rows = s[-2] if len(s) > 1 else 1
+    da, xa, oa, wa = _addr(dy), _addr(dx), _addr(off), _addr(wp)
+    for do, xo in _direct_calls(dy, dx, tuple(w.shape[2:])):
+        _cconv.conv_fwd(isz, da + do * isz, da + dy.nbytes, oa, off.size, rsx, 2, wa, c, xa + xo * isz, pix,
+                        s[-1], rows, s[-1], 0)
     return True
+
+
+def backward_filter(dy, x, w):
+    """The filter gradient of :func:`forward` (``w``'s shape) for ``dy``, or None where this path does not
+    apply: the direct filter-gradient kernel with ``x`` as its output gradient and ``dy``'s columns read
+    two apart, so ``dy`` is not split into blocks for it."""
+    s = tuple(x.shape[2:])
+    taps = _direct_taps(dy, w, s) if _host_ready(dy, x, w) else None
+    if taps is None:
+        return None
+    off, rsx = taps
+    c, isz, pix = x.shape[1], x.itemsize, math.prod(s)
+    dw = np.zeros(w.shape, dtype=x.dtype)  # (C, taps): accumulated over samples and planes
+    rows = s[-2] if len(s) > 1 else 1
+    da, xa, oa, wa = _addr(dy), _addr(x), _addr(off), _addr(dw)
+    for do, xo in _direct_calls(dy, x, tuple(w.shape[2:])):
+        _cconv.conv_wgrad(isz, da + do * isz, da + dy.nbytes, oa, off.size, rsx, 2, xa + xo * isz, c, pix,
+                          s[-1], rows, s[-1], wa)
+    return dw
 
 
 def split(dy, g, k: tuple) -> bool:

@@ -336,23 +336,28 @@ def _tiles_forward(x, w, b):
 def _tiles_backward(dy, x, w, bias: bool, want_dx: bool):
     n, c, nsp, k = x.shape[0], x.shape[1], x.ndim - 2, tuple(w.shape[2:])
     f, pix, kk = w.shape[1], math.prod(x.shape[2:]), math.prod(w.shape[2:])
+    dx = np.empty(x.shape, dtype=x.dtype) if want_dx else None
+    # the bias gradient first: its sequential pass brings dy into the cache for the direct kernels, which
+    # read it filter plane by filter plane (tens of streams, slow from memory)
+    db = dy.reshape(n, f, -1).sum(axis=2).sum(axis=0) if bias else None
+    if not want_dx or _conv_tiles.backward_data(dy, w, dx):  # both gradients straight from dy (compiled)
+        dw = _conv_tiles.backward_filter(dy, x, w)
+        if dw is not None:
+            return dx, dw, db
     dyv, order, zshape = _blocks_view(dy, nsp, k)
     g = np.empty(zshape, dtype=dy.dtype)  # dL/dY in blocks: (N*F, k0, k1, ..., S0, S1, ...)
     if not _conv_tiles.split(dy, g, k):
         relayout(g.transpose(order), dyv)
     tg, tw, tx = _t(g).reshape(n, f * kk, pix), _t(w).reshape(c, f * kk), _t(x).reshape(n, c, pix)
-    dx = np.empty(x.shape, dtype=x.dtype) if want_dx else None
-    direct = want_dx and _conv_tiles.backward_data(dy, w, dx)  # dx straight from dy (compiled)
     dw = np.empty((c, f * kk), dtype=x.dtype)
     tdx, tdw = (_t(dx).reshape(n, c, pix) if want_dx else None), _t(dw)
     for i in range(n):  # matrix products per sample (see _tiles_forward)
-        if want_dx and not direct:
+        if want_dx:
             torch().matmul(tw, tg[i], out=tdx[i])
         if i == 0:
             torch().matmul(tx[0], tg[0].t(), out=tdw)
         else:
             tdw.addmm_(tx[i], tg[i].t())
-    db = g.reshape(n, f, kk * pix).sum(axis=2).sum(axis=0) if bias else None
     return dx, dw.reshape(w.shape), db
 
 
