@@ -409,15 +409,19 @@ def conv_transpose_forward(x, w, b, stride, padding, output_padding, dilation, g
 @_on_device
 def conv_transpose_backward(dy, x, w, bias: bool, want_dx: bool, stride, padding, output_padding, dilation,
                             groups: int):
-    """``(dL/dx or None, dL/dw, dL/db or None)`` in one operator call (on the host, two matrix products
-    where the stride is the kernel: :func:`tiles`)."""
+    """``(dL/dx or None, dL/dw, dL/db or None)`` in one operator call (on the host, direct kernels or two
+    matrix products where the stride is the kernel: :func:`tiles`; the bias gradient of an NCHW ``dy``
+    summed before the operator runs, in one sequential pass that also brings ``dy`` into the cache)."""
     if (_host(dy) and dy.flags.c_contiguous and x.flags.c_contiguous
             and tiles(x.shape, w.shape, stride, padding, output_padding, dilation, groups)):
         return _tiles_backward(dy, x, w, bias, want_dx)
     _, bwd = _ops()
     s, p, op, d = _lists(stride, padding, output_padding, dilation)
+    db = None
+    if bias and _host(dy) and dy.flags.c_contiguous:  # summed first, sequentially: dy comes into the cache
+        db, bias = dy.reshape(dy.shape[0], dy.shape[1], -1).sum(axis=2).sum(axis=0), False
     sizes = [int(w.shape[1]) * int(groups)] if bias else None
     gx, gw, gb = bwd(_t(dy), _t(x), _t(w), sizes, s, p, d, True, op, int(groups),
                      [bool(want_dx), True, bool(bias)])
     return (_back(gx, dy) if want_dx else None, _back(gw, dy),
-            _back(gb, dy) if bias else None)
+            _back(gb, dy) if bias else db)
