@@ -268,9 +268,9 @@ def calibrated_set(row: NewRow, kernels, choice: str = "auto", dtype="float32"):
 
 def new_row_contenders(row: NewRow, dtype) -> dict:
     """``{"ours": ..., "torch NCHW": ..., "torch NHWC": ...}``: zero-argument callables, each one forward
-    and backward of the row on the same inputs and output gradient (ours: the registered layer on one
-    rank, the conv kernel set of ``--kernels``; PyTorch: autograd through the reference op, gradients of
-    the inputs and the parameters)."""
+    and backward of the row on the same inputs and output gradient, each contender on copies of its own
+    (ours: the registered layer on one rank, the conv kernel set of ``--kernels``; PyTorch: autograd
+    through the reference op, gradients of the inputs and the parameters)."""
     import numpy as np
     import torch
 
@@ -308,7 +308,8 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
             fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(row.shapes[0]))
             if fmt is None:
                 continue
-        xt = [torch.from_numpy(h).contiguous(memory_format=fmt).requires_grad_() for h in hosts]
+        # copies of their own: a contender that read ours' arrays would find them in the cache after ours
+        xt = [torch.from_numpy(h).clone(memory_format=fmt).requires_grad_() for h in hosts]
         gen = np.random.default_rng(1)
 
         def new(shape):
@@ -319,8 +320,8 @@ def new_row_contenders(row: NewRow, dtype) -> dict:
         if tuple(y.shape) != tuple(layer.out_shape):
             raise ValueError(f"{row.id}: PyTorch's output {tuple(y.shape)} is not lbannpy's "
                              f"{layer.out_shape}")
-        dyt = torch.from_numpy(dy_h).contiguous(memory_format=fmt if y.dim() == len(row.shapes[0]) else
-                                                torch.contiguous_format)
+        dyt = torch.from_numpy(dy_h).clone(memory_format=fmt if y.dim() == len(row.shapes[0]) else
+                                           torch.contiguous_format)
         wrt = xt + ws
 
         def run(fwd=fwd, dyt=dyt, wrt=wrt):
