@@ -298,7 +298,9 @@ def _lists(*vals):
 # k0 x k1 block of the output, ``Z = W^T X`` with ``W`` as (C_in, F*K) and ``X`` as (C_in, pixels) holds the
 # blocks, and the output is ``Z`` with its axes (F, k0, k1, S0, S1) laid out as (F, S0, k0, S1, k1)
 # (:func:`lbannpy.packing.relayout`). oneDNN's NCHW operator for it is several times slower than its
-# channels-last one, and the product needs neither layout's copies.
+# channels-last one, and the product needs neither layout's copies. Where the last kernel extent is 2 and
+# the compiled kernels run with AVX-512, the interleaving is computed directly instead, with no blocks
+# array (:mod:`._conv_tiles`).
 def tiles(x_shape, w_shape, stride, padding, output_padding, dilation, groups: int) -> bool:
     """Whether a host transposed convolution of this geometry takes the matrix-product path."""
     k, nsp = tuple(w_shape[2:]), len(x_shape) - 2
