@@ -379,6 +379,21 @@ def test_conv_layer_on_either_layout_equals_pytorch(monkeypatch, mode, layout):
         layer.b.grad[...] = 0
 
 
+def _assert_transposed_autograd(ours, x, w, b, dy, stride, pad, opad, dil):
+    """``ours`` = (output, dL/dx, dL/dw, dL/db) of a transposed convolution equal PyTorch's autograd in
+    float64 (to 1e-12 for float64 arrays, to float32 round-off for float32 ones), in their dtype."""
+    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
+    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+          torch.nn.functional.conv_transpose3d)[x.ndim - 2]
+    ty = fn(tx, tw, tb, stride, pad, opad, 1, dil)
+    ty.backward(torch.tensor(dy, dtype=torch.float64))
+    tol = 1e-12 if x.dtype == np.float64 else 2e-6
+    for got, ref in zip(ours, (ty.detach(), tx.grad, tw.grad, tb.grad)):
+        ref = ref.numpy()
+        assert got.dtype == x.dtype and got.shape == ref.shape
+        assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("case", [((2, 3, 9, 50), 5, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1)),
                                   ((1, 4, 60), 3, (4,), (2,), (1,), (0,), (1,)),
                                   ((1, 2, 3, 4, 49), 3, (3, 2, 3), (2, 1, 2), (1, 0, 1), (1, 0, 0),
@@ -405,16 +420,7 @@ def test_a_transposed_convolution_of_few_channels_runs_forward_compiled(monkeypa
     assert bool(taken) == (own.DIRECT_FAST and own.USE_COMPILED and shape[1] <= aten.DIRECT_MAX_CHANNELS)
     dy = rng.standard_normal(y.shape).astype(dtype)
     dx, dw, db = aten.conv_transpose_backward(dy, x, w, True, True, stride, pad, opad, dil, 1)
-    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
-    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
-          torch.nn.functional.conv_transpose3d)[len(k)]
-    ty = fn(tx, tw, tb, stride, pad, opad, 1, dil)
-    ty.backward(torch.tensor(dy, dtype=torch.float64))
-    tol = 1e-12 if dtype == np.float64 else 2e-6
-    for ours, ref in ((y, ty.detach()), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
-        ref = ref.numpy()
-        assert ours.dtype == dtype and ours.shape == ref.shape
-        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+    _assert_transposed_autograd((y, dx, dw, db), x, w, b, dy, stride, pad, opad, dil)
 
 
 @pytest.mark.parametrize("shape,k", [((2, 3, 50), (2,)), ((2, 4, 3, 50), (3, 2)),
@@ -451,16 +457,7 @@ def test_transposed_convolution_with_a_last_kernel_extent_of_two_runs_compiled(m
     direct = fast and shape[-1] >= 48
     assert taken == {"forward": fast, "backward_data": direct,
                      **({"backward_filter": True} if direct else {"split": own.USE_COMPILED})}
-    tx, tw, tb = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w, b))
-    fn = (None, torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
-          torch.nn.functional.conv_transpose3d)[len(k)]
-    ty = fn(tx, tw, tb, stride=k)
-    ty.backward(torch.tensor(dy, dtype=torch.float64))
-    tol = 1e-12 if dtype == np.float64 else 2e-6
-    for ours, ref in ((y, ty.detach()), (dx, tx.grad), (dw, tw.grad), (db, tb.grad)):
-        ref = ref.numpy()
-        assert ours.dtype == dtype and ours.shape == ref.shape
-        assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+    _assert_transposed_autograd((y, dx, dw, db), x, w, b, dy, k, 0, 0, 1)
 
 
 @pytest.mark.parametrize("shape,k", [((2, 3, 7), (2,)), ((2, 4, 5, 6), (2, 2)), ((1, 3, 4, 3, 5), (2, 3, 2)),
