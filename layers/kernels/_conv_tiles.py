@@ -111,51 +111,49 @@ def _direct_taps(dy, w, s: tuple):
     return off.ravel(), (k[-2] * ost[-2] if len(s) > 1 else 0)
 
 
-def _direct_calls(dy, x, k: tuple):
-    """``(dy offset, x offset)`` in elements of every 2-D plane of rows the direct kernels run over."""
-    s, n, c, f = tuple(x.shape[2:]), x.shape[0], x.shape[1], dy.shape[1]
+def _over_planes(dy, w, xs, call) -> bool:
+    """Runs ``call(dy row 0, dy end, tap offsets, taps, dy row step, xs row 0, channels, channel stride,
+    rows)`` (addresses, counts and strides in elements as ``_cconv`` takes them) once for every 2-D plane of
+    rows of ``xs`` (``(N, C, *S)``: the input gradient, or the input whose products with ``dy`` make the
+    filter gradient); False (nothing called) where the direct kernels do not apply."""
+    s = tuple(xs.shape[2:])
+    taps = _direct_taps(dy, w, s) if _host_ready(dy, w, xs) else None
+    if taps is None:
+        return False
+    off, rsx = taps
+    k, n, c, f, isz = tuple(w.shape[2:]), xs.shape[0], xs.shape[1], dy.shape[1], xs.itemsize
     pix, opix = math.prod(s), math.prod(dy.shape[2:])
     ost = [math.prod(dy.shape[3 + d:]) for d in range(len(s))]
+    da, xa = _addr(dy), _addr(xs)
     for lead in itertools.product(range(n), *(range(m) for m in s[:-2])):
-        yield (lead[0] * f * opix + sum(i * kd * st for i, kd, st in zip(lead[1:], k, ost)),
-               lead[0] * c * pix + sum(i * math.prod(s[d + 1:]) for d, i in enumerate(lead[1:])))
+        do = lead[0] * f * opix + sum(i * kd * st for i, kd, st in zip(lead[1:], k, ost))
+        xo = lead[0] * c * pix + sum(i * math.prod(s[d + 1:]) for d, i in enumerate(lead[1:]))
+        call(da + do * isz, da + dy.nbytes, _addr(off), off.size, rsx, xa + xo * isz, c, pix,
+             s[-2] if len(s) > 1 else 1)
+    return True
 
 
 def backward_data(dy, w, dx) -> bool:
     """``dx`` (``(N, C, *S)``) = the input gradient of :func:`forward` for ``dy`` (``(N, F, *(k*S))``);
     False (nothing written) where this path does not apply."""
-    s = tuple(dx.shape[2:])
-    taps = _direct_taps(dy, w, s) if _host_ready(dy, w, dx) else None
-    if taps is None:
-        return False
-    off, rsx = taps
-    c, isz, pix = dx.shape[1], dx.itemsize, math.prod(s)
-    wp = np.ascontiguousarray(w.reshape(c, -1).T)  # (taps, C)
-    rows = s[-2] if len(s) > 1 else 1
-    da, xa, oa, wa = _addr(dy), _addr(dx), _addr(off), _addr(wp)
-    for do, xo in _direct_calls(dy, dx, tuple(w.shape[2:])):
-        _cconv.conv_fwd(isz, da + do * isz, da + dy.nbytes, oa, off.size, rsx, 2, wa, c, xa + xo * isz, pix,
-                        s[-1], rows, s[-1], 0)
-    return True
+    wp = np.ascontiguousarray(w.reshape(w.shape[0], -1).T)  # (taps, C)
+    isz, cols, wa = dx.itemsize, dx.shape[-1], _addr(wp)
+
+    def call(d, end, off, ntap, rsx, x, c, pix, rows):
+        _cconv.conv_fwd(isz, d, end, off, ntap, rsx, 2, wa, c, x, pix, cols, rows, cols, 0)
+    return _over_planes(dy, w, dx, call)
 
 
 def backward_filter(dy, x, w):
     """The filter gradient of :func:`forward` (``w``'s shape) for ``dy``, or None where this path does not
     apply: the direct filter-gradient kernel with ``x`` as its output gradient and ``dy``'s columns read
     two apart, so ``dy`` is not split into blocks for it."""
-    s = tuple(x.shape[2:])
-    taps = _direct_taps(dy, w, s) if _host_ready(dy, x, w) else None
-    if taps is None:
-        return None
-    off, rsx = taps
-    c, isz, pix = x.shape[1], x.itemsize, math.prod(s)
     dw = np.zeros(w.shape, dtype=x.dtype)  # (C, taps): accumulated over samples and planes
-    rows = s[-2] if len(s) > 1 else 1
-    da, xa, oa, wa = _addr(dy), _addr(x), _addr(off), _addr(dw)
-    for do, xo in _direct_calls(dy, x, tuple(w.shape[2:])):
-        _cconv.conv_wgrad(isz, da + do * isz, da + dy.nbytes, oa, off.size, rsx, 2, xa + xo * isz, c, pix,
-                          s[-1], rows, s[-1], wa)
-    return dw
+    isz, cols, wa = x.itemsize, x.shape[-1], _addr(dw)
+
+    def call(d, end, off, ntap, rsx, xp, c, pix, rows):
+        _cconv.conv_wgrad(isz, d, end, off, ntap, rsx, 2, xp, c, pix, cols, rows, cols, wa)
+    return dw if _over_planes(dy, w, x, call) else None
 
 
 def split(dy, g, k: tuple) -> bool:
