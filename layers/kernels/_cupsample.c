@@ -400,7 +400,7 @@ FN(plane_forward_rep)(const R *x, const Py_ssize_t *xs, R *y, const Py_ssize_t *
 {
     Py_ssize_t sd = ax[0].rep, sh = ax[1].rep, sw = ax[2].rep, IW = ax[2].nin, OW = ax[2].nout;
     if (sd <= 2 && sh == 2 && sw == 2 && xs[2] == 1 && ys[2] == 1) {
-        /* scale 2 in H and W (and D or not): each input written straight into the 4 (8) outputs it
+        /* scale 2 in H and W (and D or not): each input row written straight into the output rows it
          * fills, one pass */
         for (Py_ssize_t d = 0; d < ax[0].nin; d++)
             for (Py_ssize_t h = 0; h < ax[1].nin; h++) {

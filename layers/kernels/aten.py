@@ -326,7 +326,7 @@ def _tiles_forward(x, w, b):
         return y
     z = np.empty((n, f * kk, pix), dtype=x.dtype)  # the blocks
     tz, tx, twt = _t(z), _t(x).reshape(n, c, pix), _t(w).reshape(c, f * kk).t()
-    for i in range(n):  # a matrix product per sample: broadcast over the batch, torch's is twice as slow
+    for i in range(n):  # a matrix product per sample: torch's product broadcast over the batch is slower
         torch().matmul(twt, tx[i], out=tz[i])
     if b is not None:
         tz += _t(b).repeat_interleave(kk).reshape(1, f * kk, 1)
@@ -365,9 +365,9 @@ def _tiles_backward(dy, x, w, bias: bool, want_dx: bool):
 
 # -- any other host transposed convolution of up to DIRECT_MAX_CHANNELS input channels (one group): its
 # forward is a convolution's input gradient, and lbannpy's compiled kernels for that
-# (:func:`lbannpy.layers.kernels.conv.conv_backward_data`, where they run with AVX-512) take a half to a
-# quarter of oneDNN's NCHW transposed-convolution time at 16 and 32 channels and the same at 64 (beyond,
-# oneDNN's is the faster); its gradients stay ATen's, which are not slower than ours there
+# (:func:`lbannpy.layers.kernels.conv.conv_backward_data`, where they run with AVX-512) are faster than
+# oneDNN's NCHW transposed convolution at few channels and even at 64 (beyond, oneDNN's is the faster:
+# ``bench layers --new`` times the 32-channel row); its gradients stay ATen's, not slower than ours there
 DIRECT_MAX_CHANNELS = 64
 
 
