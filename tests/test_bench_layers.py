@@ -90,7 +90,6 @@ def test_a_convolution_row_takes_the_set_and_layout_the_calibration_would_record
     """``calibrated_set``: under ``auto`` a convolution row runs lbannpy's own set where the three calls time
     faster on it (as ``bench calibrate --kernels`` picks a shape's ``kernel``), else ATen's with the host
     layout the calibration would record; a run that names ``aten`` never gets the own set."""
-    pytest.importorskip("torch")
     from lbannpy.layers.kernels.select import conv_kernels
 
     row = next(r for r in layers_new.new_rows(16) if r.type == "conv")
